@@ -1,0 +1,174 @@
+"""`memtrack doctor`: what capture needs on this machine, checked for real."""
+
+from __future__ import annotations
+
+import ctypes
+import gzip
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+TRACEFS = Path("/sys/kernel/tracing")
+SETUP = "run scripts/setup as root"
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+
+def _kernel_config() -> dict[str, str]:
+    for p in (Path("/proc/config.gz"), Path(f"/boot/config-{platform.release()}")):
+        try:
+            raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        except OSError:
+            continue
+        cfg = {}
+        for line in raw.decode(errors="replace").splitlines():
+            if line.startswith("CONFIG_") and "=" in line:
+                k, v = line.split("=", 1)
+                cfg[k] = v
+        return cfg
+    return {}
+
+
+def _capabilities() -> set[str]:
+    """Effective capabilities of this process that matter for BPF."""
+    names = {21: "CAP_SYS_ADMIN", 38: "CAP_PERFMON", 39: "CAP_BPF"}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                eff = int(line.split()[1], 16)
+                return {n for bit, n in names.items() if eff >> bit & 1}
+    except OSError:
+        pass
+    return set()
+
+
+def check_privileges() -> Check:
+    caps = _capabilities()
+    ok = os.geteuid() == 0 or {"CAP_BPF", "CAP_PERFMON"} <= caps or "CAP_SYS_ADMIN" in caps
+    return Check("privileges", ok, "root" if os.geteuid() == 0 else ", ".join(sorted(caps)) or "none",
+                 "run as root (sudo memtrack capture ...) or grant CAP_BPF+CAP_PERFMON")
+
+
+def check_bcc() -> Check:
+    try:
+        import bcc  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means the same to the user
+        return Check("bcc (python3-bpfcc)", False, f"not importable: {e}", SETUP)
+    try:
+        ctypes.CDLL("libbcc.so.0")
+    except OSError as e:
+        return Check("bcc (python3-bpfcc)", False, f"libbcc missing: {e}", SETUP)
+    return Check("bcc (python3-bpfcc)", True, "importable")
+
+
+def check_headers() -> Check:
+    kdir = Path(f"/lib/modules/{platform.release()}")
+    ok = (kdir / "build" / "Makefile").exists() and (
+        kdir / "source" / "include" / "linux" / "kconfig.h").exists()
+    detail = (f"build -> {(kdir / 'build').resolve()}" if ok
+              else f"{kdir}/build or {kdir}/source incomplete")
+    return Check("kernel headers", ok, detail,
+                 SETUP + " (links Debian's linux-headers as build and source)")
+
+
+def check_tracefs() -> Check:
+    ok = (TRACEFS / "events").is_dir()
+    return Check("tracefs", ok, str(TRACEFS) if ok else "not mounted",
+                 "mount -t tracefs nodev /sys/kernel/tracing")
+
+
+def check_uprobes() -> Check:
+    ok = (TRACEFS / "uprobe_events").exists()
+    return Check("uprobes", ok, "uprobe_events present" if ok else "kernel built without uprobes",
+                 "a kernel with CONFIG_UPROBE_EVENTS=y")
+
+
+def check_tracepoints() -> list[Check]:
+    out = []
+    for tp, why, required in (
+        ("syscalls/sys_enter_mmap", "on-demand attach, mmap events", True),
+        ("sched/sched_process_fork", "following the process tree", True),
+        ("sched/sched_process_exec", "following exec", True),
+        ("sched/sched_process_exit", "process exit", True),
+        ("kmem/rss_stat", "resident memory (RSS)", False),
+        ("exceptions/page_fault_user", "--track-faults", False),
+    ):
+        ok = (TRACEFS / "events" / tp).is_dir()
+        out.append(Check(f"tracepoint {tp}", ok, why if ok else f"missing: no {why}",
+                         "a kernel with this tracepoint", required))
+    return out
+
+
+def check_lockdown(cfg: dict[str, str]) -> Check:
+    mode = ""
+    p = Path("/sys/kernel/security/lockdown")
+    if p.exists():
+        text = p.read_text()
+        mode = text[text.find("[") + 1: text.find("]")] if "[" in text else text.strip()
+    elif cfg.get("CONFIG_LOCK_DOWN_KERNEL_FORCE_INTEGRITY") == "y":
+        mode = "integrity"
+    elif cfg.get("CONFIG_LOCK_DOWN_KERNEL_FORCE_CONFIDENTIALITY") == "y":
+        mode = "confidentiality"
+    if mode in ("integrity", "confidentiality"):
+        detail = f"{mode}: kernel memory reads disabled; memtrack uses uprobes and tracepoints only"
+        ok = mode == "integrity"
+        fix = "" if ok else "confidentiality lockdown forbids bpf_probe_read_user: boot without it"
+        return Check("lockdown", ok, detail, fix, required=False)
+    return Check("lockdown", True, mode or "none", required=False)
+
+
+def check_kernel_hooks(cfg: dict[str, str]) -> Check:
+    missing = []
+    if cfg.get("CONFIG_KPROBES") != "y":
+        missing.append("kprobes")
+    if cfg.get("CONFIG_FPROBE") != "y" and cfg:
+        missing.append("fprobe")
+    detail = (f"not available: {', '.join(missing)} (memtrack does not need them)"
+              if missing else "kprobes available (not needed)")
+    return Check("kprobes/fentry", True, detail, required=False)
+
+
+def check_ringbuf_and_uprobe() -> Check:
+    """Compile and load a tiny program: a ring buffer and a uprobe on libc's getpid."""
+    try:
+        from memtrack.capture.bcc_compat import load_probe_test
+    except ImportError as e:
+        return Check("load test", False, f"cannot import capture: {e}", SETUP)
+    try:
+        detail = load_probe_test()
+    except Exception as e:  # noqa: BLE001 - the message is the diagnosis
+        return Check("load test (ringbuf + uprobe)", False, str(e).splitlines()[0][:160], SETUP)
+    return Check("load test (ringbuf + uprobe)", True, detail)
+
+
+def run_doctor(console: Console | None = None) -> int:
+    console = console or Console(highlight=False)
+    cfg = _kernel_config()
+    checks: list[Check] = [check_privileges(), check_bcc(), check_headers(), check_tracefs(),
+                           check_uprobes(), *check_tracepoints(), check_lockdown(cfg),
+                           check_kernel_hooks(cfg)]
+    if all(c.ok for c in checks[:5]):
+        checks.append(check_ringbuf_and_uprobe())
+    t = Table(title=f"memtrack doctor — {platform.node()} {platform.release()}", show_edge=False)
+    for col in ("check", "status", "detail", "fix"):
+        t.add_column(col)
+    for c in checks:
+        status = "[green]ok[/green]" if c.ok else ("[red]missing[/red]" if c.required
+                                                   else "[yellow]degraded[/yellow]")
+        t.add_row(c.name, status, c.detail, "" if c.ok else c.fix)
+    console.print(t)
+    bad = [c for c in checks if c.required and not c.ok]
+    console.print("capture: [green]ready[/green]" if not bad else
+                  f"capture: [red]not ready[/red] ({len(bad)} missing)")
+    return 1 if bad else 0

@@ -1,0 +1,224 @@
+"""The artifact contract: the one place that says what every file of an artifact holds.
+
+Writer (capture) and reader (process, info) both import from here. A change to a
+schema or to the meaning of a field bumps FORMAT_VERSION: the minor number when old
+readers can still read the new files (an added column or table), the major number
+otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import pyarrow as pa
+
+FORMAT_VERSION = "1.0"
+FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
+
+MANIFEST = "manifest.json"
+MODULES_DIR = "modules"
+# modules/BUILD_ID/module.json describes the copy: {"build_id", "path" (where it was
+# mapped on the traced host), "file" (the copied ELF's name in that directory),
+# "debug_file" (the separate debug file's name there, or null)}.
+MODULE_INFO = "module.json"
+VDSO_PATH = "[vdso]"
+
+
+class EventKind(enum.IntEnum):
+    """`events.kind`. Allocation kinds first, then address-space and lifecycle kinds."""
+
+    MALLOC = 1
+    CALLOC = 2
+    REALLOC = 3
+    ALIGNED_ALLOC = 4  # aligned_alloc, memalign, posix_memalign, valloc, pvalloc, aligned new
+    FREE = 5
+    MMAP = 6
+    MUNMAP = 7
+    BRK = 8
+    FORK = 9
+    EXEC = 10
+    EXIT = 11
+
+
+ALLOC_KINDS = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC, EventKind.ALIGNED_ALLOC)
+
+
+class Allocator(enum.IntEnum):
+    """`events.allocator`: which family of functions produced the event."""
+
+    NONE = 0  # lifecycle and syscall events
+    LIBC = 1  # malloc family of the C library (glibc, musl)
+    CXX = 2  # operator new / delete (libstdc++, libc++)
+    JEMALLOC = 3
+    MIMALLOC = 4
+    TCMALLOC = 5
+    SYSCALL = 6  # mmap, munmap, brk
+    OTHER = 7  # a fixture's or program's own allocator that exports a known API
+
+
+# Meaning of the event columns by kind (every column is always present):
+#   alloc kinds  addr = returned pointer, size = requested bytes (calloc: n*size),
+#                old_addr = realloc's input pointer (0 otherwise)
+#   FREE         addr = freed pointer, size = the size passed to sized frees or 0
+#   MMAP         addr = start, size = length, flags = mmap flags | (prot << 32)
+#                old_addr = fd (as unsigned, -1 for anonymous)
+#   MUNMAP       addr = start, size = length
+#   BRK          addr = new break, old_addr = previous break
+#   FORK         pid/tid = the parent, addr = the child pid, flags = clone flags
+#                (a new thread is a FORK with addr = new tid and CLONE_THREAD set)
+#   EXEC         pid = the process, addr = old pid (a non-leader thread can exec)
+#   EXIT         pid/tid = the exiting task, size = exit code (the kernel's
+#                exit_code: status << 8 | signal), flags = 1 when the whole process exits
+# stack_hash is 0 where no stack was captured.
+EVENTS = pa.schema(
+    [
+        ("ts", pa.uint64()),  # CLOCK_MONOTONIC ns
+        ("pid", pa.uint32()),
+        ("tid", pa.uint32()),
+        ("kind", pa.uint8()),
+        ("allocator", pa.uint8()),
+        ("flags", pa.uint64()),
+        ("addr", pa.uint64()),
+        ("old_addr", pa.uint64()),
+        ("size", pa.uint64()),
+        ("stack_hash", pa.uint64()),
+    ]
+)
+
+# The in-kernel event record as drained from the events ring buffer, one fixed size so
+# that a span of the ring is a strided numpy array (bpf/common.h `struct mt_event`
+# must match this byte for byte).
+EVENT_DTYPE = np.dtype(
+    [
+        ("ts", "<u8"),
+        ("pid", "<u4"),
+        ("tid", "<u4"),
+        ("kind", "u1"),
+        ("allocator", "u1"),
+        ("_pad", "<u2"),
+        ("_pad2", "<u4"),
+        ("flags", "<u8"),
+        ("addr", "<u8"),
+        ("old_addr", "<u8"),
+        ("size", "<u8"),
+        ("stack_hash", "<u8"),
+    ]
+)
+assert EVENT_DTYPE.itemsize == 64
+
+# DWARF register numbers of x86_64 for the 17 entries of `stacks.regs`.
+DWARF_REGS = (
+    "rax", "rdx", "rcx", "rbx", "rsi", "rdi", "rbp", "rsp",
+    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "rip",
+)  # fmt: skip
+NUM_REGS = len(DWARF_REGS)
+
+
+class StackEncoding(enum.IntEnum):
+    RAW = 0  # payload = the copied bytes, copy_len long
+    DELTA = 1  # payload = XOR delta against the record `ref_hash` (memtrack.process.stackcodec)
+
+
+# One stack record per distinct stack hash. `payload` holds the stack bytes from sp
+# upward (raw) or their delta against the same thread's previous record. `regs` is
+# the register snapshot at allocator entry in DWARF order (raw; never delta encoded in
+# this file). `fp_chain` is the kernel's frame-pointer walk (return addresses).
+# `ret_fixups` lists stack slots where a live uretprobe had replaced the return
+# address with the trampoline, and the original value to put back.
+STACKS = pa.schema(
+    [
+        ("hash", pa.uint64()),
+        ("ref_hash", pa.uint64()),  # 0: keyframe / raw
+        ("ts", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("tid", pa.uint32()),
+        ("sp", pa.uint64()),
+        ("copy_len", pa.uint32()),
+        ("truncated", pa.bool_()),  # the budget cut the copy before the stack's end
+        ("encoding", pa.uint8()),
+        ("regs", pa.list_(pa.uint64(), NUM_REGS)),
+        ("payload", pa.binary()),
+        ("fp_chain", pa.list_(pa.uint64())),
+        (
+            "ret_fixups",
+            pa.list_(pa.struct([("slot", pa.uint64()), ("value", pa.uint64())])),
+        ),
+    ]
+)
+
+
+class RssMember(enum.IntEnum):
+    """kmem:rss_stat `member`, as the kernel numbers it (MM_FILEPAGES ...)."""
+
+    FILE = 0
+    ANON = 1
+    SWAP = 2
+    SHMEM = 3
+
+
+RSS = pa.schema(
+    [
+        ("ts", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("member", pa.uint8()),
+        ("bytes", pa.int64()),  # absolute value after the update
+    ]
+)
+
+MAPPINGS = pa.schema(
+    [
+        ("ts", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("start", pa.uint64()),
+        ("end", pa.uint64()),
+        ("offset", pa.uint64()),
+        ("perms", pa.string()),  # e.g. "r-xp"
+        ("dev", pa.string()),  # "fd:01"
+        ("inode", pa.uint64()),
+        ("path", pa.string()),  # "" for anonymous; "[vdso]", "[stack]", ...
+        ("build_id", pa.string()),  # lowercase hex, null where none or not an ELF
+    ]
+)
+
+# One row each time capture learns who a process is: at start, after each exec.
+PROCESSES = pa.schema(
+    [
+        ("ts", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("ppid", pa.uint32()),
+        ("comm", pa.string()),
+        ("exe", pa.string()),
+        ("cmdline", pa.list_(pa.string())),
+    ]
+)
+
+# Every Arrow file of an artifact: name -> schema. All are IPC streams with zstd
+# buffers, written batch by batch, so a capture killed mid-way leaves files that are
+# readable up to their last whole batch.
+TABLES: dict[str, pa.Schema] = {
+    "events": EVENTS,
+    "stacks": STACKS,
+    "rss": RSS,
+    "mappings": MAPPINGS,
+    "processes": PROCESSES,
+}
+
+# Loss counters the manifest always carries (0 when nothing was lost). Stages may add
+# more; a reader treats any key as a counter.
+LOSS_COUNTERS = (
+    "events_ring_full",
+    "stacks_ring_full",
+    "attach_requests_dropped",
+    "unpaired_returns",
+    "stack_copy_failed",
+    "stack_truncated",
+    "stack_dedupe_full",
+    "stack_delta_fallback",
+    "module_copy_failed",
+    "rss_ring_full",
+)
+
+
+def table_file(name: str) -> str:
+    return f"{name}.arrow"
