@@ -30,4 +30,18 @@ struct mt_event {
     u64 stack_hash;
 };
 
+/* Return-address slots hijacked by live uretprobes on this thread, innermost last.
+ * The allocator probes push (slot = sp at entry, value = the return address there)
+ * at each probed entry that has a uretprobe, and pop at its return; a stack copy
+ * taken while depth > 0 records them so that decoding can put the real return
+ * addresses back in place of the uprobe trampoline's. */
+#define MT_MAX_NEST 4
+struct mt_retslots {
+    u32 depth;
+    u32 _pad;
+    u64 slot[MT_MAX_NEST];
+    u64 value[MT_MAX_NEST];
+};
+BPF_HASH(mt_retslots, u32, struct mt_retslots, 65536);
+
 #endif

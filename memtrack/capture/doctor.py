@@ -56,7 +56,8 @@ def _capabilities() -> set[str]:
 def check_privileges() -> Check:
     caps = _capabilities()
     ok = os.geteuid() == 0 or {"CAP_BPF", "CAP_PERFMON"} <= caps or "CAP_SYS_ADMIN" in caps
-    return Check("privileges", ok, "root" if os.geteuid() == 0 else ", ".join(sorted(caps)) or "none",
+    who = "root" if os.geteuid() == 0 else ", ".join(sorted(caps)) or "none"
+    return Check("privileges", ok, who,
                  "run as root (sudo memtrack capture ...) or grant CAP_BPF+CAP_PERFMON")
 
 

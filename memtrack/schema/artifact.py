@@ -162,7 +162,7 @@ class Artifact:
             raise ArtifactError(path, "not an artifact directory")
         mpath = path / MANIFEST
         if not mpath.exists():
-            raise ArtifactError(mpath, "missing (not a memtrack artifact, or capture never started)")
+            raise ArtifactError(mpath, "missing (not an artifact, or capture never started)")
         try:
             raw = json.loads(mpath.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -207,7 +207,8 @@ class Artifact:
                 raise ArtifactError(fpath, "empty (capture killed before it started?)") from None
             raise ArtifactError(fpath, f"not an Arrow IPC stream ({e})") from None
         if not reader.schema.equals(schema):
-            raise ArtifactError(fpath, f"wrong schema for {name!r}: {_schema_diff(reader.schema, schema)}")
+            diff = _schema_diff(reader.schema, schema)
+            raise ArtifactError(fpath, f"wrong schema for {name!r}: {diff}")
         while True:
             try:
                 batches.append(reader.read_next_batch())
