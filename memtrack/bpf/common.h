@@ -30,6 +30,25 @@ struct mt_event {
     u64 stack_hash;
 };
 
+/* Processes (tgids) being tracked: the capture core adds the root pid before it
+ * resumes it and every child at fork, and removes them at exit. Every part filters
+ * its events with mt_is_tracked(). */
+BPF_HASH(mt_tracked, u32, u8, 65536);
+
+/* mt_config[0]: 1 while recording is enabled (--start-disabled and the control FIFO
+ * switch it); parts emit nothing while it is 0. */
+BPF_ARRAY(mt_config, u64, 4);
+
+static __always_inline int mt_is_tracked(u32 tgid) {
+    return mt_tracked.lookup(&tgid) != 0;
+}
+
+static __always_inline int mt_is_enabled(void) {
+    int k = 0;
+    u64 *v = mt_config.lookup(&k);
+    return v && *v;
+}
+
 /* Return-address slots hijacked by live uretprobes on this thread, innermost last.
  * The allocator probes push (slot = sp at entry, value = the return address there)
  * at each probed entry that has a uretprobe, and pop at its return; a stack copy
