@@ -1,0 +1,225 @@
+"""Modules: the ELF files that symbolization and unwinding read, found by build id.
+
+A module comes from an artifact's `modules/BUILD_ID/` copy (module.json says which file
+is the ELF and which its separate debug file), or, with `host_modules=True`, from the
+path it was mapped from on this host once that file's build id has been checked. Its
+debug file is the artifact's copy, else the host's `/usr/lib/debug/.build-id/` file of
+the same build id (or a .gnu_debuglink with a matching CRC).
+
+Address normalization: a runtime address becomes a file offset through its mapping
+(`addr - start + offset`), and a file offset becomes an ELF virtual address through the
+PT_LOAD segment holding it (`Module.file_offset_to_vaddr`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from memtrack.schema import MODULE_INFO, MODULES_DIR, VDSO_PATH
+from memtrack.symbolize.buildid import DEBUG_ROOTS, find_debug_file, read_build_id
+
+
+class ModuleError(Exception):
+    """A module file that cannot be read as an ELF (worded for one line)."""
+
+
+@dataclass
+class Segments:
+    """PT_LOAD segments of an ELF as parallel arrays, sorted by file offset."""
+
+    offset: np.ndarray  # p_offset, uint64
+    vaddr: np.ndarray  # p_vaddr, uint64
+    filesz: np.ndarray  # p_filesz, uint64
+    memsz: np.ndarray  # p_memsz, uint64
+    executable: np.ndarray  # PF_X set, bool
+
+    @classmethod
+    def of(cls, elf: ELFFile) -> Segments:
+        rows = sorted(
+            (s["p_offset"], s["p_vaddr"], s["p_filesz"], s["p_memsz"], bool(s["p_flags"] & 1))
+            for s in elf.iter_segments()
+            if s["p_type"] == "PT_LOAD"
+        )
+        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), ()]
+        return cls(
+            np.array(cols[0], dtype=np.uint64),
+            np.array(cols[1], dtype=np.uint64),
+            np.array(cols[2], dtype=np.uint64),
+            np.array(cols[3], dtype=np.uint64),
+            np.array(cols[4], dtype=bool),
+        )
+
+
+@dataclass
+class Module:
+    """One ELF module as symbolization and unwinding see it."""
+
+    build_id: str
+    path: str  # where it was mapped on the traced host ("[vdso]" for the vDSO)
+    elf_path: Path  # the file to read (artifact copy or host file)
+    debug_path: Path | None = None  # separate debug file, if any
+    _segments: Segments | None = field(default=None, repr=False)
+    _elf_type: str = field(default="", repr=False)
+
+    @property
+    def is_vdso(self) -> bool:
+        return self.path == VDSO_PATH
+
+    @property
+    def name(self) -> str:
+        """Short name for messages: the mapped path's basename, `[vdso]` as is."""
+        return self.path if self.path.startswith("[") else Path(self.path).name or self.path
+
+    def _load(self) -> None:
+        if self._segments is not None:
+            return
+        try:
+            with open(self.elf_path, "rb") as f:
+                elf = ELFFile(f)
+                self._segments = Segments.of(elf)
+                self._elf_type = str(elf["e_type"])
+        except (OSError, ELFError, struct.error, ValueError) as e:
+            raise ModuleError(f"{self.elf_path}: not a readable ELF file ({e})") from None
+
+    @property
+    def segments(self) -> Segments:
+        self._load()
+        assert self._segments is not None
+        return self._segments
+
+    @property
+    def is_pie_or_shared(self) -> bool:
+        """ET_DYN (shared object or PIE): vaddrs are relative to the load address."""
+        self._load()
+        return self._elf_type == "ET_DYN"
+
+    def file_offset_to_vaddr(self, offsets: np.ndarray) -> np.ndarray:
+        """ELF virtual addresses (int64) of file offsets, via the PT_LOAD holding each
+        offset (within p_filesz); -1 where no segment holds it."""
+        off = np.asarray(offsets, dtype=np.uint64)
+        seg = self.segments
+        out = np.full(off.shape, -1, dtype=np.int64)
+        if len(seg.offset) == 0 or off.size == 0:
+            return out
+        i = np.searchsorted(seg.offset, off, side="right").astype(np.int64) - 1
+        ok = i >= 0
+        ic = np.where(ok, i, 0)
+        inside = ok & (off - seg.offset[ic] < seg.filesz[ic]) & (off >= seg.offset[ic])
+        # Overlapping segments (a page shared by text and data) are rare; a later
+        # segment starting inside an earlier one wins, like the loader's mapping.
+        out[inside] = (seg.vaddr[ic] + (off - seg.offset[ic]))[inside].astype(np.int64)
+        return out
+
+    def runtime_to_vaddr(
+        self, addrs: np.ndarray, map_start: int | np.ndarray, map_offset: int | np.ndarray
+    ) -> np.ndarray:
+        """ELF virtual addresses of runtime addresses inside a mapping of this module."""
+        a = np.asarray(addrs, dtype=np.uint64)
+        off = a - np.asarray(map_start, dtype=np.uint64) + np.asarray(map_offset, dtype=np.uint64)
+        return self.file_offset_to_vaddr(off)
+
+
+class ModuleStore:
+    """Finds modules by build id: the artifact's copies first, then (with
+    `host_modules`) the host file at the mapped path if its build id matches."""
+
+    def __init__(
+        self,
+        artifact_path: Path | None,
+        host_modules: bool = False,
+        debug_roots: tuple[Path, ...] = DEBUG_ROOTS,
+    ) -> None:
+        self.artifact_path = Path(artifact_path) if artifact_path is not None else None
+        self.host_modules = host_modules
+        self.debug_roots = debug_roots
+        self._modules: dict[str, Module] = {}
+        self._missing: set[tuple[str, str | None]] = set()
+        self.problems: list[str] = []  # one line per module that could not be used
+        if self.artifact_path is not None:
+            self._scan_artifact(self.artifact_path / MODULES_DIR)
+
+    def _scan_artifact(self, mdir: Path) -> None:
+        if not mdir.is_dir():
+            return
+        for d in sorted(mdir.iterdir()):
+            info_path = d / MODULE_INFO
+            if not info_path.is_file():
+                continue
+            try:
+                info = json.loads(info_path.read_text())
+                build_id = str(info["build_id"]).lower()
+                elf_path = d / str(info["file"])
+                debug = info.get("debug_file")
+                path = str(info.get("path") or elf_path)
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+                self.problems.append(f"{info_path}: unreadable module.json ({e})")
+                continue
+            if not elf_path.is_file():
+                self.problems.append(f"{info_path}: its file {elf_path.name} is missing")
+                continue
+            debug_path = d / str(debug) if debug else None
+            if debug_path is not None and not debug_path.is_file():
+                self.problems.append(f"{info_path}: its debug file {debug_path.name} is missing")
+                debug_path = None
+            if debug_path is None:
+                debug_path = self._host_debug(elf_path, build_id)
+            self._modules[build_id] = Module(build_id, path, elf_path, debug_path)
+
+    def _host_debug(self, elf_path: Path, build_id: str | None) -> Path | None:
+        found = find_debug_file(elf_path, build_id, self.debug_roots)
+        if found is None or found.resolve() == elf_path.resolve():
+            return None
+        return found
+
+    def __contains__(self, build_id: str) -> bool:
+        return build_id in self._modules
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self._modules.values())
+
+    def get(self, build_id: str, path_hint: str | None = None) -> Module | None:
+        """The module of this build id, or None when neither the artifact nor (with
+        host_modules) the host file at `path_hint` has it."""
+        build_id = build_id.lower()
+        mod = self._modules.get(build_id)
+        if mod is not None:
+            return mod
+        if not self.host_modules or not path_hint or (build_id, path_hint) in self._missing:
+            return None
+        mod = self._host_module(build_id, path_hint)
+        if mod is None:
+            self._missing.add((build_id, path_hint))
+            return None
+        self._modules[build_id] = mod
+        return mod
+
+    def _host_module(self, build_id: str, path_hint: str) -> Module | None:
+        if path_hint == VDSO_PATH:
+            return None  # the host's vDSO is not the traced one; only the artifact has it
+        p = Path(path_hint)
+        if not p.is_file():
+            return None
+        if read_build_id(p) != build_id:
+            self.problems.append(f"{p}: build id differs from the traced module {build_id}")
+            return None
+        return Module(build_id, path_hint, p, self._host_debug(p, build_id))
+
+    def add_file(self, path: Path | str, mapped_path: str | None = None) -> Module:
+        """Register a file directly (the `symbolize --module` command); keyed by its
+        build id, or by `path:ABSPATH` when it has none."""
+        p = Path(path)
+        if not p.is_file():
+            raise ModuleError(f"{p}: no such file")
+        build_id = read_build_id(p)
+        key = build_id or f"path:{p.resolve()}"
+        mod = Module(key, mapped_path or str(p), p, self._host_debug(p, build_id))
+        mod.segments  # noqa: B018 - fail now, with the path, if it is not an ELF
+        self._modules[key] = mod
+        return mod
