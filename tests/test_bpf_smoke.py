@@ -65,3 +65,18 @@ def test_uprobe_counts_exact_mallocs_and_leaves_libc_intact() -> None:
             b.cleanup()
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.bpf
+def test_doctor_reports_ready_with_a_real_load() -> None:
+    import os
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "memtrack.cli", "doctor"], capture_output=True,
+                       text=True, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "capture: ready" in r.stdout
+    assert "fired into a ring buffer" in r.stdout
+    for check in ("privileges", "bcc (python3-bpfcc)", "kernel headers", "tracefs", "uprobes",
+                  "lockdown"):
+        assert check in r.stdout
