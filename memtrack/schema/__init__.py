@@ -13,7 +13,7 @@ import enum
 import numpy as np
 import pyarrow as pa
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
@@ -39,6 +39,8 @@ class EventKind(enum.IntEnum):
     FORK = 9
     EXEC = 10
     EXIT = 11
+    MADVISE = 12  # from the rss part (memtrack/bpf/rss.c), successful calls only
+    MREMAP = 13  # idem
 
 
 ALLOC_KINDS = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC, EventKind.ALIGNED_ALLOC)
@@ -70,6 +72,9 @@ class Allocator(enum.IntEnum):
 #   EXEC         pid = the process, addr = old pid (a non-leader thread can exec)
 #   EXIT         pid/tid = the exiting task, size = exit code (the kernel's
 #                exit_code: status << 8 | signal), flags = 1 when the whole process exits
+#   MADVISE      addr = start, size = length, flags = advice (MADV_*)
+#   MREMAP       addr = new address, old_addr = old address, size = new length,
+#                flags = mremap flags (low 8 bits) | old length << 8
 # stack_hash is 0 where no stack was captured.
 EVENTS = pa.schema(
     [
@@ -157,12 +162,32 @@ class RssMember(enum.IntEnum):
     SHMEM = 3
 
 
+# kmem:rss_stat updates as the kernel gave them. `external`: the update ran in another
+# task's context (reclaim, another process's madvise, the mm's teardown at exit/exec)
+# and reached `pid` through capture's mm ownership map; memtrack.process.rss lets such
+# an update only lower a counter.
 RSS = pa.schema(
     [
         ("ts", pa.uint64()),
         ("pid", pa.uint32()),
         ("member", pa.uint8()),
         ("bytes", pa.int64()),  # absolute value after the update
+        ("external", pa.bool_()),
+    ]
+)
+
+# User page faults of tracked processes (exceptions:page_fault_user, and
+# page_fault_kernel on user addresses with kernel = true), written with --track-faults
+# only. error_code is the x86 page-fault error code (bit 0 protection violation,
+# 1 write, 2 user, 4 instruction fetch). memtrack.process.rss replays them.
+FAULTS = pa.schema(
+    [
+        ("ts", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("tid", pa.uint32()),
+        ("address", pa.uint64()),
+        ("error_code", pa.uint32()),
+        ("kernel", pa.bool_()),
     ]
 )
 
@@ -202,6 +227,7 @@ TABLES: dict[str, pa.Schema] = {
     "rss": RSS,
     "mappings": MAPPINGS,
     "processes": PROCESSES,
+    "faults": FAULTS,
 }
 
 # Loss counters the manifest always carries (0 when nothing was lost). Stages may add
@@ -217,6 +243,8 @@ LOSS_COUNTERS = (
     "stack_delta_fallback",
     "module_copy_failed",
     "rss_ring_full",
+    "rss_events_ring_full",  # madvise/mremap events of the rss part
+    "faults_ring_full",
 )
 
 
