@@ -1,0 +1,218 @@
+"""Pairing allocations with the frees that end them, vectorized with numpy.
+
+Rules (shared/DESIGN.md, Process step 3):
+- every event of an allocation kind with a non-null address is one allocation;
+- a realloc is the free of its old block (old_addr) followed, in the same event, by a
+  new allocation linked to the old one (`realloc_of`);
+- an allocation's lifetime ends at the first later free of the same address in the same
+  process; a process instance is bounded by fork (a child starts), exec and exit, so a
+  reused pid never pairs with its predecessor's blocks;
+- an allocation never freed ends at its process's exec or exit, or at the capture's end
+  (a leak); one whose address is handed out again before any free ends there ("reused":
+  a free that was not recorded, counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.schema import EventKind
+
+CLONE_THREAD = 0x10000
+
+# end_reason codes, in the order of schema.ddl.END_REASONS
+END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = range(6)
+
+ALLOCATIONS = pa.schema(
+    [
+        ("alloc_id", pa.uint64()),
+        ("event_id", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("tid", pa.uint32()),
+        ("ts", pa.uint64()),
+        ("kind", pa.uint8()),
+        ("allocator", pa.uint8()),
+        ("addr", pa.uint64()),
+        ("size", pa.uint64()),
+        ("stack_hash", pa.uint64()),
+        ("free_ts", pa.uint64()),
+        ("free_event_id", pa.uint64()),
+        ("free_tid", pa.uint32()),
+        ("end_ts", pa.uint64()),
+        ("end_event_id", pa.uint64()),
+        ("end_reason", pa.uint8()),
+        ("lifetime_ns", pa.uint64()),
+        ("realloc_of", pa.uint64()),
+    ]
+)
+
+
+@dataclass
+class Pairing:
+    allocations: pa.Table  # ALLOCATIONS, one row per allocation in event order
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def sort_events(events: pa.Table) -> pa.Table:
+    """Events in time order (stable: a thread's own order is kept), with `event_id`."""
+    ts = events.column("ts").to_numpy()
+    order = np.argsort(ts, kind="stable")
+    out = events.take(pa.array(order))
+    return out.add_column(0, "event_id", pa.array(np.arange(len(order), dtype=np.uint64)))
+
+
+def pair(events: pa.Table, end_ts: int | None = None) -> Pairing:
+    """Pair the allocations and frees of `events` (as returned by `sort_events`).
+
+    `end_ts` is the capture's end (CLOCK_MONOTONIC ns); the last event's time if None.
+    """
+    n = events.num_rows
+    col = {name: events.column(name).to_numpy() for name in (
+        "event_id", "ts", "pid", "tid", "kind", "allocator", "flags", "addr", "old_addr",
+        "size", "stack_hash")}  # fmt: skip
+    kind = col["kind"]
+    addr = col["addr"]
+    old = col["old_addr"]
+    pid = col["pid"].astype(np.int64)
+    eid = np.arange(n, dtype=np.int64)
+    if end_ts is None or (n and end_ts < int(col["ts"][-1])):
+        end_ts = int(col["ts"][-1]) if n else 0
+
+    # Process-instance boundaries: (pid, event index, kind of boundary).
+    is_fork = (kind == EventKind.FORK) & ((col["flags"] & CLONE_THREAD) == 0)
+    is_exec = kind == EventKind.EXEC
+    is_exit = (kind == EventKind.EXIT) & ((col["flags"] & 1) == 1)
+    b_pid = np.concatenate([col["addr"][is_fork].astype(np.int64), pid[is_exec], pid[is_exit]])
+    b_eid = np.concatenate([eid[is_fork], eid[is_exec], eid[is_exit]])
+    b_reason = np.concatenate([
+        np.full(int(is_fork.sum()), END_EXIT), np.full(int(is_exec.sum()), END_EXEC),
+        np.full(int(is_exit.sum()), END_EXIT)])  # fmt: skip
+    stride = n + 1
+    b_key = b_pid * stride + b_eid
+    border = np.argsort(b_key, kind="stable")
+    b_key, b_pid, b_eid, b_reason = b_key[border], b_pid[border], b_eid[border], b_reason[border]
+
+    def instance(p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """How many boundaries of process p came at or before event e."""
+        return np.searchsorted(b_key, p * stride + e, side="right") - np.searchsorted(
+            b_key, p * stride, side="left"
+        )
+
+    is_alloc_kind = (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC)
+    a_mask = is_alloc_kind & (addr != 0)
+    f_mask = (kind == EventKind.FREE) & (addr != 0)
+    r_mask = (kind == EventKind.REALLOC) & (old != 0)
+    a_eid, f_eid, r_eid = eid[a_mask], eid[f_mask], eid[r_mask]
+    n_alloc = len(a_eid)
+
+    # Operations: frees (sub 0) before the allocation (sub 1) of the same event.
+    op_eid = np.concatenate([a_eid, f_eid, r_eid])
+    op_addr = np.concatenate([addr[a_mask], addr[f_mask], old[r_mask]])
+    op_sub = np.concatenate([np.ones(n_alloc, np.int8), np.zeros(len(f_eid) + len(r_eid),
+                                                                 np.int8)])
+    op_is_realloc_free = np.concatenate([np.zeros(n_alloc + len(f_eid), bool),
+                                         np.ones(len(r_eid), bool)])
+    op_pid = pid[op_eid]
+    op_inst = instance(op_pid, op_eid)
+    order = np.lexsort((op_sub, op_eid, op_addr, op_inst, op_pid))
+    s_eid, s_addr, s_sub = op_eid[order], op_addr[order], op_sub[order]
+    s_pid, s_inst, s_rf = op_pid[order], op_inst[order], op_is_realloc_free[order]
+    s_alloc_index = order  # < n_alloc: index of the allocation (ops are allocs first)
+
+    same_next = np.zeros(len(order), bool)
+    if len(order) > 1:
+        same_next[:-1] = (s_pid[1:] == s_pid[:-1]) & (s_inst[1:] == s_inst[:-1]) & (
+            s_addr[1:] == s_addr[:-1])
+    is_a = s_sub == 1
+    nxt = np.minimum(np.arange(len(order)) + 1, max(len(order) - 1, 0))
+    freed = is_a & same_next & (s_sub[nxt] == 0)
+    reused = is_a & same_next & (s_sub[nxt] == 1)
+
+    # Frees that end nothing (block allocated before tracking, by an untracked
+    # allocator, inherited across fork, or a double free).
+    prev_is_alloc = np.zeros(len(order), bool)
+    if len(order) > 1:
+        prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
+    unmatched_free = (~is_a) & ~prev_is_alloc
+
+    ai = s_alloc_index[is_a]  # allocation index of each sorted alloc op
+    free_eid = np.full(n_alloc, -1, np.int64)
+    end_eid = np.full(n_alloc, -1, np.int64)
+    reason = np.full(n_alloc, END_END, np.uint8)
+    f_rows = freed[is_a]
+    u_rows = reused[is_a]
+    nx_eid = s_eid[nxt][is_a]
+    free_eid[ai[f_rows]] = nx_eid[f_rows]
+    end_eid[ai[f_rows | u_rows]] = nx_eid[f_rows | u_rows]
+    reason[ai[f_rows]] = np.where(s_rf[nxt][is_a][f_rows], END_REALLOC, END_FREE)
+    reason[ai[u_rows]] = END_REUSED
+
+    # Never freed: bounded by the next exec/exit of the process instance, if any.
+    open_ = end_eid < 0
+    a_pid = pid[a_eid]
+    if len(b_key) and open_.any():
+        j = np.searchsorted(b_key, a_pid[open_] * stride + a_eid[open_], side="right")
+        jc = np.minimum(j, len(b_key) - 1)
+        hit = (j < len(b_key)) & (b_pid[jc] == a_pid[open_])
+        idx = np.flatnonzero(open_)[hit]
+        end_eid[idx] = b_eid[jc[hit]]
+        reason[idx] = b_reason[jc[hit]]
+
+    ts = col["ts"]
+    a_ts = ts[a_eid]
+    has_free = free_eid >= 0
+    has_end = end_eid >= 0
+    free_ts = np.where(has_free, ts[np.where(has_free, free_eid, 0)], 0)
+    end_ts_a = np.where(has_end, ts[np.where(has_end, end_eid, 0)], np.uint64(end_ts))
+    free_tid = np.where(has_free, col["tid"][np.where(has_free, free_eid, 0)], 0)
+
+    # realloc_of: the allocation whose block a realloc event freed.
+    realloc_of = np.full(n_alloc, -1, np.int64)
+    by_free_event = np.full(n, -1, np.int64)
+    rr = reason == END_REALLOC
+    by_free_event[free_eid[rr]] = np.flatnonzero(rr)
+    is_realloc_alloc = kind[a_eid] == EventKind.REALLOC
+    realloc_of[is_realloc_alloc] = by_free_event[a_eid[is_realloc_alloc]]
+
+    def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
+        dtype = np.uint32 if typ == pa.uint32() else np.uint64
+        return pa.array(values.astype(dtype), type=typ, mask=~valid)
+
+    table = pa.table(
+        {
+            "alloc_id": pa.array(np.arange(n_alloc, dtype=np.uint64)),
+            "event_id": pa.array(col["event_id"][a_eid]),
+            "pid": pa.array(col["pid"][a_eid]),
+            "tid": pa.array(col["tid"][a_eid]),
+            "ts": pa.array(a_ts),
+            "kind": pa.array(kind[a_eid]),
+            "allocator": pa.array(col["allocator"][a_eid]),
+            "addr": pa.array(addr[a_eid]),
+            "size": pa.array(col["size"][a_eid]),
+            "stack_hash": pa.array(col["stack_hash"][a_eid]),
+            "free_ts": nullable(free_ts, has_free, pa.uint64()),
+            "free_event_id": nullable(free_eid, has_free, pa.uint64()),
+            "free_tid": nullable(free_tid, has_free, pa.uint32()),
+            "end_ts": pa.array(end_ts_a.astype(np.uint64)),
+            "end_event_id": nullable(end_eid, has_end, pa.uint64()),
+            "end_reason": pa.array(reason),
+            "lifetime_ns": nullable(
+                free_ts.astype(np.int64) - a_ts.astype(np.int64), has_free, pa.uint64()
+            ),
+            "realloc_of": nullable(realloc_of, realloc_of >= 0, pa.uint64()),
+        },
+        schema=ALLOCATIONS,
+    )
+    counters = {
+        "allocations": n_alloc,
+        "frees": len(f_eid),
+        "reallocs": int(is_realloc_alloc.sum()),
+        "frees_unmatched": int(unmatched_free.sum()),
+        "allocations_reused_without_free": int((reason == END_REUSED).sum()),
+        "allocations_not_freed": int((reason >= END_EXEC).sum()),
+        "failed_allocations": int((is_alloc_kind & (addr == 0)).sum()),
+    }
+    return Pairing(table, counters)

@@ -1,0 +1,357 @@
+"""`memtrack process`: read → decode → pair → unwind → symbolize → load.
+
+Each stage is called through its module's entry point (decode, unwind, symbolize are
+written by their own owners); this module only moves Arrow tables between them and
+assigns the run database's ids. The stack stages run only when the artifact holds stack
+records (a capture made with --no-stacks has none).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from memtrack.process.load import StageTables, load, meta_rows
+from memtrack.process.pair import pair, sort_events
+from memtrack.schema import FORMAT_VERSION, EventKind
+from memtrack.schema.artifact import Artifact
+
+T = TypeVar("T")
+
+UNWOUND_FRAMES = pa.schema([
+    ("stack_hash", pa.uint64()), ("pid", pa.uint32()), ("depth", pa.uint16()),
+    ("address", pa.uint64()), ("method", pa.string()), ("build_id", pa.string()),
+    ("path", pa.string()), ("lookup_vaddr", pa.uint64())])  # fmt: skip
+UNWOUND_STACKS = pa.schema([
+    ("stack_hash", pa.uint64()), ("pid", pa.uint32()), ("depth", pa.uint16()),
+    ("truncated", pa.bool_()), ("complete", pa.bool_())])  # fmt: skip
+SYMBOLS = pa.schema([
+    ("row", pa.uint32()), ("inline_depth", pa.uint8()), ("function", pa.string()),
+    ("symbol", pa.string()), ("offset", pa.uint64()), ("file", pa.string()),
+    ("line", pa.uint32()), ("column", pa.uint32()), ("reason", pa.string())])  # fmt: skip
+
+
+@dataclass
+class Summary:
+    """What `process` did: row counts, stage times, and everything that was lost."""
+
+    artifact: Path
+    out_db: Path
+    events: int = 0
+    allocations: int = 0
+    stacks: int = 0
+    frames_by_method: dict[str, int] = field(default_factory=dict)
+    unknown_frames: int = 0
+    losses: dict[str, int] = field(default_factory=dict)  # capture's, from the manifest
+    counters: dict[str, int] = field(default_factory=dict)  # process's own
+    rows: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    warnings: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{self.out_db}: {self.events} events, {self.allocations} allocations, "
+            f"{self.stacks} distinct stacks, {self.rows.get('stack_frames', 0)} frames",
+        ]
+        if self.frames_by_method:
+            methods = ", ".join(f"{k} {v}" for k, v in sorted(self.frames_by_method.items()))
+            out.append(f"frames by method: {methods}; unknown frames: {self.unknown_frames}")
+        out.append("stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        lost = {k: v for k, v in self.losses.items() if v}
+        if lost:
+            out.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
+        noted = {k: v for k, v in self.counters.items() if v and k in NOTABLE}
+        if noted:
+            out.append("process: " + ", ".join(f"{k} {v}" for k, v in noted.items()))
+        out.extend(f"warning: {w}" for w in self.warnings)
+        return out
+
+
+# Process counters worth a line in the summary when not zero (the rest are in meta).
+NOTABLE = (
+    "events_bad_kind", "frees_unmatched", "allocations_reused_without_free",
+    "decode_mismatch", "events_stack_missing", "symbolize_missing_rows",
+    "stacks_duplicate_hash",
+)  # fmt: skip
+
+
+class _Stages:
+    """Times each stage and drives a progress bar (only on a terminal)."""
+
+    def __init__(self, summary: Summary, show: bool) -> None:
+        self.summary = summary
+        self.progress = Progress(
+            TextColumn("{task.description:<10}"), BarColumn(), TimeElapsedColumn(),
+            console=Console(stderr=True), disable=not show, transient=False,
+        )
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        task = self.progress.add_task(name, total=1)
+        t0 = time.perf_counter()
+        yield
+        self.summary.timings[name] = time.perf_counter() - t0
+        self.progress.update(task, completed=1)
+
+    def run(self, name: str, fn: Callable[[], T]) -> T:
+        with self.stage(name):
+            return fn()
+
+
+def process(
+    artifact_path: Path | str,
+    out_db: Path | str,
+    *,
+    parquet_dir: Path | str | None = None,
+    host_modules: bool = True,
+    cache_dir: Path | str | None = None,
+    progress: bool | None = None,
+) -> Summary:
+    """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
+
+    host_modules: where the artifact lacks a module, use the host file at its mapped path
+    when its build id matches. cache_dir: the symbolization cache (per build id).
+    progress: a progress bar per stage; None = only when stderr is a terminal.
+    """
+    artifact_path, out_db = Path(artifact_path), Path(out_db)
+    summary = Summary(artifact_path, out_db)
+    show = sys.stderr.isatty() if progress is None else progress
+    st = _Stages(summary, show)
+    with st.progress:
+        art = Artifact.open(artifact_path)
+        summary.losses = dict(art.manifest.losses)
+        with st.stage("read"):
+            events = art.read("events").table
+            mappings = art.read("mappings", required=False).table
+            processes = art.read("processes", required=False).table
+            rss = art.read("rss", required=False).table
+            raw_stacks = art.read("stacks", required=False).table
+            events = _valid_events(events, summary.counters)
+            events = sort_events(events)
+        summary.events = events.num_rows
+
+        decoded = st.run("decode", lambda: _decode(art, raw_stacks, summary.counters))
+        m = art.manifest
+        pairing = st.run("pair", lambda: pair(events, m.end_ns or None))
+        summary.counters.update(pairing.counters)
+        summary.allocations = pairing.allocations.num_rows
+
+        store = _module_store(artifact_path, host_modules, cache_dir)
+        unwound = st.run("unwind", lambda: _unwind(decoded, mappings, store))
+        modules = _modules(mappings, unwound[0], store, artifact_path)
+        with st.stage("symbolize"):
+            stacks, stack_frames, frames = _symbolize(unwound, modules, store, summary)
+        summary.stacks = stacks.num_rows
+        summary.counters["events_stack_missing"] = _missing_stacks(events, stacks)
+        summary.warnings = list(art.warnings) + list(getattr(store, "problems", []))
+
+        tables = StageTables(
+            events=events, allocations=pairing.allocations, mappings=mappings,
+            processes=processes, rss=rss, modules=modules, stacks=stacks,
+            stack_frames=stack_frames, frames=frames,
+        )
+        meta = meta_rows(
+            artifact=str(artifact_path.resolve()),
+            artifact_format=m.format_version,
+            reader_format=FORMAT_VERSION,
+            memtrack_version=m.memtrack_version,
+            command=m.command,
+            root_pid=m.root_pid,
+            start_ns=m.start_ns,
+            end_ns=m.end_ns or (int(events.column("ts")[-1].as_py()) if events.num_rows else 0),
+            wall_offset_ns=m.clock.wall_offset_ns,
+            exit_status=m.exit_status.__dict__,
+            host=m.host.__dict__,
+            losses=summary.losses,
+            counters=summary.counters,
+            options=m.options,
+            warnings=summary.warnings,
+        )
+        summary.rows = st.run(
+            "load",
+            lambda: load(out_db, tables, meta, Path(parquet_dir) if parquet_dir else None),
+        )
+        _write_metadata(art, out_db, summary)
+    return summary
+
+
+def _valid_events(events: pa.Table, counters: dict[str, int]) -> pa.Table:
+    kind = events.column("kind")
+    ok = pc.and_(pc.greater_equal(kind, min(EventKind)), pc.less_equal(kind, max(EventKind)))
+    bad = events.num_rows - pc.sum(ok).as_py() if events.num_rows else 0
+    counters["events_bad_kind"] = bad
+    return events.filter(ok) if bad else events
+
+
+def _decode(art: Artifact, raw_stacks: pa.Table, counters: dict[str, int]) -> pa.Table | None:
+    if raw_stacks.num_rows == 0:
+        return None
+    from memtrack.process.decode import decode
+
+    decoded = decode(art)
+    for k, v in decoded.counters.items():
+        counters[k] = counters.get(k, 0) + int(v)
+    table: pa.Table = decoded.table
+    # One record per stack hash: a forked child's identical stack is the parent's.
+    _, first = np.unique(table.column("hash").to_numpy(), return_index=True)
+    counters["stacks_duplicate_hash"] = table.num_rows - len(first)
+    if len(first) != table.num_rows:
+        table = table.take(pa.array(np.sort(first)))
+    return table
+
+
+def _module_store(artifact_path: Path, host_modules: bool, cache_dir: Path | str | None) -> Any:
+    from memtrack.symbolize.modules import ModuleStore
+
+    del cache_dir  # the symbolization cache location is the symbolize stage's own option
+    return ModuleStore(artifact_path, host_modules=host_modules)
+
+
+def _unwind(decoded: pa.Table | None, mappings: pa.Table, store: Any) -> tuple[pa.Table, pa.Table]:
+    if decoded is None or decoded.num_rows == 0:
+        return UNWOUND_FRAMES.empty_table(), UNWOUND_STACKS.empty_table()
+    from memtrack.process.unwind import unwind
+
+    out = unwind(decoded, mappings, store)
+    frames = out.frames.select(UNWOUND_FRAMES.names).cast(UNWOUND_FRAMES)
+    stacks = out.stacks.select(UNWOUND_STACKS.names).cast(UNWOUND_STACKS)
+    return frames, stacks
+
+
+def _modules(mappings: pa.Table, frames: pa.Table, store: Any, artifact_path: Path) -> pa.Table:
+    """One row per build id mapped or met while unwinding (a few hundred at most)."""
+    seen: dict[str, str] = {}
+    for tbl in (mappings, frames):
+        bids = tbl.column("build_id")
+        paths = tbl.column("path")
+        valid = pc.is_valid(bids)
+        pairs = pa.table({"b": bids.filter(valid), "p": paths.filter(valid)})
+        for row in pairs.group_by("b", use_threads=False).aggregate([("p", "first")]).to_pylist():
+            seen.setdefault(row["b"], row["p_first"] or "")
+    art_dir = artifact_path.resolve()
+    rows: dict[str, list[Any]] = {k: [] for k in (
+        "module_id", "build_id", "path", "elf_path", "has_debuginfo", "in_artifact")}
+    for i, (bid, path) in enumerate(sorted(seen.items())):
+        mod = store.get(bid, path)
+        rows["module_id"].append(i)
+        rows["build_id"].append(bid)
+        rows["path"].append(path)
+        rows["elf_path"].append(str(mod.elf_path) if mod else None)
+        rows["has_debuginfo"].append(bool(mod and _has_debuginfo(mod)))
+        rows["in_artifact"].append(bool(mod and art_dir in Path(mod.elf_path).resolve().parents))
+    return pa.table(rows, schema=pa.schema([
+        ("module_id", pa.int32()), ("build_id", pa.string()), ("path", pa.string()),
+        ("elf_path", pa.string()), ("has_debuginfo", pa.bool_()), ("in_artifact", pa.bool_())]))
+
+
+def _has_debuginfo(mod: Any) -> bool:
+    if mod.debug_path is not None:
+        return True
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        with open(mod.elf_path, "rb") as f:
+            return ELFFile(f).get_section_by_name(".debug_info") is not None
+    except (OSError, ELFError):
+        return False
+
+
+def _symbolize(
+    unwound: tuple[pa.Table, pa.Table], modules: pa.Table, store: Any, summary: Summary
+) -> tuple[pa.Table, pa.Table, pa.Table]:
+    """stacks, stack_frames and frames with their ids; symbolizes each distinct location."""
+    uf, us = unwound
+    con = duckdb.connect()
+    con.register("uf", uf)
+    con.register("us", us)
+    con.register("mods", modules)
+    stacks = con.execute("""
+        SELECT (row_number() OVER (ORDER BY stack_hash) - 1)::INTEGER AS stack_id, *
+        FROM us""").to_arrow_table()
+    con.register("st", stacks)
+    # A location: (module, ELF vaddr) where the mapping is known, else the runtime address.
+    con.execute("""
+        CREATE TEMP TABLE locs AS
+        SELECT (row_number() OVER (ORDER BY build_id NULLS LAST, key) - 1)::INTEGER
+               AS frame_id, build_id, key FROM (
+            SELECT DISTINCT build_id,
+                   CASE WHEN build_id IS NULL THEN address ELSE lookup_vaddr END AS key
+            FROM uf)""")
+    stack_frames = con.execute("""
+        SELECT st.stack_id, uf.depth, uf.address, m.module_id, uf.method, uf.lookup_vaddr,
+               l.frame_id
+        FROM uf JOIN st USING (stack_hash)
+        LEFT JOIN mods m ON m.build_id = uf.build_id
+        JOIN locs l ON l.build_id IS NOT DISTINCT FROM uf.build_id
+            AND l.key = CASE WHEN uf.build_id IS NULL THEN uf.address ELSE uf.lookup_vaddr END
+        ORDER BY st.stack_id, uf.depth""").to_arrow_table()
+    known = con.execute(
+        "SELECT frame_id, build_id, key FROM locs WHERE build_id IS NOT NULL ORDER BY frame_id"
+    ).to_arrow_table()
+    if known.num_rows:
+        from memtrack.symbolize import symbolize
+
+        sym = symbolize(store, known.column("build_id").combine_chunks(),
+                        known.column("key").to_numpy())
+        sym = sym.select(SYMBOLS.names).cast(SYMBOLS)
+    else:
+        sym = SYMBOLS.empty_table()
+    con.register("known", known)
+    con.register("sym", sym)
+    frames = con.execute("""
+        WITH k AS (SELECT (row_number() OVER (ORDER BY frame_id) - 1)::UINTEGER AS row, *
+                   FROM known)
+        SELECT k.frame_id, s.inline_depth, s.function, s.symbol, s."offset", s.file, s.line,
+               s."column", m.module_id, k.key AS vaddr, NULL::UBIGINT AS address, s.reason
+        FROM sym s JOIN k USING (row) LEFT JOIN mods m ON m.build_id = k.build_id
+        UNION ALL
+        SELECT frame_id, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, key,
+               'no-mapping'
+        FROM locs WHERE build_id IS NULL
+        ORDER BY 1, 2""").to_arrow_table()
+    rows_out = np.unique(sym.column("row").to_numpy()) if sym.num_rows else np.array([])
+    summary.counters["symbolize_missing_rows"] = known.num_rows - len(rows_out)
+    con.register("stack_frames", stack_frames)
+    con.register("frames", frames)
+    summary.frames_by_method = dict(
+        con.execute("SELECT method, count(*) FROM stack_frames GROUP BY 1 ORDER BY 1").fetchall()
+    )
+    summary.unknown_frames = con.execute("""
+        SELECT count(*) FROM stack_frames sf JOIN frames f USING (frame_id)
+        WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]  # type: ignore[index]
+    con.close()
+    return stacks, stack_frames, frames
+
+
+def _missing_stacks(events: pa.Table, stacks: pa.Table) -> int:
+    """Events that name a stack hash with no stack record (lost or undecodable)."""
+    h = events.column("stack_hash").to_numpy()
+    h = h[h != 0]
+    known = np.sort(stacks.column("stack_hash").to_numpy())
+    if len(known) == 0:
+        return int(len(h))
+    i = np.minimum(np.searchsorted(known, h), len(known) - 1)
+    return int((known[i] != h).sum())
+
+
+def _write_metadata(art: Artifact, out_db: Path, summary: Summary) -> None:
+    """memory_metadata.json next to the run database (the RSS stage's writer)."""
+    try:
+        from memtrack.process.metadata import write_memory_metadata
+    except ImportError:
+        summary.warnings.append("memory_metadata.json not written: its writer is not built yet")
+        return
+    write_memory_metadata(art, out_db.parent / "memory_metadata.json")

@@ -1,0 +1,211 @@
+"""The run database (`memtrack process -o RUN.duckdb`): DuckDB DDL of every table and view.
+
+docs/tables.md documents each column. A change to a table or a view's meaning bumps
+SCHEMA_VERSION; `open_run` refuses a database written with another version in one line
+(re-running `memtrack process` on the artifact rebuilds it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+
+from memtrack.schema import Allocator, EventKind, RssMember
+
+SCHEMA_VERSION = 1
+
+
+class RunError(Exception):
+    """A run database that cannot be used, worded for one line: `FILE: problem`."""
+
+
+def _enum(values: list[str]) -> str:
+    return "ENUM(" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
+EVENT_KINDS = [k.name.lower() for k in EventKind]
+ALLOCATORS = [a.name.lower() for a in Allocator]
+RSS_MEMBERS = [m.name.lower() for m in RssMember]
+# How an allocation's lifetime ended: freed (free/delete), realloc'd away, the address
+# handed out again with no free seen ("reused": a free was not recorded), its process
+# exec'd or exited, or the capture ended with it alive.
+END_REASONS = ["free", "realloc", "reused", "exec", "exit", "end"]
+
+TYPES = f"""
+CREATE TYPE event_kind AS {_enum(EVENT_KINDS)};
+CREATE TYPE allocator_kind AS {_enum(ALLOCATORS)};
+CREATE TYPE rss_member AS {_enum(RSS_MEMBERS)};
+CREATE TYPE end_reason AS {_enum(END_REASONS)};
+"""
+
+TABLES = """
+CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR);
+CREATE TABLE processes (
+    pid UINTEGER, ppid UINTEGER, name VARCHAR, exe VARCHAR, cmdline VARCHAR[],
+    start_ts UBIGINT, exit_ts UBIGINT, exit_status INTEGER, exit_code INTEGER,
+    exit_signal INTEGER
+);
+CREATE TABLE threads (pid UINTEGER, tid UINTEGER, start_ts UBIGINT, exit_ts UBIGINT,
+    events UBIGINT);
+CREATE TABLE modules (module_id INTEGER, build_id VARCHAR, path VARCHAR, elf_path VARCHAR,
+    has_debuginfo BOOLEAN, in_artifact BOOLEAN);
+CREATE TABLE mappings (ts UBIGINT, pid UINTEGER, "start" UBIGINT, "end" UBIGINT,
+    "offset" UBIGINT, perms VARCHAR, dev VARCHAR, inode UBIGINT, path VARCHAR,
+    build_id VARCHAR, module_id INTEGER);
+CREATE TABLE events (event_id UBIGINT, ts UBIGINT, pid UINTEGER, tid UINTEGER,
+    kind event_kind, allocator allocator_kind, flags UBIGINT, addr UBIGINT,
+    old_addr UBIGINT, size UBIGINT, stack_hash UBIGINT, stack_id INTEGER);
+CREATE TABLE allocations (alloc_id UBIGINT, event_id UBIGINT, pid UINTEGER, tid UINTEGER,
+    ts UBIGINT, kind event_kind, allocator allocator_kind, addr UBIGINT, size UBIGINT,
+    stack_id INTEGER, free_ts UBIGINT, free_event_id UBIGINT, free_tid UINTEGER,
+    end_ts UBIGINT, end_event_id UBIGINT, end_reason end_reason, lifetime_ns UBIGINT,
+    realloc_of UBIGINT);
+CREATE TABLE stacks (stack_id INTEGER, stack_hash UBIGINT, pid UINTEGER, depth USMALLINT,
+    truncated BOOLEAN, complete BOOLEAN);
+CREATE TABLE stack_frames (stack_id INTEGER, depth USMALLINT, address UBIGINT,
+    module_id INTEGER, method VARCHAR, lookup_vaddr UBIGINT, frame_id INTEGER);
+CREATE TABLE frames (frame_id INTEGER, inline_depth UTINYINT, name VARCHAR,
+    function VARCHAR, symbol VARCHAR, "offset" UBIGINT, file VARCHAR, line UINTEGER,
+    "column" UINTEGER, module_id INTEGER, vaddr UBIGINT, reason VARCHAR);
+CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT);
+"""
+
+# Views. A stack's logical frames run from the allocator itself (position 0) outward,
+# inline levels innermost first. An allocation's *location* is its first logical frame
+# outside the allocator function (depth >= 1), as heaptrack reports it.
+VIEWS = """
+CREATE VIEW stack_lines AS
+SELECT sf.stack_id,
+       (row_number() OVER (PARTITION BY sf.stack_id
+                           ORDER BY sf.depth, f.inline_depth) - 1)::INTEGER AS position,
+       sf.depth, f.inline_depth, sf.frame_id, f.name, f.function, f.file, f.line,
+       sf.module_id, sf.method
+FROM stack_frames sf JOIN frames f USING (frame_id);
+
+CREATE VIEW stack_location AS
+SELECT stack_id, frame_id, name, function, file, line FROM (
+    SELECT *, row_number() OVER (PARTITION BY stack_id
+                                 ORDER BY (depth = 0), position) AS k
+    FROM stack_lines) WHERE k = 1;
+
+CREATE VIEW allocation_sites AS
+SELECT a.*, coalesce(l.name, '[no stack]') AS location, l.file, l.line
+FROM allocations a LEFT JOIN stack_location l USING (stack_id);
+
+CREATE VIEW heap_timeline AS
+WITH d AS (
+    SELECT pid, event_id, 1 AS sub, ts, size::BIGINT AS delta FROM allocations
+    UNION ALL
+    SELECT pid, end_event_id, 0, end_ts, -size::BIGINT FROM allocations
+    WHERE end_event_id IS NOT NULL
+)
+SELECT pid, event_id, ts, sum(delta) AS delta,
+       (sum(sum(delta)) OVER (PARTITION BY pid ORDER BY event_id))::BIGINT AS heap_bytes
+FROM d GROUP BY pid, event_id, ts;
+
+CREATE VIEW heap_peak AS
+SELECT pid, event_id AS peak_event_id, ts AS peak_ts, heap_bytes AS peak_bytes FROM (
+    SELECT *, row_number() OVER (PARTITION BY pid ORDER BY heap_bytes DESC, event_id) AS k
+    FROM heap_timeline) WHERE k = 1;
+
+CREATE VIEW peak AS
+SELECT p.peak_ts, p.peak_bytes, a.* FROM allocations a JOIN heap_peak p USING (pid)
+WHERE a.event_id <= p.peak_event_id
+  AND (a.end_event_id IS NULL OR a.end_event_id > p.peak_event_id);
+
+CREATE VIEW leaks AS
+SELECT * FROM allocations WHERE end_reason IN ('exec', 'exit', 'end');
+
+CREATE VIEW temporary AS
+WITH seq AS (
+    SELECT event_id,
+           lead(event_id) OVER (PARTITION BY pid, tid ORDER BY event_id) AS next_event_id
+    FROM events
+    WHERE kind IN ('malloc', 'calloc', 'realloc', 'aligned_alloc', 'free')
+      AND (addr <> 0 OR old_addr <> 0)
+)
+SELECT a.* FROM allocations a JOIN seq s USING (event_id)
+WHERE a.free_event_id = s.next_event_id;
+
+CREATE VIEW hotspots AS
+WITH peaks AS (SELECT alloc_id, size FROM peak),
+leaked AS (SELECT alloc_id, size FROM leaks),
+costs AS (
+    SELECT a.alloc_id, a.stack_id, a.size, coalesce(p.size, 0) AS peak_size,
+           coalesce(l.size, 0) AS leaked_size
+    FROM allocations a LEFT JOIN peaks p USING (alloc_id) LEFT JOIN leaked l USING (alloc_id)
+),
+per_stack AS (
+    SELECT stack_id, count(*) AS calls, sum(size) AS bytes, sum(peak_size) AS peak,
+           sum(leaked_size) AS leaked
+    FROM costs GROUP BY stack_id
+),
+self AS (
+    SELECT coalesce(l.name, '[no stack]') AS function, sum(calls) AS calls,
+           sum(bytes) AS bytes, sum(peak) AS peak, sum(leaked) AS leaked
+    FROM per_stack s LEFT JOIN stack_location l USING (stack_id) GROUP BY 1
+),
+incl AS (
+    SELECT f.name AS function, sum(calls) AS calls, sum(bytes) AS bytes,
+           sum(peak) AS peak, sum(leaked) AS leaked
+    FROM per_stack s JOIN (SELECT DISTINCT stack_id, name FROM stack_lines) f USING (stack_id)
+    GROUP BY 1
+)
+SELECT coalesce(s.function, i.function) AS function,
+       coalesce(s.calls, 0)::BIGINT AS self_calls, coalesce(s.bytes, 0)::BIGINT AS self_bytes,
+       coalesce(s.peak, 0)::BIGINT AS self_peak_bytes,
+       coalesce(s.leaked, 0)::BIGINT AS self_leaked_bytes,
+       coalesce(i.calls, s.calls)::BIGINT AS incl_calls,
+       coalesce(i.bytes, s.bytes)::BIGINT AS incl_bytes,
+       coalesce(i.peak, s.peak)::BIGINT AS incl_peak_bytes,
+       coalesce(i.leaked, s.leaked)::BIGINT AS incl_leaked_bytes
+FROM self s FULL JOIN incl i ON s.function = i.function;
+"""
+
+TABLE_NAMES = (
+    "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
+    "stack_frames", "frames", "rss",
+)  # fmt: skip
+VIEW_NAMES = (
+    "stack_lines", "stack_location", "allocation_sites", "heap_timeline", "heap_peak",
+    "peak", "leaks", "temporary", "hotspots",
+)  # fmt: skip
+
+
+def create_schema(con: duckdb.DuckDBPyConnection) -> None:
+    """Create every type, table and view in an empty database, and stamp its version."""
+    con.execute(TYPES)
+    con.execute(TABLES)
+    con.execute(VIEWS)
+    con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+
+
+def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConnection:
+    """Open a run database, refusing (RunError, one line) anything but this format."""
+    path = Path(path)
+    if not path.is_file():
+        raise RunError(f"{path}: no such run database")
+    try:
+        con = duckdb.connect(str(path), read_only=read_only)
+    except duckdb.Error as e:
+        raise RunError(f"{path}: not a DuckDB database ({_first_line(e)})") from None
+    try:
+        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    except duckdb.Error:
+        con.close()
+        raise RunError(f"{path}: not a memtrack run database (no meta table)") from None
+    version = row[0] if row else "?"
+    if version != str(SCHEMA_VERSION):
+        con.close()
+        older = version.isdigit() and int(version) < SCHEMA_VERSION
+        raise RunError(
+            f"{path}: run database format {version} is "
+            f"{'older' if older else 'not the one'} this memtrack reads ({SCHEMA_VERSION}); "
+            "re-run `memtrack process` on its artifact"
+        )
+    return con
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -1,0 +1,145 @@
+"""`memtrack process` on synthetic artifacts: allocations one for one, leaks, peak,
+temporary allocations, lifecycle bounds and the run-database format check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pytest
+from test_process_synth import (
+    END_NS,
+    LEAKS,
+    PEAK,
+    SIZES,
+    TEMPORARY,
+    UNMATCHED_FREES,
+    events_table,
+    write_artifact,
+)
+
+from memtrack.process.pipeline import process
+from memtrack.schema import EVENTS
+from memtrack.schema.ddl import RunError, open_run
+
+
+def no_stacks(events: pa.Table) -> pa.Table:
+    zeros = pa.array(np.zeros(events.num_rows, np.uint64))
+    return events.set_column(9, "stack_hash", zeros)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> duckdb.DuckDBPyConnection:
+    d = tmp_path_factory.mktemp("proc")
+    art = write_artifact(d / "a.memtrack", no_stacks(events_table()))
+    summary = process(art, d / "run.duckdb", parquet_dir=d / "pq", progress=False)
+    assert summary.events == 20 and summary.allocations == 9
+    assert summary.counters["frees_unmatched"] == UNMATCHED_FREES
+    con = open_run(d / "run.duckdb")
+    yield con
+    con.close()
+
+
+def q(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
+    return con.execute(sql).fetchall()
+
+
+def test_allocations_one_for_one(run: duckdb.DuckDBPyConnection) -> None:
+    rows = q(run, "SELECT alloc_id, size, kind, pid, tid, ts, free_ts, lifetime_ns, end_reason,"
+                  " realloc_of FROM allocations ORDER BY alloc_id")
+    assert [r[1] for r in rows] == SIZES
+    assert [r[2] for r in rows] == ["malloc", "malloc", "malloc", "malloc", "realloc", "calloc",
+                                    "malloc", "aligned_alloc", "malloc"]
+    by_id = {r[0]: r for r in rows}
+    assert by_id[0][6:9] == (1100, 100, "free")  # A freed after 100 ns
+    assert by_id[1][6:9] == (1400, 200, "realloc")  # B realloc'd into D
+    assert by_id[4][9] == 1  # D links to B
+    assert by_id[2][4] == 101 and by_id[2][6] == 1700  # F: thread 101, freed by 100
+    assert by_id[3][6:9] == (1500, 200, "free")
+    assert by_id[7][6:9] == (2200, 100, "free")
+    for aid, (reason, size) in LEAKS.items():
+        assert by_id[aid][8] == reason and by_id[aid][1] == size and by_id[aid][6] is None
+    ends = dict(q(run, "SELECT alloc_id, end_ts FROM allocations WHERE free_ts IS NULL"))
+    assert ends == {4: END_NS, 5: END_NS, 6: 2000, 8: 2600}
+
+
+def test_leaks_exact(run: duckdb.DuckDBPyConnection) -> None:
+    rows = q(run, "SELECT alloc_id, size FROM leaks ORDER BY alloc_id")
+    assert rows == [(k, LEAKS[k][1]) for k in sorted(LEAKS)]
+
+
+def test_peak_exact(run: duckdb.DuckDBPyConnection) -> None:
+    rows = q(run, "SELECT alloc_id, peak_ts, peak_bytes FROM peak WHERE pid = 100 "
+                  "ORDER BY alloc_id")
+    assert [r[0] for r in rows] == PEAK["alive"]
+    assert {(r[1], r[2]) for r in rows} == {(PEAK["ts"], PEAK["bytes"])}
+    assert sum(SIZES[i] for i in PEAK["alive"]) == PEAK["bytes"]
+    final = q(run, "SELECT heap_bytes FROM heap_timeline WHERE pid = 100 "
+                   "ORDER BY event_id DESC LIMIT 1")
+    assert final == [(4096 + 1000,)]
+    child = q(run, "SELECT pid, heap_bytes FROM heap_timeline WHERE pid = 200 ORDER BY event_id")
+    assert child == [(200, 64), (200, 0), (200, 128), (200, 0)]
+
+
+def test_temporary(run: duckdb.DuckDBPyConnection) -> None:
+    assert [r[0] for r in q(run, "SELECT alloc_id FROM temporary ORDER BY 1")] == TEMPORARY
+
+
+def test_lifecycle_tables(run: duckdb.DuckDBPyConnection) -> None:
+    procs = q(run, "SELECT pid, ppid, name, cmdline, start_ts, exit_ts, exit_code, exit_signal "
+                   "FROM processes ORDER BY pid")
+    assert procs[0] == (100, 1, "parent", ["p", "-x"], 900, None, None, None)
+    # pid 200 twice in the artifact: the latest instance's name, its last exit
+    assert procs[1][:3] == (200, 100, "child2") and procs[1][5:] == (2600, 0, 9)
+    threads = q(run, "SELECT pid, tid, events FROM threads ORDER BY tid")
+    assert threads == [(100, 100, 11), (100, 101, 1), (200, 200, 4)]
+    assert q(run, "SELECT count(*) FROM rss WHERE member = 'anon'") == [(2,)]
+    assert q(run, "SELECT count(*), count(stack_id) FROM events") == [(20, 0)]
+
+
+def test_parquet_dirs(run: duckdb.DuckDBPyConnection, tmp_path_factory) -> None:
+    root = next(Path(tmp_path_factory.getbasetemp()).glob("proc*")) / "pq"
+    assert (root / "allocations" / "data.parquet").is_file()
+    n = duckdb.sql(f"SELECT count(*) FROM '{root}/allocations/*.parquet'").fetchone()[0]
+    assert n == 9
+
+
+def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:
+    from memtrack.schema import EventKind as K
+
+    rows = [
+        (10, 5, 5, K.MALLOC, 0, 0x10, 0, 8, 0),
+        (20, 5, 5, K.EXEC, 0, 5, 0, 0, 0),
+        (30, 5, 5, K.FREE, 0, 0x10, 0, 0, 0),  # the new image frees an old address
+        (40, 5, 5, K.MALLOC, 0, 0x10, 0, 16, 0),
+        (50, 5, 5, K.MALLOC, 0, 0x10, 0, 32, 0),  # same address again: a free was missed
+    ]
+    cols = list(zip(*rows, strict=True))
+    ev = pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in
+                   cols[3]], "allocator": [1] * 5, "flags": cols[4], "addr": cols[5],
+                   "old_addr": cols[6], "size": cols[7], "stack_hash": cols[8]}, schema=EVENTS)
+    art = write_artifact(tmp_path / "b.memtrack", ev)
+    s = process(art, tmp_path / "b.duckdb", progress=False)
+    assert s.counters["frees_unmatched"] == 1
+    assert s.counters["allocations_reused_without_free"] == 1
+    con = open_run(tmp_path / "b.duckdb")
+    assert q(con, "SELECT size, end_reason::VARCHAR, end_ts FROM allocations ORDER BY 1") == [
+        (8, "exec", 20), (16, "reused", 50), (32, "end", END_NS)]
+    assert q(con, "SELECT size FROM leaks ORDER BY 1") == [(8,), (32,)]
+
+
+def test_older_database_refused(tmp_path: Path) -> None:
+    db = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE meta (key VARCHAR, value VARCHAR)")
+    con.execute("INSERT INTO meta VALUES ('schema_version', '0')")
+    con.close()
+    with pytest.raises(RunError, match="format 0 is older") as e:
+        open_run(db)
+    assert "\n" not in str(e.value)
+    plain = tmp_path / "plain.duckdb"
+    duckdb.connect(str(plain)).close()
+    with pytest.raises(RunError, match="not a memtrack run database"):
+        open_run(plain)

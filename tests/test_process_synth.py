@@ -1,0 +1,153 @@
+"""Synthetic artifacts and run databases with known allocations (no tests here: the data
+the process, report and export tests share). Every figure they check derives from this."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from memtrack.process.load import StageTables, load, meta_rows
+from memtrack.process.pair import pair, sort_events
+from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, Allocator, EventKind
+from memtrack.schema.artifact import ArtifactWriter
+
+K = EventKind
+LIBC = int(Allocator.LIBC)
+CLONE_THREAD = 0x10000
+END_NS = 3000
+
+# (ts, pid, tid, kind, flags, addr, old_addr, size, stack_hash)
+EVENT_ROWS = [
+    (1000, 100, 100, K.MALLOC, 0, 0xA0, 0, 512, 11),  # A: temporary
+    (1100, 100, 100, K.FREE, 0, 0xA0, 0, 0, 0),
+    (1200, 100, 100, K.MALLOC, 0, 0xB0, 0, 1024, 12),  # B: realloc'd into D
+    (1250, 100, 101, K.MALLOC, 0, 0xF0, 0, 300, 13),  # F: thread 101, freed by 100
+    (1300, 100, 100, K.MALLOC, 0, 0xC0, 0, 2048, 12),  # C
+    (1400, 100, 100, K.REALLOC, 0, 0xD0, 0xB0, 4096, 14),  # D: realloc of B (peak here)
+    (1500, 100, 100, K.FREE, 0, 0xC0, 0, 0, 0),
+    (1600, 100, 100, K.CALLOC, 0, 0xE0, 0, 1000, 11),  # E: leaked
+    (1700, 100, 100, K.FREE, 0, 0xF0, 0, 0, 0),
+    (1800, 100, 100, K.FORK, 0, 200, 0, 0, 0),  # child 200
+    (1900, 200, 200, K.MALLOC, 0, 0x60, 0, 64, 13),  # G: child, ends at its exit
+    (1950, 200, 200, K.FREE, 0, 0xE0, 0, 0, 0),  # inherited block: unmatched
+    (2000, 200, 200, K.EXIT, 1, 0, 0, 3 << 8, 0),
+    (2100, 100, 100, K.ALIGNED_ALLOC, 0, 0x80, 0, 512, 14),  # H: temporary
+    (2200, 100, 100, K.FREE, 0, 0x80, 0, 0, 0),
+    (2250, 100, 100, K.FREE, 0, 0xDEAD, 0, 0, 0),  # never allocated: unmatched
+    (2300, 100, 100, K.FORK, 0, 200, 0, 0, 0),  # pid 200 reused
+    (2400, 200, 200, K.FREE, 0, 0x60, 0, 0, 0),  # G's address, other instance: unmatched
+    (2500, 200, 200, K.MALLOC, 0, 0x70, 0, 128, 0),  # X: leaked by the second 200
+    (2600, 200, 200, K.EXIT, 1, 0, 0, 9, 0),  # killed by SIGKILL
+]
+# alloc_id order: A B F C D E G H X
+SIZES = [512, 1024, 300, 2048, 4096, 1000, 64, 512, 128]
+PEAK = {"pid": 100, "ts": 1400, "bytes": 300 + 2048 + 4096, "alive": [2, 3, 4]}
+LEAKS = {5: ("end", 1000), 4: ("end", 4096), 6: ("exit", 64), 8: ("exit", 128)}
+TEMPORARY = [0, 7]
+UNMATCHED_FREES = 3
+
+
+def events_table() -> pa.Table:
+    cols = list(zip(*EVENT_ROWS, strict=True))
+    data = {
+        "ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in cols[3]],
+        "allocator": [LIBC if k in (1, 2, 3, 4, 5) else 0 for k in cols[3]],
+        "flags": cols[4], "addr": cols[5], "old_addr": cols[6], "size": cols[7],
+        "stack_hash": cols[8],
+    }  # fmt: skip
+    return pa.table(data, schema=EVENTS)
+
+
+def write_artifact(path: Path, events: pa.Table | None = None) -> Path:
+    w = ArtifactWriter(path)
+    w.write("events", events if events is not None else events_table())
+    w.write("processes", pa.table({
+        "ts": [900, 1800, 2300], "pid": [100, 200, 200], "ppid": [1, 100, 100],
+        "comm": ["parent", "child", "child2"], "exe": ["/bin/p", "/bin/p", "/bin/p"],
+        "cmdline": [["p", "-x"], ["p"], ["p"]]}, schema=PROCESSES))  # fmt: skip
+    w.write("rss", pa.table({
+        "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
+        "bytes": [4096, 65536, 8192], "external": [False] * 3}, schema=RSS))  # fmt: skip
+    w.write("mappings", MAPPINGS.empty_table())
+    w.manifest.root_pid = 100
+    w.manifest.start_ns = 900
+    w.manifest.end_ns = END_NS
+    w.manifest.command = ["p", "-x"]
+    w.close()
+    return path
+
+
+# Hand-built unwinding and symbolization results for the stack hashes above, so that
+# report and export tests control every frame: hash -> frames innermost first
+# (depth 0 is the allocator itself).
+STACKS = {
+    11: ["malloc", "make_small", "work", "main"],
+    12: ["malloc", "make_big", "work", "main"],
+    13: ["malloc", "thread_fn"],
+    14: ["realloc", "grow", "main"],
+}
+
+
+def stage_tables(events: pa.Table) -> tuple[StageTables, pa.Table]:
+    """StageTables with STACKS as unwound, symbolized frames (one module, no inlines)."""
+    ev = sort_events(events)
+    pairing = pair(ev, END_NS)
+    names = sorted({n for fr in STACKS.values() for n in fr})
+    fid = {n: i for i, n in enumerate(names)}
+    st_rows: dict[str, list] = {k: [] for k in (
+        "stack_id", "stack_hash", "pid", "depth", "truncated", "complete")}
+    sf: dict[str, list] = {k: [] for k in (
+        "stack_id", "depth", "address", "module_id", "method", "lookup_vaddr", "frame_id")}
+    for sid, (h, fr) in enumerate(sorted(STACKS.items())):
+        for k, v in zip(st_rows, (sid, h, 100, len(fr), False, True), strict=True):
+            st_rows[k].append(v)
+        for d, n in enumerate(fr):
+            vaddr = 0x1000 + 0x100 * fid[n]
+            for k, v in zip(sf, (sid, d, 0x5500_0000 + vaddr, 0, "cfi" if d else "regs",
+                                  vaddr, fid[n]), strict=True):
+                sf[k].append(v)
+    frames = pa.table({
+        "frame_id": pa.array(range(len(names)), pa.int32()),
+        "inline_depth": pa.array([0] * len(names), pa.uint8()),
+        "function": names, "symbol": names,
+        "offset": pa.array([0] * len(names), pa.uint64()),
+        "file": [f"{n}.c" for n in names],
+        "line": pa.array([10 + i for i in range(len(names))], pa.uint32()),
+        "column": pa.array([0] * len(names), pa.uint32()),
+        "module_id": pa.array([0] * len(names), pa.int32()),
+        "vaddr": pa.array([0x1000 + 0x100 * i for i in range(len(names))], pa.uint64()),
+        "address": pa.array([None] * len(names), pa.uint64()),
+        "reason": pa.array([None] * len(names), pa.string()),
+    })  # fmt: skip
+    modules = pa.table({
+        "module_id": pa.array([0], pa.int32()), "build_id": ["ab" * 20], "path": ["/bin/p"],
+        "elf_path": ["/bin/p"], "has_debuginfo": [True], "in_artifact": [True]})  # fmt: skip
+    return StageTables(
+        events=ev, allocations=pairing.allocations, mappings=MAPPINGS.empty_table(),
+        processes=pa.table({
+            "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
+            "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
+            "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]]},
+            schema=PROCESSES),
+        rss=pa.table({"ts": [1000, 1400, 1500], "pid": [100, 100, 100],
+                      "member": [1, 1, 0], "bytes": [4096, 65536, 8192],
+                      "external": [False] * 3}, schema=RSS),
+        modules=modules,
+        stacks=pa.table(st_rows, schema=pa.schema([
+            ("stack_id", pa.int32()), ("stack_hash", pa.uint64()), ("pid", pa.uint32()),
+            ("depth", pa.uint16()), ("truncated", pa.bool_()), ("complete", pa.bool_())])),
+        stack_frames=pa.table(sf, schema=pa.schema([
+            ("stack_id", pa.int32()), ("depth", pa.uint16()), ("address", pa.uint64()),
+            ("module_id", pa.int32()), ("method", pa.string()),
+            ("lookup_vaddr", pa.uint64()), ("frame_id", pa.int32())])),
+        frames=frames,
+    ), pairing.allocations  # fmt: skip
+
+
+def write_run(path: Path) -> Path:
+    """A run database of EVENT_ROWS with STACKS as their stacks."""
+    tables, _ = stage_tables(events_table())
+    load(path, tables, meta_rows(start_ns=900, end_ns=END_NS, root_pid=100,
+                                 command=["p", "-x"], losses={}, counters={}))
+    return path
