@@ -114,6 +114,23 @@ SELECT p.peak_ts, p.peak_bytes, a.* FROM allocations a JOIN heap_peak p USING (p
 WHERE a.event_id <= p.peak_event_id
   AND (a.end_event_id IS NULL OR a.end_event_id > p.peak_event_id);
 
+CREATE VIEW rss_timeline AS
+WITH w AS (
+    SELECT pid, ts,
+        last_value(CASE WHEN member = 'file' THEN bytes END IGNORE NULLS)
+            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS file,
+        last_value(CASE WHEN member = 'anon' THEN bytes END IGNORE NULLS)
+            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS anon,
+        last_value(CASE WHEN member = 'swap' THEN bytes END IGNORE NULLS)
+            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS swap,
+        last_value(CASE WHEN member = 'shmem' THEN bytes END IGNORE NULLS)
+            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS shmem
+    FROM rss)
+SELECT pid, ts, coalesce(file, 0) AS file, coalesce(anon, 0) AS anon,
+       coalesce(swap, 0) AS swap, coalesce(shmem, 0) AS shmem,
+       coalesce(file, 0) + coalesce(anon, 0) + coalesce(shmem, 0) AS rss
+FROM w;
+
 CREATE VIEW leaks AS
 SELECT * FROM allocations WHERE end_reason IN ('exec', 'exit', 'end');
 
@@ -169,7 +186,7 @@ TABLE_NAMES = (
 )  # fmt: skip
 VIEW_NAMES = (
     "stack_lines", "stack_location", "allocation_sites", "heap_timeline", "heap_peak",
-    "peak", "leaks", "temporary", "hotspots",
+    "peak", "rss_timeline", "leaks", "temporary", "hotspots",
 )  # fmt: skip
 
 
