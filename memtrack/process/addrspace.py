@@ -1,0 +1,134 @@
+"""Per-process address spaces from the artifact's /proc/PID/maps snapshots.
+
+A snapshot is the set of `mappings` rows of one (pid, ts). The address space of a record
+(pid, ts) is the last snapshot of that pid taken at or before ts (the first one if the
+record precedes them all); an address not mapped there is looked up in the pid's next
+snapshot (a module mapped between two snapshots). Lookups are vectorized: every
+(snapshot, address) pair becomes one sorted uint64 key `snapshot << 47 | address`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memtrack.schema import VDSO_PATH
+
+ADDR_BITS = 47  # x86_64 user space (4-level paging)
+ADDR_LIMIT = 1 << ADDR_BITS
+
+
+class AddressSpaceError(Exception):
+    """Mapping snapshots that cannot be used (worded for one line)."""
+
+
+class AddressSpaces:
+    """All mapping snapshots of an artifact, ready for vectorized lookups."""
+
+    def __init__(self, mappings: pa.Table) -> None:
+        t = mappings.sort_by([("pid", "ascending"), ("ts", "ascending"),
+                              ("start", "ascending")])
+        self.table = t
+        self.pid = t.column("pid").to_numpy().astype(np.uint32)
+        self.ts = t.column("ts").to_numpy().astype(np.uint64)
+        self.start = t.column("start").to_numpy().astype(np.uint64)
+        self.end = t.column("end").to_numpy().astype(np.uint64)
+        self.offset = t.column("offset").to_numpy().astype(np.uint64)
+        self.path = t.column("path").combine_chunks()
+        self.build_id = t.column("build_id").combine_chunks()
+        n = len(self.pid)
+        if n and len(self.path) != n:
+            raise AddressSpaceError("mappings: columns of different lengths")
+        newsnap = np.ones(n, dtype=bool)
+        if n > 1:
+            newsnap[1:] = (self.pid[1:] != self.pid[:-1]) | (self.ts[1:] != self.ts[:-1])
+        self.snap_of_row = np.cumsum(newsnap) - 1
+        firsts = np.flatnonzero(newsnap)
+        self.snap_pid = self.pid[firsts]
+        self.snap_ts = self.ts[firsts]
+        ns = len(firsts)
+        if ns >= 1 << (64 - ADDR_BITS):
+            raise AddressSpaceError(f"mappings: {ns} snapshots, more than this build handles")
+        self.snap_next = np.full(ns, -1, dtype=np.int64)
+        if ns > 1:
+            same = self.snap_pid[1:] == self.snap_pid[:-1]
+            self.snap_next[:-1][same] = np.arange(1, ns)[same]
+        ok = self.end <= ADDR_LIMIT
+        self._rows = np.flatnonzero(ok)
+        self._keys = (self.snap_of_row[ok].astype(np.uint64) << np.uint64(ADDR_BITS)) | (
+            self.start[ok])
+        is_path = pc.fill_null(pc.not_equal(self.path, ""), False)
+        not_bracket = pc.invert(pc.fill_null(pc.starts_with(self.path, "["), False))
+        self.file_backed = (is_path.to_numpy(zero_copy_only=False)
+                            & not_bracket.to_numpy(zero_copy_only=False))
+        self.is_vdso = pc.fill_null(pc.equal(self.path, VDSO_PATH), False).to_numpy(
+            zero_copy_only=False)
+
+    def __len__(self) -> int:
+        return len(self.snap_pid)
+
+    def snapshot_of(self, pid: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """Snapshot id (int64) of each (pid, ts); -1 for a pid without snapshots."""
+        pid = np.asarray(pid, dtype=np.uint32)
+        ts = np.asarray(ts, dtype=np.uint64)
+        out = np.full(pid.shape, -1, dtype=np.int64)
+        lo = np.searchsorted(self.snap_pid, pid, side="left")
+        hi = np.searchsorted(self.snap_pid, pid, side="right")
+        has = hi > lo
+        for p in np.unique(pid[has]):
+            sel = np.flatnonzero(pid == p)
+            a, b = int(lo[sel[0]]), int(hi[sel[0]])
+            k = np.searchsorted(self.snap_ts[a:b], ts[sel], side="right") - 1
+            out[sel] = a + np.maximum(k, 0)
+        return out
+
+    def _find_in(self, snap: np.ndarray, addr: np.ndarray) -> np.ndarray:
+        out = np.full(addr.shape, -1, dtype=np.int64)
+        ok = (snap >= 0) & (addr < ADDR_LIMIT)
+        if not ok.any() or len(self._keys) == 0:
+            return out
+        key = (snap[ok].astype(np.uint64) << np.uint64(ADDR_BITS)) | addr[ok]
+        i = np.searchsorted(self._keys, key, side="right") - 1
+        ic = np.maximum(i, 0)
+        row = self._rows[ic]
+        hit = (i >= 0) & (self.snap_of_row[row] == snap[ok]) & (addr[ok] < self.end[row])
+        out[np.flatnonzero(ok)[hit]] = row[hit]
+        return out
+
+    def find(self, snap: np.ndarray, addr: np.ndarray) -> np.ndarray:
+        """Mapping row (int64) holding each address in its snapshot (or the pid's next
+        snapshot), -1 where none."""
+        snap = np.asarray(snap, dtype=np.int64)
+        addr = np.asarray(addr, dtype=np.uint64)
+        row = self._find_in(snap, addr)
+        miss = np.flatnonzero((row < 0) & (snap >= 0))
+        while len(miss):
+            nxt = self.snap_next[snap[miss]]
+            has = nxt >= 0
+            miss, nxt = miss[has], nxt[has]
+            if not len(miss):
+                break
+            got = self._find_in(nxt, addr[miss])
+            row[miss] = got
+            snap = snap.copy()
+            snap[miss] = nxt
+            miss = miss[got < 0]
+        return row
+
+    def file_offset(self, row: np.ndarray, addr: np.ndarray) -> np.ndarray:
+        """File offset (uint64) of each address in its mapping row (row >= 0)."""
+        r = np.maximum(row, 0)
+        return np.asarray(addr, dtype=np.uint64) - self.start[r] + self.offset[r]
+
+    def build_ids(self, row: np.ndarray) -> pa.Array:
+        """Build id (string, null for row -1 or none) of each mapping row."""
+        return _take(self.build_id, row)
+
+    def paths(self, row: np.ndarray) -> pa.Array:
+        return _take(self.path, row)
+
+
+def _take(col: pa.Array, row: np.ndarray) -> pa.Array:
+    idx = pa.array(row, type=pa.int64(), mask=np.asarray(row) < 0)
+    return col.take(idx)

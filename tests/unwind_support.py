@@ -1,0 +1,181 @@
+"""Test support for the unwinder: run fixture programs that snapshot their own stack
+(fixtures/unwind/snap.c) and turn the records into decode-shaped stack tables and
+mapping snapshots; name frames through the symbolizer."""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from conftest import build
+
+from memtrack.process.unwind import UnwoundStacks, unwind
+from memtrack.schema import MAPPINGS, NUM_REGS
+from memtrack.symbolize.buildid import read_build_id
+from memtrack.symbolize.modules import ModuleStore
+
+DECODED = pa.schema([
+    ("hash", pa.uint64()), ("pid", pa.uint32()), ("tid", pa.uint32()), ("ts", pa.uint64()),
+    ("sp", pa.uint64()), ("copy_len", pa.uint32()), ("truncated", pa.bool_()),
+    ("regs", pa.list_(pa.uint64(), NUM_REGS)), ("stack", pa.binary()),
+    ("fp_chain", pa.list_(pa.uint64())),
+])
+VARIANTS = {
+    "O0": ("-O0",),
+    "O2": ("-O2",),
+    "O2-omit-fp": ("-O2", "-fomit-frame-pointer"),
+    "O2-fp": ("-O2", "-fno-omit-frame-pointer"),
+}
+
+
+def snap_lib() -> Path:
+    return build(["unwind/snap.c"], shared=True, flags=("-O2", "-g"), libs=("-lpthread",),
+                 name="libmtsnap")
+
+
+def build_fixture(sources: list[str], flags: tuple[str, ...], name: str,
+                  libs: tuple[str, ...] = (), shared: bool = False) -> Path:
+    inc = str(Path(__file__).resolve().parent.parent / "fixtures" / "unwind")
+    return build(sources, flags=(*flags, "-g", f"-I{inc}"), libs=(str(snap_lib()), *libs),
+                 name=name, shared=shared)
+
+
+@dataclass
+class Snaps:
+    stacks: pa.Table
+    mappings: pa.Table
+    sizes: list[int]
+
+
+@functools.cache
+def _build_id(path: str) -> str | None:
+    return read_build_id(path)
+
+
+def parse_maps(text: str, pid: int, ts: int) -> list[dict[str, object]]:
+    rows = []
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        path = parts[5].strip() if len(parts) > 5 else ""
+        bid = _build_id(path) if path.startswith("/") and os.path.isfile(path) else None
+        rows.append({"ts": ts, "pid": pid, "start": start, "end": end,
+                     "offset": int(parts[2], 16), "perms": parts[1], "dev": parts[3],
+                     "inode": int(parts[4]), "path": path, "build_id": bid})
+    return rows
+
+
+def read_snaps(path: Path) -> Snaps:
+    data = path.read_bytes()
+    p = 0
+    cols: dict[str, list[object]] = {f.name: [] for f in DECODED}
+    maps: list[dict[str, object]] = []
+    sizes = []
+    while p < len(data):
+        magic, version, pid, tid = struct.unpack_from("<4I", data, p)
+        assert magic == 0x4E53544D and version == 1
+        ts, size, sp, lens = struct.unpack_from("<4Q", data, p + 16)
+        copy_len, truncated = lens & 0xFFFFFFFF, lens >> 32
+        p += 48
+        regs = list(struct.unpack_from(f"<{NUM_REGS}Q", data, p))
+        p += 8 * NUM_REGS
+        n_fp, maps_len = struct.unpack_from("<2I", data, p)
+        p += 8
+        fp = list(struct.unpack_from(f"<{n_fp}Q", data, p))
+        p += 8 * n_fp
+        stack = data[p:p + copy_len]
+        p += copy_len
+        text = data[p:p + maps_len].decode()
+        p += maps_len
+        for k, v in (("hash", len(sizes) + 1), ("pid", pid), ("tid", tid), ("ts", ts),
+                     ("sp", sp), ("copy_len", copy_len), ("truncated", bool(truncated)),
+                     ("regs", regs), ("stack", stack), ("fp_chain", fp)):
+            cols[k].append(v)
+        maps += parse_maps(text, pid, ts)
+        sizes.append(size)
+    return Snaps(pa.table(cols, schema=DECODED), pa.Table.from_pylist(maps, schema=MAPPINGS),
+                 sizes)
+
+
+def run_snaps(cmd: list[str], tmp: Path, env: dict[str, str] | None = None,
+              budget: int = 8192) -> Snaps:
+    out = tmp / f"snaps-{len(list(tmp.glob('snaps-*')))}.bin"
+    e = dict(os.environ, MT_SNAP_OUT=str(out), MT_SNAP_BUDGET=str(budget), **(env or {}))
+    subprocess.run(cmd, check=True, env=e, timeout=60, capture_output=True)
+    return read_snaps(out)
+
+
+@dataclass
+class Named:
+    """One unwound stack with frame names (innermost first)."""
+
+    names: list[str]
+    methods: list[str]
+    addresses: list[int]
+    truncated: bool
+    complete: bool
+    stop: str
+
+
+@functools.cache
+def _symtab(path: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    from elftools.elf.elffile import ELFFile
+
+    syms: dict[int, tuple[int, str]] = {}
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        for sec in (".symtab", ".dynsym"):
+            s = elf.get_section_by_name(sec)
+            if s is None or s["sh_type"] == "SHT_NOBITS":
+                continue
+            for sym in s.iter_symbols():
+                if sym["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC") and sym["st_value"]:
+                    v = int(sym["st_value"])
+                    if v not in syms or (syms[v][1].startswith("_") and not sym.name.startswith(
+                            "_")):
+                        syms[v] = (int(sym["st_size"]), sym.name)
+    starts = np.array(sorted(syms), dtype=np.uint64)
+    ends = np.array([k + max(syms[k][0], 1) for k in sorted(syms)], dtype=np.uint64)
+    return starts, ends, [syms[k][1] for k in sorted(syms)]
+
+
+def name_of(store: ModuleStore, build_id: str | None, vaddr: int | None) -> str:
+    """The ELF symbol holding vaddr (the symbolizer's job; a symtab lookup suffices to
+    check frame identity here), '?' when unknown."""
+    if build_id is None or vaddr is None:
+        return "?"
+    mod = store.get(build_id)
+    if mod is None:
+        return "?"
+    for p in (mod.debug_path, mod.elf_path):
+        if p is None:
+            continue
+        starts, ends, names = _symtab(str(p))
+        i = int(np.searchsorted(starts, np.uint64(vaddr), side="right")) - 1
+        if i >= 0 and vaddr < ends[i]:
+            return names[i]
+    return "?"
+
+
+def unwind_named(snaps: Snaps, store: ModuleStore | None = None
+                 ) -> tuple[list[Named], UnwoundStacks]:
+    store = store or ModuleStore(None, host_modules=True)
+    res = unwind(snaps.stacks, snaps.mappings, store)
+    frames = res.frames.to_pylist()
+    out: dict[int, Named] = {}
+    for s in res.stacks.to_pylist():
+        out[s["stack_hash"]] = Named([], [], [], s["truncated"], s["complete"], s["stop"])
+    for f in frames:
+        n = out[f["stack_hash"]]
+        n.names.append(name_of(store, f["build_id"], f["lookup_vaddr"]))
+        n.methods.append(f["method"])
+        n.addresses.append(f["address"])
+    return [out[h] for h in snaps.stacks.column("hash").to_pylist()], res
