@@ -357,8 +357,9 @@ class _Unwinder:
     def _frame0_prologue(self, j: int, code: bytes, m: int, vaddr: int, cfa_reg: np.ndarray,
                          cfa_off: np.ndarray, rule: np.ndarray, off: np.ndarray) -> None:
         """Frame 0 without CFI: where rbp is not (yet / any more) the frame, step from rsp."""
-        state = _prologue_state(code, vaddr in _func_starts(self.mods[m].module)
-                                if m >= 0 else False)
+        module = self.mods[m].module if m >= 0 else None
+        starts = _func_starts(module.elf_path, module.debug_path) if module else frozenset()
+        state = _prologue_state(code, vaddr in starts)
         if state == "body":
             return
         cfa_reg[j] = RSP
@@ -563,12 +564,10 @@ def _read_file(path: Path, offset: int, size: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=64)
-def _func_starts(module: Module | None) -> frozenset[int]:
+def _func_starts(elf_path: Path, debug_path: Path | None) -> frozenset[int]:
     """Start addresses of the FUNC symbols of a module (its debug file's too)."""
     out: set[int] = set()
-    if module is None:
-        return frozenset()
-    for path in (module.elf_path, module.debug_path):
+    for path in (elf_path, debug_path):
         if path is None:
             continue
         try:
