@@ -1,0 +1,259 @@
+/* Allocator probes: entry uprobes and return uretprobes of every allocator family,
+ * paired per thread, reported once per outer call.
+ *
+ * One program per (family, shape): the shape says which argument holds the size,
+ * the old pointer or the out-pointer, and which event kind the call is. Userspace
+ * (memtrack.capture.allocators) attaches `mt_e_<family>_<shape>` at a function's
+ * entry, `mt_ret` at its return for allocating functions, and `mt_f_<family>_<shape>`
+ * (entry only) for frees.
+ *
+ * Needs: MT_EVENTS_PAGES (events ring size in pages). Optional: MT_STACKS (stacks.h
+ * is included before this file and defines mt_stack_capture). */
+
+#include <uapi/linux/ptrace.h>
+
+#ifndef MT_EVENTS_PAGES
+#define MT_EVENTS_PAGES 4096
+#endif
+
+/* Internal kinds beyond enum mt_kind: resolved at return. */
+#define MT_K_POSIX_MEMALIGN 100 /* the address is written to the out-pointer */
+#define MT_K_MALLOCX 101        /* jemalloc flags decide: aligned / zeroed / plain */
+
+/* Loss counters of the capture core (userspace sums the per-CPU slots). */
+#define MT_L_EVENTS_RING_FULL 0
+#define MT_L_ATTACH_DROPPED 1
+#define MT_L_UNPAIRED_RETURN 2
+BPF_PERCPU_ARRAY(mt_core_losses, u64, 4);
+
+BPF_RINGBUF_OUTPUT(mt_events, MT_EVENTS_PAGES);
+
+/* Per-thread allocator call state: nesting depth and the outer call's arguments. */
+struct mt_call {
+    u32 depth;
+    u8 kind;
+    u8 allocator;
+    u8 on;          /* recording was enabled at the outer entry */
+    u8 _pad;
+    u64 size;
+    u64 old_addr;
+    u64 outp;
+    u64 flags;
+    u64 stack_hash;
+    u64 last_free_ptr; /* tail-called / nested free of the same pointer: report once */
+    u64 last_free_sp;
+};
+BPF_HASH(mt_calls, u32, struct mt_call, 65536);
+
+static __always_inline void mt_loss(int idx) {
+    u64 *v = mt_core_losses.lookup(&idx);
+    if (v)
+        (*v)++;
+}
+
+static __always_inline void mt_emit(u32 pid, u32 tid, u8 kind, u8 allocator, u64 flags,
+                                    u64 addr, u64 old_addr, u64 size, u64 stack_hash) {
+    struct mt_event *e = mt_events.ringbuf_reserve(sizeof(struct mt_event));
+    if (!e) {
+        mt_loss(MT_L_EVENTS_RING_FULL);
+        return;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->pid = pid;
+    e->tid = tid;
+    e->kind = kind;
+    e->allocator = allocator;
+    e->_pad = 0;
+    e->_pad2 = 0;
+    e->flags = flags;
+    e->addr = addr;
+    e->old_addr = old_addr;
+    e->size = size;
+    e->stack_hash = stack_hash;
+    mt_events.ringbuf_submit(e, 0);
+}
+
+static __always_inline struct mt_call *mt_call_of(u32 tid) {
+    struct mt_call *c = mt_calls.lookup(&tid);
+    if (c)
+        return c;
+    struct mt_call zero = {};
+    mt_calls.update(&tid, &zero);
+    return mt_calls.lookup(&tid);
+}
+
+/* Remember the return-address slot a uretprobe is about to hijack (common.h). */
+static __always_inline void mt_retslot_push(u32 tid, u64 sp) {
+    struct mt_retslots *r = mt_retslots.lookup(&tid);
+    if (!r) {
+        struct mt_retslots zero = {};
+        mt_retslots.update(&tid, &zero);
+        r = mt_retslots.lookup(&tid);
+        if (!r)
+            return;
+    }
+    u32 d = r->depth;
+    if (d >= MT_MAX_NEST) {
+        r->depth = d + 1;
+        return;
+    }
+    u64 value = 0;
+    /* A tail call re-enters with the same sp: its slot already holds the trampoline,
+     * keep the original value recorded by the outer entry. */
+    if (d > 0 && d - 1 < MT_MAX_NEST && r->slot[(d - 1) & (MT_MAX_NEST - 1)] == sp)
+        value = r->value[(d - 1) & (MT_MAX_NEST - 1)];
+    else
+        bpf_probe_read_user(&value, sizeof(value), (void *)sp);
+    r->slot[d & (MT_MAX_NEST - 1)] = sp;
+    r->value[d & (MT_MAX_NEST - 1)] = value;
+    r->depth = d + 1;
+}
+
+static __always_inline void mt_retslot_pop(u32 tid) {
+    struct mt_retslots *r = mt_retslots.lookup(&tid);
+    if (r && r->depth > 0)
+        r->depth -= 1;
+}
+
+static __always_inline int mt_entry(struct pt_regs *ctx, u8 kind, u8 allocator, u64 size,
+                                    u64 old_addr, u64 outp, u64 flags) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (!mt_is_tracked(pid))
+        return 0;
+    struct mt_call *c = mt_call_of(tid);
+    if (!c)
+        return 0;
+    mt_retslot_push(tid, PT_REGS_SP(ctx));
+    u32 d = c->depth;
+    c->depth = d + 1;
+    c->last_free_ptr = 0;
+    if (d != 0)
+        return 0;
+    c->kind = kind;
+    c->allocator = allocator;
+    c->size = size;
+    c->old_addr = old_addr;
+    c->outp = outp;
+    c->flags = flags;
+    c->stack_hash = 0;
+    c->on = mt_is_enabled();
+#ifdef MT_STACKS
+    if (c->on)
+        c->stack_hash = mt_stack_capture(ctx, pid, tid);
+#endif
+    return 0;
+}
+
+int mt_ret(struct pt_regs *ctx) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (!mt_is_tracked(pid))
+        return 0;
+    struct mt_call *c = mt_calls.lookup(&tid);
+    if (!c || c->depth == 0) {
+        mt_loss(MT_L_UNPAIRED_RETURN);
+        return 0;
+    }
+    mt_retslot_pop(tid);
+    c->depth -= 1;
+    if (c->depth != 0 || !c->on)
+        return 0;
+    u64 ret = PT_REGS_RC(ctx);
+    u8 kind = c->kind;
+    u64 addr = ret;
+    if (kind == MT_K_POSIX_MEMALIGN) {
+        if ((u32)ret != 0)
+            return 0;
+        addr = 0;
+        bpf_probe_read_user(&addr, sizeof(addr), (void *)c->outp);
+        kind = MT_ALIGNED_ALLOC;
+    } else if (kind == MT_K_MALLOCX) {
+        /* MALLOCX_LG_ALIGN in the low 6 bits, MALLOCX_ZERO = 0x40 */
+        kind = (c->flags & 0x3f) ? MT_ALIGNED_ALLOC : (c->flags & 0x40) ? MT_CALLOC : MT_MALLOC;
+    }
+    if (addr == 0) {
+        /* realloc(p, 0) freed p and returned NULL; any other NULL is a failure */
+        if (kind == MT_REALLOC && c->size == 0 && c->old_addr != 0)
+            mt_emit(pid, tid, MT_FREE, c->allocator, 0, c->old_addr, 0, 0, 0);
+        return 0;
+    }
+    mt_emit(pid, tid, kind, c->allocator, 0, addr, c->old_addr, c->size, c->stack_hash);
+    return 0;
+}
+
+static __always_inline int mt_free(struct pt_regs *ctx, u8 allocator, u64 ptr, u64 size) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (ptr == 0 || !mt_is_tracked(pid))
+        return 0;
+    struct mt_call *c = mt_call_of(tid);
+    if (!c || c->depth != 0)
+        return 0;
+    u64 sp = PT_REGS_SP(ctx);
+    /* operator delete -> free (tail or nested call) passes the same pointer on a stack
+     * at or below the outer one with no allocation in between: report it once. */
+    if (c->last_free_ptr == ptr && sp <= c->last_free_sp && sp + 512 >= c->last_free_sp)
+        return 0;
+    c->last_free_ptr = ptr;
+    c->last_free_sp = sp;
+    if (!mt_is_enabled())
+        return 0;
+    mt_emit(pid, tid, MT_FREE, allocator, 0, ptr, 0, size, 0);
+    return 0;
+}
+
+#define A1 PT_REGS_PARM1(ctx)
+#define A2 PT_REGS_PARM2(ctx)
+#define A3 PT_REGS_PARM3(ctx)
+
+/* Every shape of one allocator family. */
+#define MT_FAMILY(fam, id)                                                                   \
+    int mt_e_##fam##_malloc(struct pt_regs *ctx) {                                          \
+        return mt_entry(ctx, MT_MALLOC, id, A1, 0, 0, 0);                                    \
+    }                                                                                        \
+    int mt_e_##fam##_valloc(struct pt_regs *ctx) {                                          \
+        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A1, 0, 0, 0);                             \
+    }                                                                                        \
+    int mt_e_##fam##_calloc(struct pt_regs *ctx) {                                          \
+        return mt_entry(ctx, MT_CALLOC, id, A1 * A2, 0, 0, 0);                               \
+    }                                                                                        \
+    int mt_e_##fam##_zalloc(struct pt_regs *ctx) {                                          \
+        return mt_entry(ctx, MT_CALLOC, id, A1, 0, 0, 0);                                    \
+    }                                                                                        \
+    int mt_e_##fam##_mallocn(struct pt_regs *ctx) {                                         \
+        return mt_entry(ctx, MT_MALLOC, id, A1 * A2, 0, 0, 0);                               \
+    }                                                                                        \
+    int mt_e_##fam##_realloc(struct pt_regs *ctx) {                                         \
+        return mt_entry(ctx, MT_REALLOC, id, A2, A1, 0, 0);                                  \
+    }                                                                                        \
+    int mt_e_##fam##_reallocn(struct pt_regs *ctx) {                                        \
+        return mt_entry(ctx, MT_REALLOC, id, A2 * A3, A1, 0, 0);                             \
+    }                                                                                        \
+    int mt_e_##fam##_memalign(struct pt_regs *ctx) {                                        \
+        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A2, 0, 0, 0);                             \
+    }                                                                                        \
+    int mt_e_##fam##_alignedsz(struct pt_regs *ctx) {                                       \
+        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A1, 0, 0, 0);                             \
+    }                                                                                        \
+    int mt_e_##fam##_callocaligned(struct pt_regs *ctx) {                                   \
+        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A1 * A2, 0, 0, 0);                        \
+    }                                                                                        \
+    int mt_e_##fam##_posixmemalign(struct pt_regs *ctx) {                                   \
+        return mt_entry(ctx, MT_K_POSIX_MEMALIGN, id, A3, 0, A1, 0);                         \
+    }                                                                                        \
+    int mt_e_##fam##_mallocx(struct pt_regs *ctx) {                                         \
+        return mt_entry(ctx, MT_K_MALLOCX, id, A1, 0, 0, A2);                                \
+    }                                                                                        \
+    int mt_f_##fam##_free(struct pt_regs *ctx) { return mt_free(ctx, id, A1, 0); }           \
+    int mt_f_##fam##_freesized(struct pt_regs *ctx) { return mt_free(ctx, id, A1, A2); }     \
+    int mt_f_##fam##_freealignedsized(struct pt_regs *ctx) {                                \
+        return mt_free(ctx, id, A1, A3);                                                     \
+    }
+
+MT_FAMILY(libc, MT_A_LIBC)
+MT_FAMILY(cxx, MT_A_CXX)
+MT_FAMILY(jemalloc, MT_A_JEMALLOC)
+MT_FAMILY(mimalloc, MT_A_MIMALLOC)
+MT_FAMILY(tcmalloc, MT_A_TCMALLOC)
+MT_FAMILY(other, MT_A_OTHER)

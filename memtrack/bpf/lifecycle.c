@@ -1,0 +1,228 @@
+/* Process tree, address-space syscalls and on-demand attach requests.
+ *
+ * Follows the tracked tree with task_newtask (fork/clone: clone flags tell threads
+ * from processes) and sched_process_exec/exit, emits FORK/EXEC/EXIT events, mmap /
+ * munmap / brk events for successful calls, and asks userspace to classify and probe
+ * every file a tracked process maps executable (and every exec'd image): it submits
+ * an attach request, then stops the whole process with SIGSTOP; userspace attaches
+ * the probes and sends SIGCONT. Uses mt_events, mt_emit and mt_loss of alloc.c. */
+
+#ifndef MT_ATTACH_PAGES
+#define MT_ATTACH_PAGES 64
+#endif
+
+#define MT_SIGSTOP 19
+#define MT_PROT_EXEC 0x4
+#define MT_MAP_ANONYMOUS 0x20
+#define MT_CLONE_THREAD 0x10000
+
+#define MT_REQ_MMAP 1
+#define MT_REQ_EXEC 2
+
+/* memtrack.capture.core.ATTACH_DTYPE */
+struct mt_attach_req {
+    u64 ts;
+    u32 pid;
+    u32 tid;
+    u32 reason;
+    s32 fd;
+    u64 len;
+    u64 off;
+};
+BPF_RINGBUF_OUTPUT(mt_attach, MT_ATTACH_PAGES);
+
+/* Spawned roots waiting for their exec: tracked from the exec on, so nothing the
+ * spawning stub does between fork and exec is recorded. */
+BPF_HASH(mt_pending, u32, u8, 1024);
+/* Exit status of each tracked process as the kernel reports it (code << 8 | signal). */
+BPF_HASH(mt_exitcode, u32, u64, 65536);
+
+struct mt_sys_args {
+    u64 a0, a1, a2, a3, a4;
+};
+BPF_HASH(mt_sys, u32, struct mt_sys_args, 65536);
+BPF_HASH(mt_brk, u32, u64, 65536);
+
+static __always_inline void mt_request_attach(u32 pid, u32 tid, u32 reason, s32 fd, u64 len,
+                                              u64 off) {
+    struct mt_attach_req *r = mt_attach.ringbuf_reserve(sizeof(struct mt_attach_req));
+    if (!r) {
+        mt_loss(MT_L_ATTACH_DROPPED);
+        return;
+    }
+    r->ts = bpf_ktime_get_ns();
+    r->pid = pid;
+    r->tid = tid;
+    r->reason = reason;
+    r->fd = fd;
+    r->len = len;
+    r->off = off;
+    mt_attach.ringbuf_submit(r, 0);
+    bpf_send_signal(MT_SIGSTOP);
+}
+
+TRACEPOINT_PROBE(task, task_newtask) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (!mt_is_tracked(pid))
+        return 0;
+    u32 child = args->pid;
+    u64 flags = args->clone_flags;
+    if (!(flags & MT_CLONE_THREAD)) {
+        u8 one = 1;
+        mt_tracked.update(&child, &one);
+    }
+    mt_emit(pid, tid, MT_FORK, MT_A_NONE, flags, child, 0, 0, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (mt_pending.lookup(&pid)) {
+        u8 one = 1;
+        mt_tracked.update(&pid, &one);
+        mt_pending.delete(&pid);
+    } else if (!mt_is_tracked(pid)) {
+        return 0;
+    }
+    mt_brk.delete(&pid);
+    mt_emit(pid, tid, MT_EXEC, MT_A_NONE, 0, (u32)args->old_pid, 0, 0, 0);
+    mt_request_attach(pid, tid, MT_REQ_EXEC, -1, 0, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    mt_calls.delete(&tid);
+    mt_retslots.delete(&tid);
+    mt_sys.delete(&tid);
+    if (!mt_is_tracked(pid))
+        return 0;
+    u64 code = 0;
+    u64 *c = mt_exitcode.lookup(&pid);
+    if (c)
+        code = *c;
+    u64 group_dead = args->group_dead ? 1 : 0;
+    mt_emit(pid, tid, MT_EXIT, MT_A_NONE, group_dead, 0, 0, code, 0);
+    if (group_dead) {
+        mt_tracked.delete(&pid);
+        mt_exitcode.delete(&pid);
+        mt_brk.delete(&pid);
+    }
+    return 0;
+}
+
+static __always_inline void mt_set_exit(u64 status) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    if (!mt_is_tracked(pid))
+        return;
+    mt_exitcode.update(&pid, &status);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_exit_group) {
+    mt_set_exit(((u64)args->error_code & 0xff) << 8);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_exit) {
+    mt_set_exit(((u64)args->error_code & 0xff) << 8);
+    return 0;
+}
+
+/* A fatal signal taking its default action ends the process with that signal. */
+TRACEPOINT_PROBE(signal, signal_deliver) {
+    int sig = args->sig;
+    if (args->sa_handler != 0)
+        return 0;
+    /* default action ignore / stop / continue: not fatal */
+    if (sig == 17 || sig == 18 || sig == 19 || sig == 20 || sig == 21 || sig == 22 ||
+        sig == 23 || sig == 28 || sig > 31)
+        return 0;
+    mt_set_exit((u64)sig);
+    return 0;
+}
+
+static __always_inline void mt_sys_enter(u64 a0, u64 a1, u64 a2, u64 a3, u64 a4) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (!mt_is_tracked(pid))
+        return;
+    struct mt_sys_args a = {a0, a1, a2, a3, a4};
+    mt_sys.update(&tid, &a);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (!mt_is_tracked(pid))
+        return 0;
+    u64 prot = args->prot, flags = args->flags;
+    s32 fd = (s32)args->fd;
+    struct mt_sys_args a = {args->addr, args->len, prot, flags, (u64)(s64)fd};
+    mt_sys.update(&tid, &a);
+    if ((prot & MT_PROT_EXEC) && !(flags & MT_MAP_ANONYMOUS) && fd >= 0)
+        mt_request_attach(pid, tid, MT_REQ_MMAP, fd, args->len, args->off);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    struct mt_sys_args *a = mt_sys.lookup(&tid);
+    if (!a)
+        return 0;
+    struct mt_sys_args s = *a;
+    mt_sys.delete(&tid);
+    s64 ret = args->ret;
+    if (ret < 0 && ret > -4096)
+        return 0;
+    if (!mt_is_enabled())
+        return 0;
+    u64 fd = (s.a3 & MT_MAP_ANONYMOUS) ? (u64)-1 : s.a4;
+    mt_emit(pid, tid, MT_MMAP, MT_A_SYSCALL, s.a3 | (s.a2 << 32), (u64)ret, fd, s.a1, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap) {
+    mt_sys_enter(args->addr, args->len, 0, 0, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_munmap) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    struct mt_sys_args *a = mt_sys.lookup(&tid);
+    if (!a)
+        return 0;
+    struct mt_sys_args s = *a;
+    mt_sys.delete(&tid);
+    if (args->ret != 0 || !mt_is_enabled())
+        return 0;
+    mt_emit(pid, tid, MT_MUNMAP, MT_A_SYSCALL, 0, s.a0, 0, s.a1, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_brk) {
+    mt_sys_enter(args->brk, 0, 0, 0, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_brk) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    struct mt_sys_args *a = mt_sys.lookup(&tid);
+    if (!a)
+        return 0;
+    mt_sys.delete(&tid);
+    u64 now = (u64)args->ret;
+    u64 *prev = mt_brk.lookup(&pid);
+    u64 before = prev ? *prev : 0;
+    mt_brk.update(&pid, &now);
+    /* brk(0) and failed calls leave the break where it was: nothing to report */
+    if (!prev || before == now || !mt_is_enabled())
+        return 0;
+    mt_emit(pid, tid, MT_BRK, MT_A_SYSCALL, 0, now, before, now > before ? now - before : before - now, 0);
+    return 0;
+}

@@ -1,0 +1,91 @@
+"""The capture core's part: allocator probes (bpf/alloc.c) and the process tree,
+address-space syscalls and attach requests (bpf/lifecycle.c).
+
+Its tracepoints are attached by bcc when the program loads (TRACEPOINT_PROBE); its
+uprobes are attached module by module by the session as the tracked tree maps them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.ringbuf import RingReader
+from memtrack.schema import EVENT_DTYPE, EVENTS
+from memtrack.schema.artifact import ArtifactWriter
+
+# bpf/lifecycle.c struct mt_attach_req
+ATTACH_DTYPE = np.dtype(
+    [
+        ("ts", "<u8"),
+        ("pid", "<u4"),
+        ("tid", "<u4"),
+        ("reason", "<u4"),
+        ("fd", "<i4"),
+        ("len", "<u8"),
+        ("off", "<u8"),
+    ]
+)
+assert ATTACH_DTYPE.itemsize == 40
+REQ_MMAP = 1
+REQ_EXEC = 2
+
+# bpf/alloc.c mt_core_losses slots -> manifest loss counters
+LOSS_SLOTS = ("events_ring_full", "attach_requests_dropped", "unpaired_returns")
+ATTACH_RING_PAGES = 64
+
+
+def events_batch(rec: np.ndarray) -> pa.RecordBatch:
+    """Drained mt_event records as an events.arrow batch."""
+    return pa.RecordBatch.from_arrays(
+        [pa.array(np.ascontiguousarray(rec[f.name])) for f in EVENTS], schema=EVENTS)
+
+
+class CorePart:
+    """Allocation, syscall and lifecycle events into events.arrow."""
+
+    name = "core"
+
+    def __init__(self, options: CaptureOptions) -> None:
+        self.options = options
+        self.events: RingReader | None = None
+        self.attach_requests: RingReader | None = None
+        self.written = 0
+
+    def sources(self) -> list[str]:
+        return ["alloc.c", "lifecycle.c"]
+
+    def cflags(self) -> list[str]:
+        return [f"-DMT_EVENTS_PAGES={self.options.events_ring_pages}",
+                f"-DMT_ATTACH_PAGES={ATTACH_RING_PAGES}"]
+
+    def attach(self, bpf: Any) -> list[str]:
+        self.events = RingReader(bpf, "mt_events")
+        self.attach_requests = RingReader(bpf, "mt_attach")
+        return []
+
+    def read_events(self) -> np.ndarray:
+        assert self.events is not None, "CorePart.attach was not called"
+        return self.events.read_fixed(EVENT_DTYPE)
+
+    def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
+        rec = self.read_events()
+        if rec.size:
+            writer.write("events", events_batch(rec))
+            self.written += rec.size
+        return int(rec.size)
+
+    def loss_totals(self, bpf: Any) -> dict[str, int]:
+        table = bpf["mt_core_losses"]
+        return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(LOSS_SLOTS)}
+
+    def losses(self, bpf: Any) -> dict[str, int]:
+        return self.loss_totals(bpf)
+
+    def close(self) -> None:
+        for r in (self.events, self.attach_requests):
+            if r is not None:
+                r.close()

@@ -1,0 +1,104 @@
+"""What capture reads from /proc about the traced processes."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class MapLine:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev: str
+    inode: int
+    path: str
+
+
+def parse_maps(text: str) -> list[MapLine]:
+    out = []
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            continue
+        lo, hi = parts[0].split("-")
+        out.append(MapLine(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16), parts[3],
+                           int(parts[4]), parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def read_maps(pid: int) -> list[MapLine] | None:
+    try:
+        return parse_maps((PROC / str(pid) / "maps").read_text())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def task_states(pid: int) -> list[str] | None:
+    """The state letter of every thread of `pid`, None when the process is gone."""
+    try:
+        tids = os.listdir(PROC / str(pid) / "task")
+    except OSError:
+        return None
+    states = []
+    for tid in tids:
+        try:
+            stat = (PROC / str(pid) / "task" / tid / "stat").read_text()
+        except OSError:
+            continue
+        states.append(stat[stat.rfind(")") + 2])
+    return states
+
+
+def wait_stopped(pid: int, timeout: float = 5.0) -> bool:
+    """Wait until every thread of `pid` is stopped (T/t). False when the process is gone
+    (or dead, or did not stop within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0
+    while True:
+        states = task_states(pid)
+        if not states or all(s in "ZX" for s in states):
+            return False
+        if all(s in "Tt" or s in "ZX" for s in states):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(0.002, delay + 0.0002)
+
+
+def read_identity(pid: int) -> tuple[int, str, str, list[str]] | None:
+    """(ppid, comm, exe, cmdline) of a live process, None when it is gone."""
+    base = PROC / str(pid)
+    try:
+        stat = (base / "stat").read_text()
+        comm = (base / "comm").read_text().rstrip("\n")
+        raw = (base / "cmdline").read_bytes()
+    except OSError:
+        return None
+    try:
+        exe = os.readlink(base / "exe")
+    except OSError:
+        exe = ""
+    ppid = int(stat[stat.rfind(")") + 2:].split()[1])
+    cmdline = [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]] if raw else []
+    return ppid, comm, exe, cmdline
+
+
+def read_memory(pid: int, start: int, length: int) -> bytes | None:
+    try:
+        fd = os.open(PROC / str(pid) / "mem", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, length, start)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -1,0 +1,129 @@
+"""Bulk reading of BPF ring buffers through their memory mapping.
+
+A BPF ring buffer map is mmap'able: page 0 holds the consumer position (read-write),
+the next page the producer position, followed by the data area mapped twice in a row
+so that a record that wraps around is still contiguous. Each record has an 8-byte
+header: its length with a busy bit (31, still being written) and a discard bit (30).
+
+`read_fixed` turns every committed record of a ring whose records all have one size
+into one numpy array in a handful of vectorized operations; `read_records` returns the
+records of a ring with variable-size records as bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+
+BUSY = 1 << 31
+DISCARD = 1 << 30
+HEADER = 8
+
+
+class RingReader:
+    """Consumes one BPF_RINGBUF_OUTPUT map of a loaded bcc program."""
+
+    def __init__(self, bpf: Any, map_name: str) -> None:
+        table = bpf[map_name]
+        self.name = map_name
+        self.fd: int = table.map_fd
+        self.size: int = int(table.max_entries)
+        if self.size <= 0 or self.size & (self.size - 1):
+            raise ValueError(f"ring {map_name}: size {self.size} is not a power of two")
+        self.mask = self.size - 1
+        page = mmap.PAGESIZE
+        self._cons_map = mmap.mmap(self.fd, page, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self._prod_map = mmap.mmap(self.fd, page + 2 * self.size, mmap.MAP_SHARED,
+                                   mmap.PROT_READ, offset=page)
+        self._cons = np.frombuffer(self._cons_map, dtype=np.uint64, count=1)
+        self._prod = np.frombuffer(self._prod_map, dtype=np.uint64, count=1)
+        self._data = np.frombuffer(self._prod_map, dtype=np.uint8, offset=page)
+
+    def pending(self) -> int:
+        """Bytes written by producers and not consumed yet."""
+        return int(self._prod[0]) - int(self._cons[0])
+
+    def _advance(self, pos: int) -> None:
+        self._cons[0] = pos
+
+    def read_fixed(self, dtype: np.dtype) -> np.ndarray:
+        """Every committed record, each exactly dtype.itemsize bytes, as one array.
+
+        Stops at the first record still being written. A record of another size or a
+        discarded one is skipped through the slow path (never produced by memtrack's
+        programs, handled for safety)."""
+        dtype = np.dtype(dtype)
+        rec = dtype.itemsize
+        stride = (rec + HEADER + 7) & ~7
+        out: list[np.ndarray] = []
+        while True:
+            cons = int(self._cons[0])
+            prod = int(self._prod[0])
+            span = prod - cons
+            if span <= 0:
+                break
+            start = cons & self.mask
+            n = span // stride
+            if n == 0:
+                if not self._read_one_odd(rec, out, dtype):
+                    break
+                continue
+            base = self._data[start:start + n * stride]
+            hdr = np.ndarray((n,), dtype=np.uint32, buffer=base, strides=(stride,))
+            bad = np.flatnonzero(hdr != rec)
+            good = int(bad[0]) if bad.size else n
+            if good:
+                recs = np.ndarray((good,), dtype=dtype, buffer=base, offset=HEADER,
+                                  strides=(stride,)).copy()
+                out.append(recs)
+                self._advance(cons + good * stride)
+            if good < n or span % stride:
+                if not self._read_one_odd(rec, out, dtype):
+                    break
+        if not out:
+            return np.empty(0, dtype=dtype)
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _read_one_odd(self, rec: int, out: list[np.ndarray], dtype: np.dtype) -> bool:
+        """Handle the record at the consumer position one by one; False if busy."""
+        cons = int(self._cons[0])
+        if int(self._prod[0]) - cons < HEADER:
+            return False
+        start = cons & self.mask
+        hdr = int(self._data[start:start + 4].view(np.uint32)[0])
+        if hdr & BUSY:
+            return False
+        length = hdr & ~(BUSY | DISCARD)
+        if not hdr & DISCARD and length == rec:
+            body = self._data[start + HEADER:start + HEADER + rec]
+            out.append(np.frombuffer(body.tobytes(), dtype=dtype))
+        self._advance(cons + ((length + HEADER + 7) & ~7))
+        return True
+
+    def read_records(self) -> list[bytes]:
+        """Every committed record as bytes (rings with variable-size records)."""
+        out: list[bytes] = []
+        cons = int(self._cons[0])
+        prod = int(self._prod[0])
+        data = self._data
+        while prod - cons >= HEADER:
+            start = cons & self.mask
+            hdr = int(data[start:start + 4].view(np.uint32)[0])
+            if hdr & BUSY:
+                break
+            length = hdr & ~(BUSY | DISCARD)
+            if not hdr & DISCARD:
+                out.append(data[start + HEADER:start + HEADER + length].tobytes())
+            cons += (length + HEADER + 7) & ~7
+            if prod - cons < HEADER:
+                prod = int(self._prod[0])
+        self._advance(cons)
+        return out
+
+    def close(self) -> None:
+        self._cons = self._prod = self._data = None  # type: ignore[assignment]
+        self._cons_map.close()
+        self._prod_map.close()

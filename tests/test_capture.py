@@ -1,0 +1,160 @@
+"""Capture end to end: real programs under a real Tracker, exact event sequences with
+addresses matched against what the programs print."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import build
+
+from memtrack.capture.parts import CaptureOptions
+from memtrack.schema import ALLOC_KINDS, EventKind
+from memtrack.schema.artifact import Artifact
+
+pytestmark = pytest.mark.bpf
+
+M, C, R, A, F = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC,
+                 EventKind.ALIGNED_ALLOC, EventKind.FREE)
+HEAP_KINDS = {*ALLOC_KINDS, EventKind.FREE}
+
+
+@pytest.fixture(scope="module")
+def tracker() -> Any:
+    from memtrack.capture.tracker import Tracker
+
+    with Tracker(CaptureOptions(stacks=False, rss=False)) as t:
+        yield t
+
+
+class Run:
+    def __init__(self, path: Path, result: Any, stdout: str) -> None:
+        self.path = path
+        self.result = result
+        self.stdout = stdout
+        self.art = Artifact.open(path)
+        self.events = self.art.read("events").table.to_pylist()
+
+    def heap(self, pid: int | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] in HEAP_KINDS
+                and (pid is None or e["pid"] == pid)]
+
+    def seq(self, pid: int | None = None) -> list[tuple[int, int]]:
+        return [(e["kind"], e["size"]) for e in self.heap(pid)]
+
+    def after_exec(self, pid: int) -> list[tuple[int, int]]:
+        """(kind, size) of `pid`'s heap events after its (last) exec: what a forked
+        shell does before exec'ing belongs to the shell."""
+        execs = [e["ts"] for e in self.events if e["pid"] == pid and e["kind"] == EventKind.EXEC]
+        return [(e["kind"], e["size"]) for e in self.heap(pid) if e["ts"] > max(execs)]
+
+    def printed(self, name: str) -> list[int]:
+        return [int(v, 16) for v in re.findall(rf"^{name} (0x[0-9a-f]+)$", self.stdout, re.M)]
+
+
+def run(tracker: Any, tmp_path: Path, cmd: list[str], name: str = "run") -> Run:
+    out = tmp_path / "stdout"
+    with open(out, "w") as f:
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        try:
+            session = tracker.spawn(cmd, tmp_path / f"{name}.memtrack")
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        result = session.wait(timeout=60)
+    return Run(tmp_path / f"{name}.memtrack", result, out.read_text())
+
+
+@pytest.fixture(scope="module")
+def allocs() -> Path:
+    return build(["capture/allocs.c"])
+
+
+def check_no_loss(r: Run) -> None:
+    assert r.result.nonzero_losses() == {}
+    assert r.art.manifest.complete
+    assert r.art.manifest.nonzero_losses() == {}
+
+
+def test_malloc_free(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "malloc_free"])
+    assert r.result.status == 0
+    assert r.seq() == [(M, 512), (F, 0)]
+    (p,) = r.printed("malloc")
+    assert [e["addr"] for e in r.heap()] == [p, p]
+    assert all(e["pid"] == r.result.pid and e["allocator"] == 1 for e in r.heap())
+    check_no_loss(r)
+
+
+def test_double_malloc(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "double_malloc"])
+    assert r.seq() == [(M, 1024), (M, 2048), (F, 0), (F, 0)]
+    a, b = r.printed("malloc")
+    assert [e["addr"] for e in r.heap()] == [a, b, a, b]
+    check_no_loss(r)
+
+
+def test_calloc(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "calloc"])
+    assert r.seq() == [(C, 1000), (F, 0)]
+    (p,) = r.printed("calloc")
+    assert [e["addr"] for e in r.heap()] == [p, p]
+
+
+def test_realloc(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "realloc"])
+    assert r.seq() == [(M, 100), (R, 200), (F, 0)]
+    (p,) = r.printed("malloc")
+    (q,) = r.printed("realloc")
+    h = r.heap()
+    assert (h[0]["addr"], h[1]["addr"], h[1]["old_addr"], h[2]["addr"]) == (p, q, p, q)
+
+
+def test_aligned_alloc(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "aligned_alloc"])
+    assert r.seq() == [(A, 512), (F, 0)]
+    (p,) = r.printed("aligned_alloc")
+    assert p % 64 == 0 and [e["addr"] for e in r.heap()] == [p, p]
+
+
+def test_posix_memalign_out_pointer_and_einval(tracker: Any, allocs: Path,
+                                               tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "posix_memalign"])
+    assert "rc 0 1" in r.stdout
+    assert r.seq() == [(A, 768), (F, 0)]  # the EINVAL call emits nothing
+    (p,) = r.printed("posix_memalign")
+    assert p % 128 == 0 and [e["addr"] for e in r.heap()] == [p, p]
+
+
+def test_many_allocs(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "many_allocs"])
+    h = r.heap()
+    allocs_ = [e for e in h if e["kind"] == M]
+    frees = [e for e in h if e["kind"] == F]
+    assert len(allocs_) == 101 and len(frees) == 101
+    assert [e["size"] for e in allocs_] == [4096] + [16 + i for i in range(100)]
+    # each free's address is its allocation's: the loop frees right after allocating
+    assert [e["addr"] for e in h[1:-1:2]] == [e["addr"] for e in h[2:-1:2]]
+    assert h[-1]["addr"] == h[0]["addr"] == r.printed("malloc")[0]
+    check_no_loss(r)
+
+
+def test_exit_status_and_info(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, ["sh", "-c", f"{allocs} malloc_free; exit 3"])
+    assert r.result.status == 3 and r.result.exit_code == 3
+    assert r.art.manifest.exit_status.code == 3
+    info = subprocess.run([sys.executable, "-m", "memtrack.cli", "info", "--json", str(r.path)],
+                          capture_output=True, text=True, check=True)
+    kinds = json.loads(info.stdout)["event_kinds"]
+    assert (kinds["fork"], kinds["exec"], kinds["exit"]) == (1, 2, 2)
+    procs = r.art.read("processes").table.to_pylist()
+    (child,) = [p["pid"] for p in procs if p["exe"] == str(allocs)]
+    assert r.after_exec(child) == [(M, 512), (F, 0)]
+    check_no_loss(r)
