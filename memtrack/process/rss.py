@@ -212,7 +212,7 @@ def rss_timeline(rss: pa.Table, events: pa.Table) -> pa.Table:
 
 def rss_peaks(timeline: pa.Table) -> pa.Table:
     """Peak bytes per process and member, and of the total (file + anon + shmem), each
-    with the first time it was reached (schema PEAKS)."""
+    with the first time it was reached (schema PEAKS); members never above 0 are left out."""
     con = duckdb.connect()
     con.register("tl", timeline.append_column(
         "seq", pa.array(np.arange(timeline.num_rows, dtype=np.int64))))
@@ -231,7 +231,8 @@ def rss_peaks(timeline: pa.Table) -> pa.Table:
             UNION ALL
             SELECT pid, 'total', bytes, ts, seq FROM totals
         ),
-        peaks AS (SELECT pid, member, max(bytes) AS bytes FROM series GROUP BY pid, member)
+        peaks AS (SELECT pid, member, max(bytes) AS bytes FROM series GROUP BY pid, member
+                  HAVING max(bytes) > 0)
         SELECT p.pid, p.member, p.bytes, min(s.ts) AS ts
         FROM peaks p JOIN series s USING (pid, member, bytes)
         GROUP BY p.pid, p.member, p.bytes ORDER BY p.pid, p.member
