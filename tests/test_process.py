@@ -3,6 +3,7 @@ temporary allocations, lifecycle bounds and the run-database format check."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import duckdb
@@ -37,6 +38,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> duckdb.DuckDBPyConnection:
     summary = process(art, d / "run.duckdb", parquet_dir=d / "pq", progress=False)
     assert summary.events == 20 and summary.allocations == 9
     assert summary.counters["frees_unmatched"] == UNMATCHED_FREES
+    assert summary.metadata == d / "memory_metadata.json"
+    meta = json.loads(summary.metadata.read_text())
+    assert sorted(p["pid"] for p in meta["processes"]) == [100, 200, 200]
     con = open_run(d / "run.duckdb")
     yield con
     con.close()
@@ -95,7 +99,13 @@ def test_lifecycle_tables(run: duckdb.DuckDBPyConnection) -> None:
     assert procs[1][:3] == (200, 100, "child2") and procs[1][5:] == (2600, 0, 9)
     threads = q(run, "SELECT pid, tid, events FROM threads ORDER BY tid")
     assert threads == [(100, 100, 11), (100, 101, 1), (200, 200, 4)]
-    assert q(run, "SELECT count(*) FROM rss WHERE member = 'anon'") == [(2,)]
+    # rss: pid 100's own updates; each pid 200 life seeded from its parent at the fork
+    # (anon 64 KiB since 1400), reset at its exit
+    assert q(run, "SELECT ts, bytes, cause::VARCHAR FROM rss WHERE member = 'anon' "
+                  "AND pid = 100 ORDER BY ts") == [(1000, 4096, "update"), (1400, 65536, "update")]
+    assert q(run, "SELECT ts, bytes, cause::VARCHAR FROM rss WHERE member = 'anon' "
+                  "AND pid = 200 ORDER BY ts") == [
+        (1800, 65536, "fork"), (2000, 0, "exit"), (2300, 65536, "fork"), (2600, 0, "exit")]
     assert q(run, "SELECT count(*), count(stack_id) FROM events") == [(20, 0)]
 
 

@@ -18,6 +18,7 @@ from memtrack.schema.ddl import (
     ALLOCATORS,
     END_REASONS,
     EVENT_KINDS,
+    RSS_CAUSES,
     RSS_MEMBERS,
     TABLE_NAMES,
     create_schema,
@@ -34,7 +35,7 @@ class StageTables:
     allocations: pa.Table  # memtrack.process.pair.ALLOCATIONS
     mappings: pa.Table  # artifact mappings
     processes: pa.Table  # artifact processes
-    rss: pa.Table  # artifact rss
+    rss: pa.Table  # memtrack.process.rss.rss_timeline (ts-ordered effective values)
     modules: pa.Table  # module_id, build_id, path, elf_path, has_debuginfo, in_artifact
     stacks: pa.Table  # unwind .stacks + stack_id
     stack_frames: pa.Table  # unwind .frames + stack_id, module_id, frame_id
@@ -51,6 +52,7 @@ ALLOCATOR_SQL = (
     f"CAST(list_extract({_names(ALLOCATORS)}, allocator::INTEGER + 1) AS allocator_kind)"
 )
 MEMBER_SQL = f"CAST(list_extract({_names(RSS_MEMBERS)}, member::INTEGER + 1) AS rss_member)"
+CAUSE_SQL = f"CAST(list_extract({_names(RSS_CAUSES)}, cause::INTEGER + 1) AS rss_cause)"
 END_SQL = f"CAST(list_extract({_names(END_REASONS)}, end_reason::INTEGER + 1) AS end_reason)"
 
 INSERTS = {
@@ -93,7 +95,7 @@ INSERTS = {
         FROM src_frames f LEFT JOIN src_modules d USING (module_id)
         ORDER BY f.frame_id, f.inline_depth""",
     "rss": f"""
-        INSERT INTO rss SELECT ts, pid, {MEMBER_SQL}, bytes FROM src_rss ORDER BY ts""",
+        INSERT INTO rss SELECT ts, pid, {MEMBER_SQL}, bytes, {CAUSE_SQL} FROM src_rss""",
     "processes": f"""
         INSERT INTO processes
         WITH info AS (

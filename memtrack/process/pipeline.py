@@ -59,6 +59,7 @@ class Summary:
     rows: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
     warnings: list[str] = field(default_factory=list)
+    metadata: Path | None = None  # memory_metadata.json
 
     def lines(self) -> list[str]:
         out = [
@@ -148,11 +149,16 @@ def process(
         summary.counters.update(pairing.counters)
         summary.allocations = pairing.allocations.num_rows
 
-        store = _module_store(artifact_path, host_modules, cache_dir)
+        with st.stage("rss"):
+            from memtrack.process.rss import rss_timeline
+
+            rss = rss_timeline(rss, events)
+        store = _module_store(artifact_path, host_modules)
         unwound = st.run("unwind", lambda: _unwind(decoded, mappings, store))
         modules = _modules(mappings, unwound[0], store, artifact_path)
         with st.stage("symbolize"):
-            stacks, stack_frames, frames = _symbolize(unwound, modules, store, summary)
+            stacks, stack_frames, frames = _symbolize(
+                unwound, modules, store, summary, Path(cache_dir) if cache_dir else None)
         summary.stacks = stacks.num_rows
         summary.counters["events_stack_missing"] = _missing_stacks(events, stacks)
         summary.warnings = list(art.warnings) + list(getattr(store, "problems", []))
@@ -183,7 +189,7 @@ def process(
             "load",
             lambda: load(out_db, tables, meta, Path(parquet_dir) if parquet_dir else None),
         )
-        _write_metadata(art, out_db, summary)
+        summary.metadata = _write_metadata(art, out_db)
     return summary
 
 
@@ -212,10 +218,9 @@ def _decode(art: Artifact, raw_stacks: pa.Table, counters: dict[str, int]) -> pa
     return table
 
 
-def _module_store(artifact_path: Path, host_modules: bool, cache_dir: Path | str | None) -> Any:
+def _module_store(artifact_path: Path, host_modules: bool) -> Any:
     from memtrack.symbolize.modules import ModuleStore
 
-    del cache_dir  # the symbolization cache location is the symbolize stage's own option
     return ModuleStore(artifact_path, host_modules=host_modules)
 
 
@@ -270,7 +275,8 @@ def _has_debuginfo(mod: Any) -> bool:
 
 
 def _symbolize(
-    unwound: tuple[pa.Table, pa.Table], modules: pa.Table, store: Any, summary: Summary
+    unwound: tuple[pa.Table, pa.Table], modules: pa.Table, store: Any, summary: Summary,
+    cache_dir: Path | None,
 ) -> tuple[pa.Table, pa.Table, pa.Table]:
     """stacks, stack_frames and frames with their ids; symbolizes each distinct location."""
     uf, us = unwound
@@ -298,14 +304,16 @@ def _symbolize(
         JOIN locs l ON l.build_id IS NOT DISTINCT FROM uf.build_id
             AND l.key = CASE WHEN uf.build_id IS NULL THEN uf.address ELSE uf.lookup_vaddr END
         ORDER BY st.stack_id, uf.depth""").to_arrow_table()
-    known = con.execute(
-        "SELECT frame_id, build_id, key FROM locs WHERE build_id IS NOT NULL ORDER BY frame_id"
-    ).to_arrow_table()
+    known = con.execute("""
+        SELECT l.frame_id, l.build_id, l.key, m.path FROM locs l
+        LEFT JOIN mods m USING (build_id)
+        WHERE l.build_id IS NOT NULL ORDER BY l.frame_id""").to_arrow_table()
     if known.num_rows:
         from memtrack.symbolize import symbolize
 
         sym = symbolize(store, known.column("build_id").combine_chunks(),
-                        known.column("key").to_numpy())
+                        known.column("key").to_numpy(),
+                        paths=known.column("path").combine_chunks(), cache_dir=cache_dir)
         sym = sym.select(SYMBOLS.names).cast(SYMBOLS)
     else:
         sym = SYMBOLS.empty_table()
@@ -347,11 +355,8 @@ def _missing_stacks(events: pa.Table, stacks: pa.Table) -> int:
     return int((known[i] != h).sum())
 
 
-def _write_metadata(art: Artifact, out_db: Path, summary: Summary) -> None:
-    """memory_metadata.json next to the run database (the RSS stage's writer)."""
-    try:
-        from memtrack.process.metadata import write_memory_metadata
-    except ImportError:
-        summary.warnings.append("memory_metadata.json not written: its writer is not built yet")
-        return
-    write_memory_metadata(art, out_db.parent / "memory_metadata.json")
+def _write_metadata(art: Artifact, out_db: Path) -> Path:
+    """memory_metadata.json next to the run database (memtrack.process.metadata)."""
+    from memtrack.process.metadata import write_memory_metadata
+
+    return write_memory_metadata(art, out_db.parent / "memory_metadata.json")

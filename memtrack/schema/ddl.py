@@ -31,12 +31,17 @@ RSS_MEMBERS = [m.name.lower() for m in RssMember]
 # handed out again with no free seen ("reused": a free was not recorded), its process
 # exec'd or exited, or the capture ended with it alive.
 END_REASONS = ["free", "realloc", "reused", "exec", "exit", "end"]
+# Why an rss row holds its value (memtrack.process.rss.RssCause): the process's own
+# update, a lowering update from another context, seeded from the parent at fork, reset
+# by exec or exit.
+RSS_CAUSES = ["update", "external", "fork", "exec", "exit"]
 
 TYPES = f"""
 CREATE TYPE event_kind AS {_enum(EVENT_KINDS)};
 CREATE TYPE allocator_kind AS {_enum(ALLOCATORS)};
 CREATE TYPE rss_member AS {_enum(RSS_MEMBERS)};
 CREATE TYPE end_reason AS {_enum(END_REASONS)};
+CREATE TYPE rss_cause AS {_enum(RSS_CAUSES)};
 """
 
 TABLES = """
@@ -68,7 +73,8 @@ CREATE TABLE stack_frames (stack_id INTEGER, depth USMALLINT, address UBIGINT,
 CREATE TABLE frames (frame_id INTEGER, inline_depth UTINYINT, name VARCHAR,
     function VARCHAR, symbol VARCHAR, "offset" UBIGINT, file VARCHAR, line UINTEGER,
     "column" UINTEGER, module_id INTEGER, vaddr UBIGINT, reason VARCHAR);
-CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT);
+CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT,
+    cause rss_cause);
 """
 
 # Views. A stack's logical frames run from the allocator itself (position 0) outward,
@@ -118,13 +124,13 @@ CREATE VIEW rss_timeline AS
 WITH w AS (
     SELECT pid, ts,
         last_value(CASE WHEN member = 'file' THEN bytes END IGNORE NULLS)
-            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS file,
+            OVER (PARTITION BY pid ORDER BY ts, rowid ROWS UNBOUNDED PRECEDING) AS file,
         last_value(CASE WHEN member = 'anon' THEN bytes END IGNORE NULLS)
-            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS anon,
+            OVER (PARTITION BY pid ORDER BY ts, rowid ROWS UNBOUNDED PRECEDING) AS anon,
         last_value(CASE WHEN member = 'swap' THEN bytes END IGNORE NULLS)
-            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS swap,
+            OVER (PARTITION BY pid ORDER BY ts, rowid ROWS UNBOUNDED PRECEDING) AS swap,
         last_value(CASE WHEN member = 'shmem' THEN bytes END IGNORE NULLS)
-            OVER (PARTITION BY pid ORDER BY ts ROWS UNBOUNDED PRECEDING) AS shmem
+            OVER (PARTITION BY pid ORDER BY ts, rowid ROWS UNBOUNDED PRECEDING) AS shmem
     FROM rss)
 SELECT pid, ts, coalesce(file, 0) AS file, coalesce(anon, 0) AS anon,
        coalesce(swap, 0) AS swap, coalesce(shmem, 0) AS shmem,
