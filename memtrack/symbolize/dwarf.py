@@ -54,6 +54,9 @@ _FRAME_TAGS = (TAG_SUBPROGRAM, TAG_INLINED)
 # DIEs whose children may hold code-bearing subprograms / inlined subroutines.
 _DESCEND_TAGS = frozenset((TAG_SUBPROGRAM, TAG_INLINED, TAG_LEXICAL_BLOCK, TAG_NAMESPACE))
 _REF_ATTRS = (AT_ABSTRACT_ORIGIN, AT_SPECIFICATION)
+# Local classes (a lambda's closure type) hold member functions with code; they are
+# descended into only inside a function, where they are few.
+_LOCAL_TYPE_TAGS = frozenset((0x02, 0x13, 0x17))  # class, structure, union
 
 # Form codes -> how to read them. Kinds: fixed sizes are ints; the rest are tags below.
 _ULEB, _SLEB, _CSTR, _BLOCK1, _BLOCK2, _BLOCK4, _BLOCK, _OFFSET, _ADDR, _INDIRECT = (
@@ -622,7 +625,7 @@ class Dwarf:
             if ab is None:
                 raise DwarfError(f".debug_info+{die_off:#x}: unknown abbreviation {code}")
             tag = ab.tag
-            if tag not in _DESCEND_TAGS:
+            if tag not in _DESCEND_TAGS and not (tag in _LOCAL_TYPE_TAGS and scope[-1] >= 0):
                 if not ab.has_children:
                     off = self._skip_attrs(u, off, ab)
                     continue

@@ -188,7 +188,7 @@ class ElfImage:
         file_names = [name_at(off) for off in syms["name"][file_pos].tolist()]
         fi = np.searchsorted(file_pos, idx) - 1
         fi[bind[idx] != STB_LOCAL] = -1
-        src_files = [file_names[k] if k >= 0 else None for k in fi.tolist()]
+        src_files = [file_names[k] or None if k >= 0 else None for k in fi.tolist()]
         # assembler-local labels are not functions
         good = np.array([not nm.startswith(".L") for nm in names], dtype=bool)
         idx = idx[good]
