@@ -1,6 +1,6 @@
 """Test support for the unwinder: run fixture programs that snapshot their own stack
-(fixtures/unwind/snap.c) and turn the records into decode-shaped stack tables and
-mapping snapshots; name frames through the symbolizer."""
+(fixtures/unwind/snap.c), turn the records into decode-shaped stack tables and mapping
+snapshots, and name the unwound frames through the symbolizer."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from conftest import build
 
 from memtrack.process.unwind import UnwoundStacks, unwind
 from memtrack.schema import MAPPINGS, NUM_REGS
+from memtrack.symbolize import symbolize
 from memtrack.symbolize.buildid import read_build_id
 from memtrack.symbolize.modules import ModuleStore
 
@@ -117,65 +118,38 @@ def run_snaps(cmd: list[str], tmp: Path, env: dict[str, str] | None = None,
 class Named:
     """One unwound stack with frame names (innermost first)."""
 
-    names: list[str]
+    names: list[str]  # the function holding each frame's address ('?' when unknown)
+    inlines: list[list[str]]  # each frame's functions, innermost inline level first
     methods: list[str]
     addresses: list[int]
+    lookups: list[int | None]
     truncated: bool
     complete: bool
     stop: str
 
 
-@functools.cache
-def _symtab(path: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    from elftools.elf.elffile import ELFFile
-
-    syms: dict[int, tuple[int, str]] = {}
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        for sec in (".symtab", ".dynsym"):
-            s = elf.get_section_by_name(sec)
-            if s is None or s["sh_type"] == "SHT_NOBITS":
-                continue
-            for sym in s.iter_symbols():
-                if sym["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC") and sym["st_value"]:
-                    v = int(sym["st_value"])
-                    if v not in syms or (syms[v][1].startswith("_") and not sym.name.startswith(
-                            "_")):
-                        syms[v] = (int(sym["st_size"]), sym.name)
-    starts = np.array(sorted(syms), dtype=np.uint64)
-    ends = np.array([k + max(syms[k][0], 1) for k in sorted(syms)], dtype=np.uint64)
-    return starts, ends, [syms[k][1] for k in sorted(syms)]
-
-
-def name_of(store: ModuleStore, build_id: str | None, vaddr: int | None) -> str:
-    """The ELF symbol holding vaddr (the symbolizer's job; a symtab lookup suffices to
-    check frame identity here), '?' when unknown."""
-    if build_id is None or vaddr is None:
-        return "?"
-    mod = store.get(build_id)
-    if mod is None:
-        return "?"
-    for p in (mod.debug_path, mod.elf_path):
-        if p is None:
-            continue
-        starts, ends, names = _symtab(str(p))
-        i = int(np.searchsorted(starts, np.uint64(vaddr), side="right")) - 1
-        if i >= 0 and vaddr < ends[i]:
-            return names[i]
-    return "?"
-
-
 def unwind_named(snaps: Snaps, store: ModuleStore | None = None
                  ) -> tuple[list[Named], UnwoundStacks]:
+    """Unwind, then name every frame through the symbolizer."""
     store = store or ModuleStore(None, host_modules=True)
     res = unwind(snaps.stacks, snaps.mappings, store)
-    frames = res.frames.to_pylist()
+    frames = res.frames
+    sym = symbolize(store, frames.column("build_id").combine_chunks(),
+                    frames.column("lookup_vaddr").fill_null(0).to_numpy().astype(np.uint64),
+                    paths=frames.column("path").combine_chunks())
+    levels: dict[int, list[str]] = {}
+    for r in sym.select(["row", "function"]).to_pylist():
+        levels.setdefault(r["row"], []).append(r["function"] or "?")
     out: dict[int, Named] = {}
     for s in res.stacks.to_pylist():
-        out[s["stack_hash"]] = Named([], [], [], s["truncated"], s["complete"], s["stop"])
-    for f in frames:
+        out[s["stack_hash"]] = Named([], [], [], [], [], s["truncated"], s["complete"],
+                                     s["stop"])
+    for i, f in enumerate(frames.to_pylist()):
         n = out[f["stack_hash"]]
-        n.names.append(name_of(store, f["build_id"], f["lookup_vaddr"]))
+        fns = levels.get(i, ["?"]) if f["lookup_vaddr"] is not None else ["?"]
+        n.names.append(fns[-1])
+        n.inlines.append(fns)
         n.methods.append(f["method"])
         n.addresses.append(f["address"])
+        n.lookups.append(f["lookup_vaddr"])
     return [out[h] for h in snaps.stacks.column("hash").to_pylist()], res
