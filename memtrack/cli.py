@@ -182,6 +182,23 @@ def export(
         raise fail(f"{output}: {e.strerror or e}") from None
 
 
+@app.command("unwind")
+def unwind_record(
+    artifact: Annotated[Path, typer.Argument(help="An artifact directory (NAME.memtrack).")],
+    record: Annotated[str, typer.Option("--record", help="The stack hash (hex or decimal).")],
+    host_modules: Annotated[bool, typer.Option(
+        "--host-modules", help="Read modules missing from the artifact from this host.")] = False,
+) -> None:
+    """Unwind one stack record and print its frames with method (regs, cfi, fp, fp-kernel)
+    and symbol."""
+    from memtrack.process.unwind import show_record
+
+    try:
+        raise typer.Exit(show_record(artifact, record, sys.stdout, host_modules=host_modules))
+    except (ArtifactError, ValueError) as e:
+        raise fail(f"unwind: {e}") from None
+
+
 def main() -> None:
     try:
         app()
