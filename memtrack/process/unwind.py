@@ -21,7 +21,7 @@ import functools
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import pyarrow as pa
@@ -111,6 +111,7 @@ class UnwoundStacks:
     frames: pa.Table
     stacks: pa.Table
     counters: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # modules that could not be used
 
 
 @dataclass
@@ -134,7 +135,6 @@ class _Memory:
         self.base = offs[:-1].astype(np.int64)
         self.ln = (offs[1:] - offs[:-1]).astype(np.uint64)
         self.sp = stacks.column("sp").to_numpy()[sel].astype(np.uint64)
-        self._raw = self.buf.tobytes()
 
     def read(self, idx: np.ndarray, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                np.ndarray]:
@@ -158,7 +158,7 @@ class _Memory:
         if off < 0 or off + size > int(self.ln[i]):
             raise _Beyond(addr) if off >= 0 else DwarfExprError(f"{addr:#x} below the copy")
         p = int(self.base[i]) + off
-        return int.from_bytes(self._raw[p:p + size], "little")
+        return int.from_bytes(self.buf[p:p + size].tobytes(), "little")
 
 
 class _Beyond(DwarfExprError):
@@ -550,7 +550,9 @@ class _Unwinder:
         for k in range(1, len(STOPS)):
             self.counters[f"unwind_stop_{STOPS[k].replace('-', '_')}"] = int(
                 (self.stop == k).sum())
-        return UnwoundStacks(frames, stacks, self.counters)
+        problems = [m.problem for m in self.mods if m.problem]
+        problems += [p for m in self.mods if m.cfi is not None for p in m.cfi.problems]
+        return UnwoundStacks(frames, stacks, self.counters, problems)
 
 
 @functools.lru_cache(maxsize=256)
@@ -619,3 +621,64 @@ def unwind(stacks: pa.Table, mappings: pa.Table, store: ModuleStore,
     u.run()
     return u.result()
 
+
+
+def parse_hash(text: str) -> int:
+    """A stack hash as users type it: 0x-prefixed or bare hex, or decimal digits."""
+    t = text.strip().lower()
+    try:
+        value = int(t, 16) if t.startswith("0x") or any(c in "abcdef" for c in t) else int(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a stack hash (hex or decimal)") from None
+    if not 0 < value < 1 << 64:
+        raise ValueError(f"{text!r} is not a stack hash (1 .. 2^64-1)")
+    return value
+
+
+def show_record(artifact_path: Path, record: str, out: TextIO, *,
+                host_modules: bool = False) -> int:
+    """`memtrack unwind ARTIFACT --record HASH`: print one stack record's frames with
+    how each was found and its symbol (inline frames indented). Returns the exit status."""
+    from memtrack.process.decode import decode
+    from memtrack.schema.artifact import Artifact
+    from memtrack.symbolize import symbolize
+
+    want = parse_hash(record)
+    art = Artifact.open(artifact_path)
+    decoded = decode(art).table
+    rows = decoded.filter(pc.equal(decoded.column("hash"), pa.scalar(want, pa.uint64())))
+    if rows.num_rows == 0:
+        raise ValueError(f"no stack record with hash {want:#x} in {artifact_path}")
+    store = ModuleStore(artifact_path, host_modules=host_modules)
+    res = unwind(rows, art.read("mappings").table, store)
+    frames = res.frames
+    sym = symbolize(store, frames.column("build_id").combine_chunks(),
+                    frames.column("lookup_vaddr").fill_null(0).to_numpy().astype(np.uint64),
+                    paths=frames.column("path").combine_chunks())
+    levels: dict[int, list[dict[str, Any]]] = {}
+    for r in sym.to_pylist():
+        levels.setdefault(r["row"], []).append(r)
+    for s in res.stacks.to_pylist():
+        state = "complete" if s["complete"] else f"incomplete: {s['stop']}"
+        out.write(f"stack {s['stack_hash']:#018x} pid {s['pid']}: {s['depth']} frames "
+                  f"({state})\n")
+        for i, f in enumerate(frames.to_pylist()):
+            if f["stack_hash"] != s["stack_hash"] or f["pid"] != s["pid"]:
+                continue
+            module = Path(f["path"]).name if f["path"] else "?"
+            syms = levels.get(i, []) if f["lookup_vaddr"] is not None else []
+            if not syms:
+                out.write(f"  #{f['depth']:<3} {f['address']:#018x} {f['method']:<9} ?  "
+                          f"[{module}]\n")
+                continue
+            for k, r in enumerate(syms):  # innermost first, like gdb
+                name = r["function"] or f"[unknown: {r['reason']}]"
+                off = f"+{r['offset']:#x}" if r["offset"] and k == len(syms) - 1 else ""
+                where = f"  {r['file']}:{r['line']}" if r["file"] else ""
+                inl = "  (inlined)" if k < len(syms) - 1 else ""
+                head = (f"#{f['depth']:<3} {f['address']:#018x} {f['method']:<9}" if k == 0
+                        else " " * 33)
+                out.write(f"  {head} {name}{off}{where}{inl}  [{module}]\n")
+    for p in res.problems:
+        out.write(f"note: {p}\n")
+    return 0
