@@ -51,10 +51,79 @@ def doctor() -> None:
     raise typer.Exit(run_doctor())
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def capture(ctx: typer.Context) -> None:
+_CAPTURE_ENV = (
+    "Every option can also be set in the environment: MEMTRACK_OUTPUT, MEMTRACK_FORCE, "
+    "MEMTRACK_STACKS, MEMTRACK_STACK_BUDGET, MEMTRACK_STACK_COMPRESSION, MEMTRACK_RSS, "
+    "MEMTRACK_TRACK_FAULTS, MEMTRACK_MODULES, MEMTRACK_START_DISABLED, "
+    "MEMTRACK_CONTROL_FIFO, MEMTRACK_PROBE_PLACEMENT, MEMTRACK_EVENTS_RING_PAGES, "
+    "MEMTRACK_STACKS_RING_PAGES, MEMTRACK_FAIL_ON_LOSS, MEMTRACK_TIMEOUT. "
+    "CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
+    "(one line) to the first, read 'ok' from the second."
+)
+
+
+@app.command(epilog=_CAPTURE_ENV)
+def capture(
+    cmd: Annotated[list[str], typer.Argument(help="The command to run (after --).")],
+    output: Annotated[Path, typer.Option("-o", "--output", envvar="MEMTRACK_OUTPUT",
+                                         help="The artifact directory to write.")],
+    force: Annotated[bool, typer.Option("--force", envvar="MEMTRACK_FORCE",
+                                        help="Replace OUTPUT if it exists.")] = False,
+    stacks: Annotated[str, typer.Option("--stacks", envvar="MEMTRACK_STACKS",
+                                        help="Capture allocation stacks: on or off.")] = "on",
+    stack_budget: Annotated[int, typer.Option(
+        "--stack-budget", envvar="MEMTRACK_STACK_BUDGET",
+        help="Bytes of stack copied per allocation (512..32768).")] = 8192,
+    stack_compression: Annotated[bool, typer.Option(
+        "--stack-compression/--no-stack-compression", envvar="MEMTRACK_STACK_COMPRESSION",
+        help="Delta-encode stack records.")] = True,
+    rss: Annotated[bool, typer.Option("--rss/--no-rss", envvar="MEMTRACK_RSS",
+                                      help="Record resident memory (kmem:rss_stat).")] = True,
+    track_faults: Annotated[bool, typer.Option("--track-faults", envvar="MEMTRACK_TRACK_FAULTS",
+                                               help="Record user page faults.")] = False,
+    modules: Annotated[bool, typer.Option(
+        "--modules/--no-modules", envvar="MEMTRACK_MODULES",
+        help="Copy the mapped modules and their debug files into the artifact.")] = True,
+    start_disabled: Annotated[bool, typer.Option(
+        "--start-disabled", envvar="MEMTRACK_START_DISABLED",
+        help="Record nothing until 'enable' arrives on the control FIFO.")] = False,
+    control_fifo: Annotated[Path | None, typer.Option(
+        "--control-fifo", envvar="MEMTRACK_CONTROL_FIFO",
+        help="Create the control FIFO here (default: a temporary directory).")] = None,
+    probe_placement: Annotated[str, typer.Option(
+        "--probe-placement", envvar="MEMTRACK_PROBE_PLACEMENT",
+        help="Where entry probes go: auto (a cheap instruction) or entry.")] = "auto",
+    events_ring_pages: Annotated[int, typer.Option(
+        "--events-ring-pages", envvar="MEMTRACK_EVENTS_RING_PAGES",
+        help="Events ring size in pages (a power of two).")] = 4096,
+    stacks_ring_pages: Annotated[int, typer.Option(
+        "--stacks-ring-pages", envvar="MEMTRACK_STACKS_RING_PAGES",
+        help="Stack ring size in pages (a power of two).")] = 8192,
+    fail_on_loss: Annotated[bool, typer.Option(
+        "--fail-on-loss", envvar="MEMTRACK_FAIL_ON_LOSS",
+        help="Exit with status 1 when any event was lost.")] = False,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", envvar="MEMTRACK_TIMEOUT",
+        help="Kill CMD after this many seconds.")] = None,
+) -> None:
     """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
-    raise not_built("capture", 3)
+    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.run import run_capture
+    from memtrack.capture.tracker import CaptureError
+
+    if stacks not in ("on", "off"):
+        raise fail(f"--stacks {stacks}: expected on or off")
+    options = CaptureOptions(
+        stacks=stacks == "on", stack_budget=stack_budget, stack_compression=stack_compression,
+        rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
+        probe_placement=probe_placement, events_ring_pages=events_ring_pages,
+        stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss)
+    try:
+        status = run_capture(cmd, output, options, force=force, control=control_fifo,
+                             timeout=timeout)
+    except (CaptureError, ArtifactError, ValueError) as e:
+        raise fail(str(e)) from None
+    raise typer.Exit(status)
 
 
 @app.command()
