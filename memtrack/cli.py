@@ -251,6 +251,29 @@ def export(
         raise fail(f"{output}: {e.strerror or e}") from None
 
 
+@app.command()
+def symbolize(
+    module: Annotated[Path, typer.Option("--module", help="The ELF file (PIE, shared or not).")],
+    addresses: Annotated[list[str], typer.Argument(help="ELF virtual addresses (0x hex).")],
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option("--cache-dir", help="Cache directory [default: $XDG_CACHE_HOME/memtrack]."),
+    ] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Neither read nor write the cache.")
+    ] = False,
+) -> None:
+    """Print the frames of addresses in a module, innermost first (llvm-symbolizer --inlines)."""
+    from memtrack.symbolize import default_cache_dir
+    from memtrack.symbolize.command import run_symbolize
+
+    cache = None if no_cache else (cache_dir or default_cache_dir())
+    try:
+        raise typer.Exit(run_symbolize(module, addresses, cache, sys.stdout, sys.stderr))
+    except ValueError as e:
+        raise fail(f"symbolize: {e}") from None
+
+
 @app.command("unwind")
 def unwind_record(
     artifact: Annotated[Path, typer.Argument(help="An artifact directory (NAME.memtrack).")],

@@ -631,10 +631,7 @@ class Dwarf:
                     continue
                 raw, off = self._read_raw(u, off, ab)
                 sib = raw.get(AT_SIBLING)
-                if sib is not None:
-                    off = self._ref(u, *sib)
-                else:
-                    off = self._skip_subtree(u, off)
+                off = self._sibling(u, die_off, sib) if sib else self._skip_subtree(u, off)
                 continue
             raw, off = self._read_raw(u, off, ab)
             parent = scope[-1]
@@ -645,7 +642,7 @@ class Dwarf:
                     # that has code either
                     if ab.has_children:
                         sib = raw.get(AT_SIBLING)
-                        off = self._ref(u, *sib) if sib is not None else self._skip_subtree(u, off)
+                        off = self._sibling(u, die_off, sib) if sib else self._skip_subtree(u, off)
                     continue
                 cf = raw.get(AT_CALL_FILE, (0, -1))[1] if tag == TAG_INLINED else -1
                 cl = raw.get(AT_CALL_LINE, (0, 0))[1] if tag == TAG_INLINED else 0
@@ -654,7 +651,18 @@ class Dwarf:
                 parent = len(nodes) - 1
             if ab.has_children:
                 scope.append(parent)
+        if off > end:
+            raise DwarfError(f".debug_info+{u.offset:#x}: DIE tree runs past the unit's end")
         return nodes
+
+    @staticmethod
+    def _sibling(u: Unit, die_off: int, sib: tuple[int, int]) -> int:
+        target = Dwarf._ref(u, *sib)
+        if not die_off < target <= u.end:
+            raise DwarfError(f".debug_info+{die_off:#x}: DW_AT_sibling {target:#x} outside "
+                             "the unit")
+        return target
+
 
     def _skip_subtree(self, u: Unit, off: int) -> int:
         """Offset just past the children of a DIE whose attributes end at `off`."""
@@ -662,16 +670,21 @@ class Dwarf:
         depth = 1
         abbrevs = u.abbrevs
         while depth:
+            if off >= u.end:
+                raise DwarfError(f".debug_info+{u.offset:#x}: DIE tree runs past the unit's end")
+            die_off = off
             code, off = uleb(data, off)
             if code == 0:
                 depth -= 1
                 continue
-            ab = abbrevs[code]
+            ab = abbrevs.get(code)
+            if ab is None:
+                raise DwarfError(f".debug_info+{die_off:#x}: unknown abbreviation {code}")
             if ab.has_children:
                 raw, off = self._read_raw(u, off, ab)
                 sib = raw.get(AT_SIBLING)
                 if sib is not None:
-                    off = self._ref(u, *sib)
+                    off = self._sibling(u, die_off, sib)
                 else:
                     depth += 1
             else:

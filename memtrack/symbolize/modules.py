@@ -57,9 +57,9 @@ class Segments:
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class Module:
-    """One ELF module as symbolization and unwinding see it."""
+    """One ELF module as symbolization and unwinding see it (hashable by identity)."""
 
     build_id: str
     path: str  # where it was mapped on the traced host ("[vdso]" for the vDSO)

@@ -243,6 +243,9 @@ class ModuleSymbolizer:
                     raw = sym_name
                     if file is None:
                         file = table.files[s]
+                    sd = int(sym_dbg[i])
+                    if file is None and sd >= 0 and self.symtab_debug.start[sd] == table.start[s]:
+                        file = self.symtab_debug.files[sd]  # strip --strip-debug drops STT_FILE
                 if raw is None:
                     reason = NO_SYMBOL if any_symbols or self.has_dwarf else STRIPPED
                     out.add(i, d, unknown_name(name, a), None, offset, file, line, col, reason)
