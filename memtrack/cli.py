@@ -160,7 +160,7 @@ def process(
         raise fail(f"{e.filename or output}: {e.strerror or e}") from None
     if not quiet:
         for line in summary.lines():
-            err.print(line, markup=False)
+            err.print(line, markup=False, soft_wrap=True)
 
 
 def _open_run(run: Path):  # noqa: ANN202 - duckdb connection
