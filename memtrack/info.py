@@ -40,8 +40,31 @@ def collect_info(path: Path) -> dict[str, Any]:
         "event_kinds": kinds,
         "losses": m.losses,
         "modules": art.modules(),
+        "peak_rss": peak_rss(art, reads["rss"].table, ev, reads["processes"].table),
         "warnings": art.warnings,
     }
+
+
+def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[str, Any]]:
+    """Per process: its name and peak resident bytes (total and by member) with the time
+    of the total's peak in seconds from the capture's start."""
+    from memtrack.process.rss import peaks_by_pid, rss_peaks, rss_timeline
+
+    if not rss.num_rows:
+        return []
+    peaks = peaks_by_pid(rss_peaks(rss_timeline(rss, events)))
+    procs = processes.sort_by([("ts", "ascending")])
+    names = dict(zip(procs["pid"].to_pylist(), procs["comm"].to_pylist(), strict=True))
+    start = art.manifest.start_ns
+    rows = []
+    for pid, pk in sorted(peaks.items()):
+        total = pk.get("total", {"bytes": 0, "ts": start})
+        rows.append({
+            "pid": pid, "comm": names.get(pid, ""), "total": total["bytes"],
+            "at_s": (total["ts"] - start) / 1e9 if start else None,
+            **{m: pk[m]["bytes"] if m in pk else 0 for m in ("anon", "file", "shmem", "swap")},
+        })
+    return rows
 
 
 def show_info(path: Path, *, as_json: bool = False) -> None:
@@ -80,6 +103,15 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
         for k, v in sorted(data["event_kinds"].items(), key=lambda kv: -kv[1]):
             t.add_row(k, f"{v:,}")
         out.print(t)
+    if data["peak_rss"]:
+        t = Table(title="peak RSS per process", show_edge=False)
+        for col in ("pid", "comm", "total", "at", "anon", "file", "shmem", "swap"):
+            t.add_column(col, justify="left" if col == "comm" else "right")
+        for r in data["peak_rss"]:
+            at = f"{r['at_s']:.3f} s" if r["at_s"] is not None else "-"
+            t.add_row(str(r["pid"]), r["comm"], _mib(r["total"]), at,
+                      *(_mib(r[m]) for m in ("anon", "file", "shmem", "swap")))
+        out.print(t)
     lost = {k: v for k, v in data["losses"].items() if v}
     out.print("losses    " + (", ".join(f"{k}={v:,}" for k, v in lost.items()) or "none"))
     mods = data["modules"]
@@ -89,3 +121,7 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
         out.print(f"  {mod['build_id'][:16]}  {mod['path']}{dbg}")
     for w in data["warnings"] + m.get("warnings", []):
         out.print(f"[yellow]warning[/yellow]: {w}", markup=True)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
