@@ -58,13 +58,15 @@ class Run:
         return [int(v, 16) for v in re.findall(rf"^{name} (0x[0-9a-f]+)$", self.stdout, re.M)]
 
 
-def run(tracker: Any, tmp_path: Path, cmd: list[str], name: str = "run") -> Run:
+def run(tracker: Any, tmp_path: Path, cmd: list[str], name: str = "run", *,
+        start_disabled: bool = False) -> Run:
     out = tmp_path / "stdout"
     with open(out, "w") as f:
         saved = os.dup(1)
         os.dup2(f.fileno(), 1)
         try:
-            session = tracker.spawn(cmd, tmp_path / f"{name}.memtrack")
+            session = tracker.spawn(cmd, tmp_path / f"{name}.memtrack",
+                                    start_disabled=start_disabled)
         finally:
             os.dup2(saved, 1)
             os.close(saved)

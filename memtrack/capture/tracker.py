@@ -142,12 +142,13 @@ class Tracker:
     def spawn(self, cmd: list[str], output: Path | str, *, env: dict[str, str] | None = None,
               cwd: str | Path | None = None, overwrite: bool = False,
               user: tuple[int, int] | None = None, control: Path | None = None,
-              live: TextIO | None = None) -> Session:
+              live: TextIO | None = None, start_disabled: bool | None = None) -> Session:
         """Start recording `cmd` into the artifact `output`; returns the live session.
 
         `user` = (uid, gid) to run it as (default: SUDO_UID/SUDO_GID when run through
         sudo as root); `control` = where to create the control FIFO (default: a
-        temporary directory); `live` = a stream for the live status line."""
+        temporary directory); `live` = a stream for the live status line;
+        `start_disabled` overrides the tracker's option for this session."""
         if self.closed:
             raise CaptureError("tracker is finished; create a new Tracker")
         if self.session is not None and not self.session.done:
@@ -156,7 +157,8 @@ class Tracker:
         if not cmd:
             raise CaptureError("no command given")
         self.session = Session(self, list(cmd), Path(output), env=env, cwd=cwd,
-                               overwrite=overwrite, user=user, control=control, live=live)
+                               overwrite=overwrite, user=user, control=control, live=live,
+                               start_disabled=start_disabled)
         return self.session
 
     def finish(self) -> None:
@@ -251,7 +253,7 @@ class Session:
     def __init__(self, tracker: Tracker, cmd: list[str], output: Path, *,
                  env: dict[str, str] | None, cwd: str | Path | None, overwrite: bool,
                  user: tuple[int, int] | None, control: Path | None,
-                 live: TextIO | None) -> None:
+                 live: TextIO | None, start_disabled: bool | None = None) -> None:
         self.tracker = tracker
         self.bpf = tracker.bpf
         self.cmd = cmd
@@ -271,6 +273,10 @@ class Session:
         m.clock = Clock.current()
         m.command = list(cmd)
         m.options = asdict(opts)
+        if start_disabled is not None:
+            m.options["start_disabled"] = start_disabled
+        else:
+            start_disabled = opts.start_disabled
         m.warnings = list(tracker.warnings)
         self.modules = ModuleRecorder(self.writer, copy_modules=opts.modules)
         self._loss_base = tracker.loss_totals()
@@ -285,7 +291,7 @@ class Session:
         for reader in (tracker.core.events, tracker.core.attach_requests):
             assert reader is not None
             self._epoll.register(reader.fd, select.EPOLLIN)
-        tracker.set_enabled(not opts.start_disabled)
+        tracker.set_enabled(not start_disabled)
         child_env = dict(os.environ if env is None else env)
         child_env[CONTROL_ENV] = str(self.control_path)
         child_env[CONTROL_ACK_ENV] = str(self.ack_path)
