@@ -36,7 +36,7 @@ def nm(path: Path, name: str, dynamic: bool = False) -> tuple[int, int]:
                          capture_output=True, text=True).stdout
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 4 and parts[3] == name:
+        if len(parts) == 4 and parts[3].split("@")[0] == name:
             return int(parts[0], 16), int(parts[1], 16)
     raise AssertionError(f"{name} not in {path}")
 
@@ -220,6 +220,37 @@ def test_cache_second_run_parses_no_dwarf(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(ElfImage, "__init__", no_dwarf)
     second, _ = run(exe, addrs, store=ModuleStore(None), cache_dir=cache)
     assert second == first
+
+
+def test_unwritable_cache_is_reported_not_fatal(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    rows, s = run(syms_lib(), [0x1000], cache_dir=blocker / "cache")
+    assert outer(rows[0]) == ("sized_global", 0, None)
+    assert s.counters == {"cache_write_failed": 1}
+    assert any("cannot write the symbolization cache" in p for p in s.problems)
+
+
+def test_vdso_from_artifact_gets_dynsym_names(tmp_path: Path) -> None:
+    from test_symbolize_modules import _vdso_bytes
+
+    data = _vdso_bytes()
+    src = tmp_path / "vdso.bin"
+    src.write_bytes(data)
+    bid = read_build_id(src)
+    assert bid
+    w = ArtifactWriter(tmp_path / "run.memtrack")
+    w.add_module(bid, "[vdso]", src)
+    w.close()
+    start, size = nm(src, "__vdso_clock_gettime", dynamic=True)
+    t = symbolize(ModuleStore(tmp_path / "run.memtrack"), pa.array([bid, bid]),
+                  np.array([start, start + size - 1], dtype=np.uint64))
+    # two global aliases at one address: the one llvm-symbolizer picks too
+    llvm = subprocess.run(["llvm-symbolizer", f"--obj={src}", hex(start)], capture_output=True,
+                          text=True, check=True).stdout.split("\n")[0]
+    assert llvm in ("__vdso_clock_gettime", "clock_gettime")
+    assert t.column("function").to_pylist() == [llvm] * 2
+    assert t.column("offset").to_pylist() == [0, size - 1]
 
 
 def test_cache_adds_units_in_parts(tmp_path: Path) -> None:

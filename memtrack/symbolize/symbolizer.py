@@ -156,8 +156,18 @@ class ModuleSymbolizer:
                 self.problems.append(f"{self._dwarf_image.path}: DWARF unreadable ({e})")
                 self._dwarf = None
         if self.cache is not None:
-            self.cache.store_module(self.symtab, self.symtab_debug, self.cu_lo, self.cu_hi,
-                                    self.cu_off, self.has_dwarf)
+            try:
+                self.cache.store_module(self.symtab, self.symtab_debug, self.cu_lo, self.cu_hi,
+                                        self.cu_off, self.has_dwarf)
+            except OSError as e:
+                self._cache_failed(e)
+
+    def _cache_failed(self, e: OSError) -> None:
+        assert self.cache is not None
+        self.problems.append(f"{self.cache.dir}: cannot write the symbolization cache "
+                             f"({e.strerror or e}); continuing without it")
+        self.counters["cache_write_failed"] = self.counters.get("cache_write_failed", 0) + 1
+        self.cache = None
 
     def _dwarf_reader(self) -> Dwarf | None:
         """The DWARF reader, opened on demand when the cache lacks a unit."""
@@ -196,7 +206,10 @@ class ModuleSymbolizer:
 
     def close(self) -> None:
         if self.cache is not None and self._new_cus:
-            self.cache.store_units(self._new_cus)
+            try:
+                self.cache.store_units(self._new_cus)
+            except OSError as e:
+                self._cache_failed(e)
             self._new_cus = {}
         for img in self._images:
             img.close()
