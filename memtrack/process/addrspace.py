@@ -40,6 +40,15 @@ class AddressSpaces:
         n = len(self.pid)
         if n and len(self.path) != n:
             raise AddressSpaceError("mappings: columns of different lengths")
+        # Build ids as small integers: bid_index[row] into bid_values (-1: none), and a
+        # mapped path for each (the first row's).
+        enc = pc.dictionary_encode(self.build_id)
+        self.bid_values: list[str] = enc.dictionary.to_pylist()
+        self.bid_index = enc.indices.fill_null(-1).to_numpy().astype(np.int64)
+        first_row = np.full(len(self.bid_values), -1, dtype=np.int64)
+        has = self.bid_index >= 0
+        first_row[self.bid_index[has][::-1]] = np.flatnonzero(has)[::-1]
+        self.bid_path: list[str] = [self.path[int(r)].as_py() or "" for r in first_row]
         newsnap = np.ones(n, dtype=bool)
         if n > 1:
             newsnap[1:] = (self.pid[1:] != self.pid[:-1]) | (self.ts[1:] != self.ts[:-1])

@@ -96,6 +96,9 @@ SIGRETURN_RULES: dict[str, Any] = {
              for r, i in _SIGCTX.items()},
 }
 
+_SAME, _OFFSET, _UNDEFINED, _VAL_OFFSET = (int(Rule.SAME), int(Rule.OFFSET),
+                                          int(Rule.UNDEFINED), int(Rule.VAL_OFFSET))
+
 # The frame-pointer step as a compact CFI row: CFA = rbp + 16, RA at CFA - 8, rbp at
 # CFA - 16; other callee-saved registers are unknown afterwards.
 _K = len(TRACKED)
@@ -191,8 +194,7 @@ class _Unwinder:
         self.store = store
         self.max_depth = max_depth
         self.mods: list[_Mod] = []
-        self._mod_by_bid: dict[str, int] = {}
-        self._mod_of_row = np.full(len(self.spaces.start), -2, dtype=np.int64)
+        self._mod_of_bid = np.full(len(self.spaces.bid_values), -2, dtype=np.int64)
         self.counters: dict[str, int] = {"unwind_stacks": n, "unwind_expr_rows": 0,
                                          "unwind_sigreturn_by_code": 0}
         # Frames, appended per depth: parallel lists of arrays.
@@ -211,18 +213,12 @@ class _Unwinder:
         """Module index (into self.mods) of each mapping row; -1 none/unreadable."""
         out = np.full(len(row), -1, dtype=np.int64)
         ok = row >= 0
-        need = np.unique(row[ok][self._mod_of_row[row[ok]] == -2])
-        for r in need.tolist():
-            bid = self.spaces.build_id[r].as_py()
-            path = self.spaces.path[r].as_py()
-            if not bid:
-                self._mod_of_row[r] = -1
-                continue
-            if bid not in self._mod_by_bid:
-                self._mod_by_bid[bid] = len(self.mods)
-                self.mods.append(self._open(bid, path))
-            self._mod_of_row[r] = self._mod_by_bid[bid]
-        out[ok] = self._mod_of_row[row[ok]]
+        bi = self.spaces.bid_index[row[ok]]
+        for b in np.unique(bi[(bi >= 0) & (self._mod_of_bid[np.maximum(bi, 0)] == -2)]):
+            bid = self.spaces.bid_values[b]
+            self._mod_of_bid[b] = len(self.mods)
+            self.mods.append(self._open(bid, self.spaces.bid_path[b]))
+        out[ok] = np.where(bi >= 0, self._mod_of_bid[np.maximum(bi, 0)], -1)
         return out
 
     def _open(self, bid: str, path: str | None) -> _Mod:
@@ -378,8 +374,8 @@ class _Unwinder:
                 rule: np.ndarray, off: np.ndarray, fp: np.ndarray) -> None:
         if not len(idx):
             return
-        base = self.regs[idx, cfa_reg]
-        bvalid = self.valid[idx, cfa_reg] & (cfa_reg >= 0) & (cfa_reg < NUM_REGS)
+        base = self.regs[idx, cfa_reg]  # simple rows: cfa_reg is rsp or rbp
+        bvalid = self.valid[idx, cfa_reg]
         cfa = base + cfa_off.astype(np.uint64)
         old_sp = self.regs[idx, RSP]
         new = self.regs[idx].copy()
@@ -388,17 +384,21 @@ class _Unwinder:
         for k, reg in enumerate(TRACKED):
             kind = rule[:, k]
             addr = cfa + off[:, k].astype(np.uint64)
-            is_off = kind == Rule.OFFSET
-            val, ok, beyond = self.mem.read(idx, addr)
+            is_off = kind == _OFFSET
+            is_val = kind == _VAL_OFFSET
+            val = np.zeros(len(idx), dtype=np.uint64)
+            ok = np.zeros(len(idx), dtype=bool)
+            beyond = np.zeros(len(idx), dtype=bool)
+            if is_off.any():
+                val[is_off], ok[is_off], beyond[is_off] = self.mem.read(idx[is_off],
+                                                                        addr[is_off])
             if k == 0:
-                stop[kind == Rule.UNDEFINED] = S_COMPLETE
-                stop[(kind != Rule.UNDEFINED) & ~is_off & (kind != Rule.VAL_OFFSET)] = S_NO_RULE
+                stop[kind == _UNDEFINED] = S_COMPLETE
+                stop[(kind != _UNDEFINED) & ~is_off & ~is_val] = S_NO_RULE
                 stop[(stop == 0) & is_off & beyond] = S_TRUNCATED
                 stop[(stop == 0) & is_off & ~ok] = S_BAD_ADDR
-            new[:, reg] = np.where(is_off, val, np.where(kind == Rule.VAL_OFFSET, addr,
-                                                         new[:, reg]))
-            nvalid[:, reg] = np.where(is_off, ok, np.where(
-                kind == Rule.VAL_OFFSET, True, (kind == Rule.SAME) & nvalid[:, reg]))
+            new[:, reg] = np.where(is_off, val, np.where(is_val, addr, new[:, reg]))
+            nvalid[:, reg] = np.where(is_off, ok, is_val | ((kind == _SAME) & nvalid[:, reg]))
         # The frame-pointer step needs rbp inside the frame above sp.
         stop[(stop == 0) & ~bvalid] = S_BAD_REG
         stop[(stop == 0) & fp & (base < old_sp)] = S_BAD_REG
