@@ -48,6 +48,7 @@ def test_chain_four_builds(variant: str, tmp_path: Path) -> None:
         assert n.complete and not n.truncated and n.stop == "complete"
     assert res.counters["unwind_stop_complete"] == 3
     assert res.counters["unwind_frames_cfi"] == 21
+    assert res.problems == []
 
 
 def test_frame_pointer_fallback_without_cfi(tmp_path: Path) -> None:
@@ -62,6 +63,21 @@ def test_frame_pointer_fallback_without_cfi(tmp_path: Path) -> None:
         assert n.names == ["mt_snap_nocfi", "c", "b", "a", "main", *LIBC_START]
         assert n.methods == ["regs", "fp", "fp", "fp", "fp", "fp", "cfi", "cfi"]
         assert n.complete
+
+
+def test_debug_frame_only(tmp_path: Path) -> None:
+    """-fno-asynchronous-unwind-tables -g puts the program's CFI in .debug_frame only;
+    without frame pointers nothing else could unwind it."""
+    exe = build_fixture(["unwind/chain.c"], (
+        "-O2", "-fomit-frame-pointer", "-fno-asynchronous-unwind-tables"), "chain-debugframe")
+    sections = subprocess.run(["readelf", "-SW", str(exe)], capture_output=True, text=True,
+                              check=True).stdout
+    assert ".debug_frame" in sections
+    named, res = unwind_named(run_snaps([str(exe)], tmp_path))
+    for n in named:
+        assert n.names == ["mt_snap", "c", "b", "a", "main", *LIBC_START]
+        assert n.methods == ["regs"] + ["cfi"] * 7
+    assert res.problems == []
 
 
 def _plt_entry(exe: Path, symbol: str) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # bump when the tables built from the same file change
 
 # DWARF register numbers (x86_64).
 RBX, RBP, RSP, R12, R13, R14, R15, RIP = 3, 6, 7, 12, 13, 14, 15, 16
@@ -384,8 +384,8 @@ def _fdes(data: bytes, sec_addr: int, eh: bool
                 start, q = _read_encoded(data, q, cie.fde_enc, sec_addr)
                 rng, q = _read_encoded(data, q, cie.fde_enc & 0x0F, sec_addr)
             else:
-                fmt = "<Q" if cie.addr_size == 8 else "<I"
-                start, rng = struct.unpack_from(fmt * 2, data, q)
+                fmt = "<QQ" if cie.addr_size == 8 else "<II"
+                start, rng = struct.unpack_from(fmt, data, q)
                 q += 2 * cie.addr_size
             if cie.has_z:
                 alen, q = _uleb(data, q)
