@@ -1,0 +1,81 @@
+"""`memtrack capture` from the command line: exit status, environment variables, loss
+reporting and --fail-on-loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build
+
+from memtrack.schema.artifact import Artifact
+
+MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
+ENV_VARS = ("MEMTRACK_OUTPUT", "MEMTRACK_FORCE", "MEMTRACK_STACKS", "MEMTRACK_STACK_BUDGET",
+            "MEMTRACK_STACK_COMPRESSION", "MEMTRACK_RSS", "MEMTRACK_TRACK_FAULTS",
+            "MEMTRACK_MODULES", "MEMTRACK_START_DISABLED", "MEMTRACK_CONTROL_FIFO",
+            "MEMTRACK_PROBE_PLACEMENT", "MEMTRACK_EVENTS_RING_PAGES",
+            "MEMTRACK_STACKS_RING_PAGES", "MEMTRACK_FAIL_ON_LOSS", "MEMTRACK_TIMEOUT")
+
+
+def capture(args: list[str], env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MEMTRACK, "capture", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_help_lists_every_env_var() -> None:
+    out = subprocess.run([*MEMTRACK, "capture", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "250"}, check=True).stdout
+    for var in ENV_VARS:
+        assert var in out, var
+
+
+def test_bad_options_fail_in_one_line(tmp_path: Path) -> None:
+    r = capture(["-o", str(tmp_path / "x"), "--events-ring-pages", "3", "--", "true"])
+    assert r.returncode == 2
+    assert r.stderr.strip() == "memtrack: --events-ring-pages 3: must be a power of two (pages)"
+    r = capture(["-o", str(tmp_path / "x"), "--stacks", "maybe", "--", "true"])
+    assert r.returncode == 2 and "--stacks maybe" in r.stderr
+
+
+@pytest.mark.bpf
+def test_exit_status_env_options_and_info(tmp_path: Path) -> None:
+    allocs = build(["capture/allocs.c"])
+    out = tmp_path / "e.memtrack"
+    r = capture(["--", str(allocs), "exit3"],
+                env={"MEMTRACK_OUTPUT": str(out), "MEMTRACK_STACKS": "off",
+                     "MEMTRACK_RSS": "0", "MEMTRACK_MODULES": "false"})
+    assert r.returncode == 3, r.stderr
+    assert "exited with status 3" in r.stderr and "LOST" not in r.stderr
+    art = Artifact.open(out)
+    assert art.manifest.complete and art.manifest.exit_status.code == 3
+    assert art.manifest.options["stacks"] is False and art.manifest.options["modules"] is False
+    assert art.modules() == []
+    info = json.loads(subprocess.run([*MEMTRACK, "info", "--json", str(out)],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert info["event_kinds"]["malloc"] == 1 and info["event_kinds"]["exit"] == 1
+    assert not any(info["losses"].values())
+    # an existing artifact is refused without --force
+    r = capture(["-o", str(out), "--stacks", "off", "--no-rss", "--", "true"])
+    assert r.returncode == 2 and "already exists" in r.stderr
+
+
+@pytest.mark.bpf
+def test_ring_full_is_counted_printed_and_fails_on_loss(tmp_path: Path) -> None:
+    exe = build(["capture/threads.c"], libs=("-lpthread",))
+    out = tmp_path / "l.memtrack"
+    r = capture(["-o", str(out), "--stacks", "off", "--no-rss", "--no-modules",
+                 "--events-ring-pages", "1", "--fail-on-loss", "--", str(exe)])
+    assert r.returncode == 1, r.stderr
+    assert "LOST events_ring_full" in r.stderr and "--fail-on-loss" in r.stderr
+    art = Artifact.open(out)
+    lost = art.manifest.losses["events_ring_full"]
+    events = art.read("events").table.num_rows
+    assert lost > 0 and events > 0
+    # nothing vanishes silently: recorded + lost covers at least the 8000 heap calls
+    assert events + lost >= 8000
