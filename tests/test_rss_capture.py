@@ -35,6 +35,7 @@ class Mark:
     anon: int
     file: int
     shmem: int
+    thp: int  # AnonHugePages
 
 
 def parse_marks(out: str) -> dict[str, Mark]:
@@ -45,7 +46,7 @@ def parse_marks(out: str) -> dict[str, Mark]:
         _, name, *kv = line.split()
         v = {k: int(x) for k, x in (p.split("=") for p in kv)}
         marks[name] = Mark(name, v["pid"], v["VmRSS"] * KiB, v["RssAnon"] * KiB,
-                           v["RssFile"] * KiB, v["RssShmem"] * KiB)
+                           v["RssFile"] * KiB, v["RssShmem"] * KiB, v["AnonHugePages"] * KiB)
     return marks
 
 

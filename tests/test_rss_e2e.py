@@ -159,6 +159,19 @@ def test_madvise_and_mremap(tracker: Any, workloads: Path, tmp_path: Path) -> No
     assert abs(r.replay_at(pid, unmap["ts"]) - r.marks["after"].anon) < MiB
 
 
+def test_transparent_huge_pages(tracker: Any, workloads: Path, tmp_path: Path) -> None:
+    r = Run(tracker, tmp_path, [str(workloads), "thp"])
+    pid = r.result.pid
+    peak = r.marks["peak"]
+    if peak.thp < 32 * MiB:
+        pytest.skip(f"the kernel gave only {peak.thp >> 20} MiB of huge pages (THP off?)")
+    assert close(r.peaks[pid]["anon"]["bytes"], peak.anon, 0.05)
+    # one fault per 2 MiB window: the replay counts each as a whole huge page
+    assert r.replay.huge_windows >= peak.thp >> 21
+    assert close(r.replay.peaks[pid]["bytes"], r.peaks[pid]["anon"]["bytes"], 0.10)
+    assert any(c.startswith("thp-inferred") for c in r.replay.caveats[pid])
+
+
 def test_pipeline_metadata_and_info(tracker: Any, tmp_path: Path) -> None:
     data = tmp_path / "words"
     data.write_text("memtrack follows pipelines\n" * 1000)

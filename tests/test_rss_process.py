@@ -237,6 +237,8 @@ def test_memory_metadata_for_a_pipeline(tmp_path: Path) -> None:
     assert procs[101]["cmdline"] == ["cat", "f"] and procs[101]["exe"] == "/usr/bin/cat"
     assert (procs[101]["start_ns"], procs[101]["exit_ns"]) == (2, 20)
     assert procs[100]["start_ns"] == 1 and procs[100]["exit_ns"] == 30
+    assert procs[101]["exec_ns"] == [11] and procs[104]["exec_ns"] == []
+    assert [h["comm"] for h in procs[101]["history"]] == ["cat"]
     assert procs[102]["exit_status"] == {"code": None, "signal": 13}
     assert procs[103]["exit_status"] == {"code": 3, "signal": None}
     assert procs[100]["exit_status"] == {"code": 0, "signal": None}

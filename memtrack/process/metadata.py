@@ -149,7 +149,8 @@ def memory_metadata(art: Artifact) -> dict[str, Any]:
             "start_ns": lf.start_ns,
             "exit_ns": lf.exit_ns,
             "exit_status": _exit_status(lf.exit_raw),
-            "execs": [
+            "exec_ns": lf.execs,
+            "history": [
                 {"ts": r["ts"], "comm": r["comm"], "exe": r["exe"], "cmdline": r["cmdline"]}
                 for r in lf.idents
             ],

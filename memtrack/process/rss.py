@@ -485,7 +485,7 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, *,
                 n_huge = _replay_faults(space, ts[seg], page[seg], ec[seg], thp, rows)
                 huge_windows += n_huge
                 if n_huge:
-                    notes.add("thp-inferred")
+                    notes.add(THP_NOTE)
             if k == len(plist):
                 break
             t, kind, _, flags, addr, old_addr, size = plist[k]
@@ -530,6 +530,7 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, *,
     return AnonReplay(timeline, peaks, caveats, huge_windows)
 
 
+THP_NOTE = "thp-inferred: a 2 MiB window that took a single fault is counted as a huge page"
 _CAVEAT = {
     MADV_FREE: "madv-free: lazily freed pages leave RSS only on reclaim, which faults miss",
     MADV_PAGEOUT: "madv-pageout: paged-out pages are still counted",
