@@ -133,9 +133,12 @@ def cstr(data: bytes, off: int) -> str:
 class Abbrev:
     tag: int
     has_children: bool
-    specs: list[tuple[int, int, int]]  # (attribute, form, implicit const)
+    # (attribute, form, implicit const, kind): kind is the byte size of a fixed-size form
+    # in this unit (address and offset sizes resolved), else one of the _ULEB.. tags
+    specs: list[tuple[int, int, int, int]]
     fixed_size: int | None = None  # byte size of the attributes when all are fixed-size
-    sibling_only_fixed: bool = False
+    sib_pos: int | None = None  # where a unit-relative DW_AT_sibling is, when at a fixed spot
+    sib_size: int = 0
 
 
 @dataclass
@@ -267,6 +270,7 @@ class Dwarf:
         data = self.abbrev
         off = u.abbrev_offset
         table: dict[int, Abbrev] = {}
+        sizes = {_ADDR: u.addr_size, _OFFSET: u.offset_size}
         while True:
             code, off = uleb(data, off)
             if code == 0:
@@ -275,30 +279,31 @@ class Dwarf:
             has_children = bool(data[off])
             off += 1
             specs = []
+            size: int | None = 0
+            sib_pos = None
+            sib_kind = 0
             while True:
-                attr, off = uleb(data, off)
-                form, off = uleb(data, off)
+                attr, form = data[off], data[off + 1]
+                if attr < 0x80 and form < 0x80:  # the usual one-byte pair
+                    off += 2
+                else:
+                    attr, off = uleb(data, off)
+                    form, off = uleb(data, off)
                 if attr == 0 and form == 0:
                     break
                 implicit = 0
                 if form == FORM_IMPLICIT_CONST:
                     implicit, off = sleb(data, off)
-                specs.append((attr, form, implicit))
-            size = 0
-            for _, form, _ in specs:
                 kind = _FORM_KIND.get(form)
                 if kind is None:
                     raise DwarfError(f".debug_abbrev+{u.abbrev_offset:#x}: unknown form {form:#x}")
-                if kind >= 0:
-                    size += kind
-                elif kind == _ADDR:
-                    size += u.addr_size
-                elif kind == _OFFSET:
-                    size += u.offset_size
-                else:
-                    size = -1
-                    break
-            table[code] = Abbrev(tag, has_children, specs, size if size >= 0 else None)
+                kind = sizes.get(kind, kind)
+                if attr == AT_SIBLING and size is not None and form in _UNIT_REF_FORMS and kind > 0:
+                    sib_pos, sib_kind = size, kind
+                if size is not None:
+                    size = size + kind if kind >= 0 else None
+                specs.append((attr, form, implicit, kind))
+            table[code] = Abbrev(tag, has_children, specs, size, sib_pos, sib_kind)
         self._abbrev_cache[key] = table
         return table
 
@@ -337,28 +342,27 @@ class Dwarf:
 
     # ---- DIE attribute reading ---------------------------------------------------
     def _read_raw(self, u: Unit, off: int, ab: Abbrev) -> tuple[dict[int, tuple[int, int]], int]:
-        """All attributes of a DIE as attr -> (form, value); strings and blocks are
-        returned as their offset in .debug_info (form STRING) or skipped."""
+        """All attributes of a DIE as attr -> (form, value); strings (DW_FORM_string) and
+        blocks are returned as their offset in .debug_info."""
         data = self.info
         out: dict[int, tuple[int, int]] = {}
-        for attr, form, implicit in ab.specs:
-            kind = _FORM_KIND[form]
+        for attr, form, implicit, kind in ab.specs:
+            if kind > 0:
+                out[attr] = (form, int.from_bytes(data[off:off + kind], "little"))
+                off += kind
+                continue
             if kind == _INDIRECT:
                 form, off = uleb(data, off)
                 kind = _FORM_KIND[form]
-            if kind > 0:
-                val = int.from_bytes(data[off:off + kind], "little")
-                off += kind
-            elif kind == 0:
+                kind = {_ADDR: u.addr_size, _OFFSET: u.offset_size}.get(kind, kind)
+                if kind > 0:
+                    out[attr] = (form, int.from_bytes(data[off:off + kind], "little"))
+                    off += kind
+                    continue
+            if kind == 0:
                 val = implicit if form == FORM_IMPLICIT_CONST else 1
             elif kind == _ULEB:
                 val, off = uleb(data, off)
-            elif kind == _OFFSET:
-                val = int.from_bytes(data[off:off + u.offset_size], "little")
-                off += u.offset_size
-            elif kind == _ADDR:
-                val = int.from_bytes(data[off:off + u.addr_size], "little")
-                off += u.addr_size
             elif kind == _SLEB:
                 val, off = sleb(data, off)
             elif kind == _CSTR:
@@ -377,6 +381,20 @@ class Dwarf:
                 off += n
             out[attr] = (form, val)
         return out, off
+
+    def _skip_children_by_sibling(self, u: Unit, die_off: int, off: int, ab: Abbrev) -> int:
+        """Offset of the next sibling of a DIE with children whose attributes start at
+        `off`: its DW_AT_sibling, else a walk over its subtree."""
+        if ab.sib_pos is not None:
+            p = off + ab.sib_pos
+            target = u.offset + int.from_bytes(self.info[p:p + ab.sib_size], "little")
+            if not die_off < target <= u.end:
+                raise DwarfError(f".debug_info+{die_off:#x}: DW_AT_sibling {target:#x} outside "
+                                 "the unit")
+            return target
+        raw, off = self._read_raw(u, off, ab)
+        sib = raw.get(AT_SIBLING)
+        return self._sibling(u, die_off, sib) if sib else self._skip_subtree(u, off)
 
     def _skip_attrs(self, u: Unit, off: int, ab: Abbrev) -> int:
         if ab.fixed_size is not None:
@@ -628,10 +646,8 @@ class Dwarf:
             if tag not in _DESCEND_TAGS and not (tag in _LOCAL_TYPE_TAGS and scope[-1] >= 0):
                 if not ab.has_children:
                     off = self._skip_attrs(u, off, ab)
-                    continue
-                raw, off = self._read_raw(u, off, ab)
-                sib = raw.get(AT_SIBLING)
-                off = self._sibling(u, die_off, sib) if sib else self._skip_subtree(u, off)
+                else:
+                    off = self._skip_children_by_sibling(u, die_off, off, ab)
                 continue
             raw, off = self._read_raw(u, off, ab)
             parent = scope[-1]
@@ -681,6 +697,9 @@ class Dwarf:
             if ab is None:
                 raise DwarfError(f".debug_info+{die_off:#x}: unknown abbreviation {code}")
             if ab.has_children:
+                if ab.sib_pos is not None:
+                    off = self._skip_children_by_sibling(u, die_off, off, ab)
+                    continue
                 raw, off = self._read_raw(u, off, ab)
                 sib = raw.get(AT_SIBLING)
                 if sib is not None:
@@ -855,6 +874,13 @@ def _run_program(data: bytes, p: int, end: int, addr_size: int, min_inst: int, l
                  dir_names: list[str], version: int) -> None:
     """The line-number state machine; appends (addr, file, line, col, end) rows."""
     append = rows.append
+    # special opcodes are most of a program: their address and line steps, by opcode
+    adv_addr = [0] * 256
+    adv_line = [0] * 256
+    for op in range(opcode_base, 256):
+        adj = op - opcode_base
+        adv_addr[op] = (adj // line_range) * min_inst
+        adv_line[op] = line_base + adj % line_range
     addr = 0
     file = 1
     line = 1
@@ -863,9 +889,8 @@ def _run_program(data: bytes, p: int, end: int, addr_size: int, min_inst: int, l
         op = data[p]
         p += 1
         if op >= opcode_base:
-            adj = op - opcode_base
-            addr += (adj // line_range) * min_inst
-            line += line_base + adj % line_range
+            addr += adv_addr[op]
+            line += adv_line[op]
             append((addr, file, line, col, 0))
         elif op == 0:
             n, p = uleb(data, p)
