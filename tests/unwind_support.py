@@ -41,10 +41,10 @@ def snap_lib() -> Path:
 
 
 def build_fixture(sources: list[str], flags: tuple[str, ...], name: str,
-                  libs: tuple[str, ...] = (), shared: bool = False) -> Path:
+                  libs: tuple[str, ...] = (), shared: bool = False, debug: bool = True) -> Path:
     inc = str(Path(__file__).resolve().parent.parent / "fixtures" / "unwind")
-    return build(sources, flags=(*flags, "-g", f"-I{inc}"), libs=(str(snap_lib()), *libs),
-                 name=name, shared=shared)
+    return build(sources, flags=(*flags, "-g" if debug else "-g0", f"-I{inc}"),
+                 libs=(str(snap_lib()), *libs), name=name, shared=shared)
 
 
 @dataclass
