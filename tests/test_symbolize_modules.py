@@ -133,3 +133,43 @@ def test_bad_files(tmp_path: Path) -> None:
     store = ModuleStore(path)
     assert store.get("cafe") is None
     assert any("missing" in p for p in store.problems)
+
+
+def test_gnu_debuglink_debug_file_next_to_module(tmp_path: Path) -> None:
+    import subprocess
+
+    exe = build(["symbolize/inl.cc"], flags=("-O2", "-g"), name="inl")
+    bid = read_build_id(exe)
+    app = tmp_path / "app"
+    dbg = tmp_path / "app.debug"
+    subprocess.run(["objcopy", "--only-keep-debug", str(exe), str(dbg)], check=True)
+    subprocess.run(["objcopy", "--strip-debug", f"--add-gnu-debuglink={dbg}", str(exe), str(app)],
+                   check=True)
+    store = ModuleStore(None, host_modules=True)
+    mod = store.get(str(bid), str(app))
+    assert mod is not None and mod.debug_path == dbg
+    # a debug file whose CRC does not match the link is not used
+    dbg.write_bytes(dbg.read_bytes() + b"\0")
+    assert ModuleStore(None, host_modules=True).get(str(bid), str(app)).debug_path is None  # type: ignore[union-attr]
+
+
+def test_host_modules_symbolize_by_build_id_and_path() -> None:
+    import pyarrow as pa
+
+    from memtrack.symbolize import symbolize
+
+    bid = read_build_id(LIBC)
+    out = subprocess_nm_malloc()
+    t = symbolize(ModuleStore(None, host_modules=True), pa.array([bid]),
+                  np.array([out], dtype=np.uint64), paths=pa.array([str(LIBC)]))
+    assert t.column("function").to_pylist()[-1] == "__libc_malloc"  # as llvm-symbolizer says
+    assert t.column("file").to_pylist()[-1] == "./malloc/malloc.c"
+
+
+def subprocess_nm_malloc() -> int:
+    import subprocess
+
+    out = subprocess.run(["nm", "-D", str(LIBC)], check=True, capture_output=True,
+                         text=True).stdout
+    return next(int(ln.split()[0], 16) for ln in out.splitlines()
+                if ln.split()[-1].split("@")[0] == "malloc")
