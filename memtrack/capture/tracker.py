@@ -88,10 +88,8 @@ def default_parts(options: CaptureOptions) -> list[CapturePart]:
 
 
 def _placement(code: bytes, vaddr: int, name: str) -> tuple[int, str]:
-    try:
-        from memtrack.capture.placement import choose_probe_offset
-    except ImportError:
-        return 0, "entry (memtrack.capture.placement is not installed)"
+    from memtrack.capture.placement import choose_probe_offset
+
     p = choose_probe_offset(code, vaddr, name=name)
     return int(p.offset), str(p.reason)
 
@@ -203,7 +201,7 @@ class Tracker:
         except OSError:
             path = open_path
         code = b""
-        if self.options.probe_placement == "auto" and any(p.is_free for p in probes):
+        if self.options.probe_placement == "auto":
             with open(open_path, "rb") as f:
                 code = f.read()
         for p in probes:
@@ -212,15 +210,16 @@ class Tracker:
 
     def _attach_probe(self, p: Probe, path: str, mapped_path: str, build_id: str | None,
                       code: bytes) -> None:
+        # The placement never moves rsp before the chosen offset, so [rsp] still holds
+        # the return address there: a uretprobe at the same offset works and shares the
+        # entry probe's breakpoint.
         offset, reason = 0, "entry (--probe-placement entry)"
-        if not p.is_free:
-            reason = "entry: shares the uretprobe's breakpoint"
-        elif code:
+        if code:
             offset, reason = _placement(code[p.file_offset:p.file_offset + p.size], p.vaddr,
                                         p.name)
         attach_uprobe(self.bpf, p.program, path, p.file_offset + offset)
         if not p.is_free:
-            attach_uprobe(self.bpf, "mt_ret", path, p.file_offset, retprobe=True)
+            attach_uprobe(self.bpf, "mt_ret", path, p.file_offset + offset, retprobe=True)
         self.probes.append({
             "path": mapped_path, "build_id": build_id, "function": p.name,
             "family": p.family.name.lower(), "program": p.program, "vaddr": p.vaddr,
