@@ -68,6 +68,62 @@ def test_frame_pointer_fallback_without_cfi(tmp_path: Path) -> None:
         assert n.complete
 
 
+def _nm(exe: Path, symbol: str) -> int:
+    out = subprocess.run(["nm", str(exe)], capture_output=True, text=True, check=True).stdout
+    return next(int(line.split()[0], 16) for line in out.splitlines()
+                if line.split()[-1] == symbol)
+
+
+def _with_frame0(snaps: Snaps, rip: list[int], rsp: list[int], rbp: list[int]) -> Snaps:
+    """The same stacks with frame 0 moved to another (rip, rsp, rbp): the copy is cut to
+    start at the new rsp (which must lie above the old one)."""
+    t = snaps.stacks
+    regs = np.array(t.column("regs").to_pylist(), dtype=np.uint64)
+    old = t.column("sp").to_pylist()
+    stack = [bytes(s)[n - o:] for s, n, o in zip(t.column("stack").to_pylist(), rsp, old,
+                                                  strict=True)]
+    regs[:, 16], regs[:, 7], regs[:, 6] = rip, rsp, rbp
+    for name, arr in (("regs", pa.array(regs.tolist(), t.schema.field("regs").type)),
+                      ("stack", pa.array(stack, pa.binary())),
+                      ("sp", pa.array(rsp, pa.uint64()))):
+        t = t.set_column(t.schema.get_field_index(name), name, arr)
+    return Snaps(t, snaps.mappings, snaps.sizes)
+
+
+@pytest.mark.parametrize("at, state", [(0, "entry"), (1, "pushed"), (4, "body"),
+                                       (9, "pushed"), (10, "entry")])
+def test_frame0_prologue_and_epilogue_without_cfi(at: int, state: str, tmp_path: Path
+                                                  ) -> None:
+    """Frame 0 at each instruction of `push rbp; mov rbp,rsp; call; pop rbp; ret` in a
+    function without CFI: capstone tells where rbp is not (yet / any more) the frame."""
+    exe = build_fixture(["unwind/chain.c"], (
+        "-O2", "-fno-omit-frame-pointer", "-fno-asynchronous-unwind-tables",
+        "-fno-unwind-tables", "-DSNAP=mt_snap_nocfi"), "chain-nocfi", debug=False)
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(exe)],
+                          capture_output=True, text=True, check=True).stdout
+    c = _nm(exe, "c")
+    body = code[code.index(f"{c:x} <c>:"):].split("\n\n")[0]
+    assert [ln.split("\t")[1].split()[0] for ln in body.splitlines()[1:6]] == [
+        "push", "mov", "call", "pop", "ret"]
+    snaps = run_snaps([str(exe)], tmp_path)
+    regs = np.array(snaps.stacks.column("regs").to_pylist(), dtype=np.uint64)
+    sp = snaps.stacks.column("sp").to_pylist()
+    rbp_c = regs[:, 6].tolist()  # c's frame pointer at the snapshot entry
+    rbp_b = [int.from_bytes(bytes(s)[r - o:r - o + 8], "little") for s, r, o in zip(
+        snaps.stacks.column("stack").to_pylist(), rbp_c, sp, strict=True)]
+    rip = [_runtime(snaps, exe, c + at)] * len(sp)
+    if state == "entry":
+        moved = _with_frame0(snaps, rip, [r + 8 for r in rbp_c], rbp_b)
+    elif state == "pushed":
+        moved = _with_frame0(snaps, rip, rbp_c, rbp_b if at == 1 else rbp_c)
+    else:
+        moved = _with_frame0(snaps, rip, rbp_c, rbp_c)
+    named, _ = unwind_named(moved)
+    for n in named:
+        assert n.names == ["c", "b", "a", "main", *LIBC_START]
+        assert n.methods == ["regs", "fp", "fp", "fp", "fp", "cfi", "cfi"]
+
+
 def test_debug_frame_only(tmp_path: Path) -> None:
     """-fno-asynchronous-unwind-tables -g puts the program's CFI in .debug_frame only;
     without frame pointers nothing else could unwind it."""
