@@ -19,6 +19,8 @@ Anything else is a disagreement and is listed.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import build
+from conftest import BUILD_DIR, FIXTURES, build
 
 from memtrack.symbolize import ModuleStore, Symbolizer
 from memtrack.symbolize.dwarf import Dwarf
@@ -218,3 +220,26 @@ def test_cxx_fixture_inlines(flags: tuple[str, ...], capsys: pytest.CaptureFixtu
     ag = compare(exe, addrs)
     check(f"fixture inl.cc {' '.join(flags)}", ag, capsys)
     assert ag.frames >= 2 * ag.addresses  # -O2 inlining: deep chains are compared
+
+
+def _rustc() -> str | None:
+    return shutil.which("rustc") or (str(p) if (p := Path.home() / ".cargo/bin/rustc").is_file()
+                                     else None)
+
+
+@pytest.mark.skipif(_rustc() is None, reason="rustc is not installed (optional: Rust names)")
+def test_rust_fixture(capsys: pytest.CaptureFixture[str]) -> None:
+    src = FIXTURES / "symbolize" / "hashmap.rs"
+    rustc = _rustc()
+    assert rustc
+    digest = hashlib.sha256(src.read_bytes() + rustc.encode()).hexdigest()[:12]
+    exe = BUILD_DIR / f"hashmap-rs-{digest}"
+    if not exe.exists():
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = exe.with_name(exe.name + f".tmp{os.getpid()}")
+        subprocess.run([rustc, "-O", "-g", str(src), "-o", str(tmp)], check=True,
+                       capture_output=True)
+        os.replace(tmp, exe)
+    ag = compare(exe, text_addresses(exe, N))
+    check("Rust fixture hashmap.rs -O -g", ag, capsys)
+    assert ag.frames >= 2 * ag.addresses
