@@ -209,7 +209,8 @@ def test_cache_second_run_parses_no_dwarf(tmp_path: Path, monkeypatch: pytest.Mo
     cache = tmp_path / "cache"
     first, _ = run(exe, addrs, cache_dir=cache)
     bid = read_build_id(exe)
-    files = sorted(p.name.split("-")[0] for p in (cache / "symbolize" / "v1" / str(bid)).iterdir())
+    mdir = cache / "symbolize" / "v1" / f"{bid}.nodebug"  # -g in the module: no debug file
+    files = sorted(p.name.split("-")[0] for p in mdir.iterdir())
     assert files == ["files", "lines", "meta.json", "nodes", "ranges", "symbols.parquet",
                      "symbols_debug.parquet", "units.parquet"]
 
@@ -251,6 +252,30 @@ def test_vdso_from_artifact_gets_dynsym_names(tmp_path: Path) -> None:
     assert llvm in ("__vdso_clock_gettime", "clock_gettime")
     assert t.column("function").to_pylist() == [llvm] * 2
     assert t.column("offset").to_pylist() == [0, size - 1]
+
+
+def test_cache_kept_apart_without_debug_file_and_without_build_id(tmp_path: Path) -> None:
+    exe = inl()
+    stripped = tmp_path / "stripped"
+    dbg = tmp_path / "stripped.debug"
+    subprocess.run(["objcopy", "--only-keep-debug", str(exe), str(dbg)], check=True)
+    subprocess.run(["objcopy", "--strip-debug", str(exe), str(stripped)], check=True)
+    addrs = _text_sample(exe, 50)
+    cache = tmp_path / "cache"
+    without, _ = run(stripped, addrs, cache_dir=cache)
+    subprocess.run(["objcopy", f"--add-gnu-debuglink={dbg}", str(stripped)], check=True)
+    with_dbg, _ = run(stripped, addrs, cache_dir=cache)
+    assert sum(map(len, with_dbg)) > sum(map(len, without))  # inline frames appeared
+    bid = read_build_id(exe)
+    assert sorted(p.name for p in (cache / "symbolize" / "v1").iterdir()) == [
+        str(bid), f"{bid}.nodebug"]
+    nobid = tmp_path / "nobid"
+    build_nobid = build(["symbolize/syms.S"], name="syms-nobid", shared=True,
+                        flags=("-nostdlib", "-Wl,--build-id=none"))
+    shutil.copyfile(build_nobid, nobid)
+    rows, _ = run(nobid, [0x1000], cache_dir=cache)
+    assert outer(rows[0]) == ("sized_global", 0, None)
+    assert len(list((cache / "symbolize" / "v1").iterdir())) == 2  # nothing cached by path
 
 
 def test_cache_adds_units_in_parts(tmp_path: Path) -> None:

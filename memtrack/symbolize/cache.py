@@ -1,7 +1,8 @@
 """The per-build-id symbolization cache: flat tables as Parquet files.
 
-CACHE_DIR/symbolize/v1/BUILD_ID/ holds the module's symbol table (symbols.parquet),
-its unit index (units.parquet) and, in part files written by each run that parsed new
+CACHE_DIR/symbolize/v1/BUILD_ID/ (BUILD_ID.nodebug/ when no debug file was found)
+holds the module's symbol tables (symbols.parquet, symbols_debug.parquet), its unit
+index (units.parquet) and, in part files written by each run that parsed new
 compilation units, those units' line rows, frame ranges, frame nodes and file names
 (lines-ID.parquet, ranges-ID.parquet, nodes-ID.parquet, files-ID.parquet). A build id
 names the exact bytes of a module, so entries never go stale; a second run over the
@@ -54,8 +55,11 @@ def _symtab_of(t: pa.Table) -> SymbolTable:
 
 
 class ModuleCache:
-    def __init__(self, cache_dir: Path, build_id: str) -> None:
-        self.dir = Path(cache_dir) / "symbolize" / CACHE_VERSION / build_id
+    def __init__(self, cache_dir: Path, build_id: str, with_debug_file: bool) -> None:
+        # what a module yields depends on whether its debug file was found: the two
+        # are cached apart, so a debug file installed later is not hidden by the cache
+        name = build_id if with_debug_file else f"{build_id}.nodebug"
+        self.dir = Path(cache_dir) / "symbolize" / CACHE_VERSION / name
         self.symtab = SymbolTable.empty()
         self.symtab_debug = SymbolTable.empty()
         self.cu_lo = self.cu_hi = np.zeros(0, dtype=np.uint64)

@@ -11,6 +11,7 @@ answered becomes `[unknown] (module+0xVADDR)` with a reason, never an exception.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ CORRUPT_ELF = "corrupt-elf"  # the module file cannot be read as an ELF
 STRIPPED = "stripped"  # the module has neither symbols nor DWARF
 NO_SYMBOL = "no-symbol"  # the module has symbols, none covers the address
 
+_BUILD_ID = re.compile(r"[0-9a-f]{2,}")
 _DWARF_ERRORS = (DwarfError, ElfReadError, IndexError, KeyError, ValueError, struct.error,
                  UnicodeDecodeError, OverflowError)
 
@@ -339,7 +341,9 @@ class Symbolizer:
         mod = self.store.get(build_id, path_hint)
         ms = None
         if mod is not None:
-            cache = ModuleCache(self.cache_dir, mod.build_id) if self.cache_dir else None
+            cache = None
+            if self.cache_dir and _BUILD_ID.fullmatch(mod.build_id):  # not `path:` keys
+                cache = ModuleCache(self.cache_dir, mod.build_id, mod.debug_path is not None)
             try:
                 ms = ModuleSymbolizer(mod, cache, self.counters)
             except ModuleError as e:
