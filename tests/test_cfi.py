@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from elftools.elf.elffile import ELFFile
 
 from memtrack.symbolize.cfi import (
     CFA_EXPR,
@@ -19,6 +20,7 @@ from memtrack.symbolize.cfi import (
     T_RBP,
     TRACKED,
     Rule,
+    _fdes,
     build_table,
     load_table,
 )
@@ -200,3 +202,20 @@ def test_cache_round_trip(tmp_path: Path) -> None:
     assert b.complex_rules == a.complex_rules
     assert b.rule.shape == (len(b), len(TRACKED))
     cfi._memo.clear()
+
+
+def test_bad_input_is_reported_not_raised(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"\x7fELF" + b"\xff" * 60)
+    t = build_table(junk)
+    assert len(t) == 0
+    assert len(t.problems) == 1 and str(junk) in t.problems[0]
+    # A truncated .eh_frame entry: the FDEs before it are kept, the cut one reported.
+    libc = LIBS["libc"]
+    good = build_table(libc)
+    with open(libc, "rb") as f:
+        sec = ELFFile(f).get_section_by_name(".eh_frame")
+        data, addr = sec.data(), sec["sh_addr"]
+    fdes, problems = _fdes(data[:len(data) // 2], addr, True)
+    assert problems and "runs past the section end" in problems[0]
+    assert 0 < len(fdes) < len(np.unique(good.pc))

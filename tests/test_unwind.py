@@ -333,3 +333,19 @@ def test_each_distinct_stack_unwound_once(tmp_path: Path) -> None:
     assert res.stacks.num_rows == 3
     assert res.frames.num_rows == 24
     assert res.frames.column("depth").to_pylist()[:8] == list(range(8))
+
+
+def test_unknown_mapping_and_missing_modules_are_reported(tmp_path: Path) -> None:
+    exe = build_fixture(["unwind/chain.c"], VARIANTS["O2"], "chain-O2")
+    snaps = run_snaps([str(exe)], tmp_path)
+    maps = snaps.mappings.filter(pa.compute.not_equal(snaps.mappings.column("path"),
+                                                      str(exe)))
+    res = unwind(snaps.stacks, maps, ModuleStore(None, host_modules=True))
+    assert res.stacks.column("stop").to_pylist() == ["unknown-mapping"] * 3
+    assert res.stacks.column("depth").to_pylist() == [2] * 3
+    assert res.frames.column("build_id").to_pylist()[1] is None
+    assert res.frames.column("lookup_vaddr").to_pylist()[1] is None
+    # Without the module files nothing is named nor unwound by CFI, and it says so.
+    res = unwind(snaps.stacks, snaps.mappings, ModuleStore(None, host_modules=False))
+    assert res.counters["unwind_frames_cfi"] == 0
+    assert any(snap_lib().name in p and "not available" in p for p in res.problems)
