@@ -2,10 +2,12 @@
 
 Why not pyelftools here: it builds a Python object per DIE and per line row (~70 k
 DIEs/s, ~40-90 k rows/s measured on libc6-dbg), and it has no way to skip the type and
-variable subtrees that make up most of a unit. This reader parses abbreviations once,
-skips uninteresting DIEs by their DW_AT_sibling (or by a size walk), reads only the
-attributes symbolization needs, and runs the line program straight into flat arrays.
-pyelftools is still used to open the ELF and get (decompressed) section bytes.
+variable subtrees that make up most of a unit. For 2000 random libc addresses (607
+units: 339 k DIEs, 479 k line rows) it needs ~20 s; this reader needs ~1.7 s in all
+(bench/bench_symbolize.py). It parses abbreviations once per unit, skips uninteresting
+DIEs by their DW_AT_sibling (or by a size walk), reads only the attributes
+symbolization needs, and runs the line program straight into flat arrays. pyelftools
+is still used to open the ELF and get (decompressed) section bytes.
 
 The result of one compilation unit is a pair of flat tables (`CuTables`): line rows
 (address, file, line, column) sorted by address, and frame ranges (subprograms and

@@ -27,15 +27,17 @@ from memtrack.symbolize.symtab import ElfImage, ElfReadError, SymbolTable
 
 FRAMES_SCHEMA = pa.schema(
     [
-        ("row", pa.uint32()),
-        ("inline_depth", pa.uint8()),
-        ("function", pa.string()),
-        ("symbol", pa.string()),
+        ("row", pa.uint32()),  # index of the input (build id, vaddr) row
+        ("inline_depth", pa.uint8()),  # 0 = innermost; the last is the real function
+        ("function", pa.string()),  # demangled, or `[unknown] (module+0xVADDR)`
+        ("symbol", pa.string()),  # raw (mangled) name; null when unknown
+        # vaddr - start of the ELF symbol holding it (the same on every inline level);
+        # the vaddr itself when no symbol holds it
         ("offset", pa.uint64()),
-        ("file", pa.string()),
-        ("line", pa.uint32()),
+        ("file", pa.string()),  # null when unknown
+        ("line", pa.uint32()),  # 0 when unknown
         ("column", pa.uint32()),
-        ("reason", pa.string()),
+        ("reason", pa.string()),  # null when the function is known
     ]
 )
 
