@@ -107,6 +107,18 @@ def test_stripped_module_gets_dynsym_names(tmp_path: Path) -> None:
     assert rows[3][-1]["function"] == f"[unknown] (inl-stripped+{work:#x})"
 
 
+def test_fully_stripped_module_reason(tmp_path: Path) -> None:
+    exe = inl()
+    stripped = tmp_path / "bare"
+    subprocess.run(["strip", "--strip-all", "-o", str(stripped), str(exe)], check=True)
+    main_addr, _ = nm(exe, "main")
+    rows, s = run(stripped, [main_addr])
+    assert rows[0] == [{"row": 0, "inline_depth": 0, "function": f"[unknown] (bare+{main_addr:#x})",
+                        "symbol": None, "offset": main_addr, "file": None, "line": 0,
+                        "column": 0, "reason": "stripped"}]
+    assert s.counters == {"stripped": 1}
+
+
 def _local_funcs(path: Path) -> list[tuple[int, str]]:
     out = subprocess.run(["nm", str(path)], check=True, capture_output=True, text=True).stdout
     return [(int(p[0], 16), p[2]) for p in (ln.split() for ln in out.splitlines())
