@@ -349,3 +349,22 @@ def test_unknown_mapping_and_missing_modules_are_reported(tmp_path: Path) -> Non
     res = unwind(snaps.stacks, snaps.mappings, ModuleStore(None, host_modules=False))
     assert res.counters["unwind_frames_cfi"] == 0
     assert any(snap_lib().name in p and "not available" in p for p in res.problems)
+
+
+@pytest.mark.parametrize("prologue, at_pc, expect", [
+    ("", "55", (8, {})),  # at the start
+    ("f30f1efa", "55", (8, {})),  # after endbr64
+    ("55", "4889e5", (16, {6: -16})),  # rbp pushed, not the frame yet
+    ("554889e5", "4883ec10", None),  # rbp is the frame
+    ("53554883ec18", "4889fb", (48, {3: -16, 6: -24})),  # push rbx, rbp; sub rsp, 0x18
+    ("4154", "53", (16, {12: -16})),  # push r12
+    ("85ff7405", "c3", (8, {})),  # a branch before the pc, but at a ret
+    ("85ff7405", "90", None),  # a branch before the pc: not a straight prologue
+    (None, "5dc3", (16, {6: -16})),  # pop rbp; ret without a known start
+    (None, "4889c7", None),
+])
+def test_frame0_rule(prologue: str | None, at_pc: str, expect: object) -> None:
+    from memtrack.process.unwind import _frame0_rule
+
+    pro = bytes.fromhex(prologue) if prologue is not None else None
+    assert _frame0_rule(bytes.fromhex(at_pc) + b"\x90" * 8, pro) == expect

@@ -330,8 +330,8 @@ class _Unwinder:
                 method[j] = M_CFI
                 self.counters["unwind_sigreturn_by_code"] += 1
             elif depth == 0:
-                self._frame0_prologue(j, code, int(mod[j]), int(lookup[j]), cfa_reg, cfa_off,
-                                      rule, off)
+                self._frame0_prologue(j, code, int(mod[j]), int(row[j]), int(pcs[j]),
+                                      int(lookup[j]), cfa_reg, cfa_off, rule, off)
         simple = np.ones(n, dtype=bool)
         simple[list(rare)] = False
         s = np.flatnonzero(simple)
@@ -350,25 +350,31 @@ class _Unwinder:
         foff = int(self.spaces.file_offset(np.array([row]), np.array([addr], np.uint64))[0])
         return _read_file(module.elf_path, foff, size)
 
-    def _frame0_prologue(self, j: int, code: bytes, m: int, vaddr: int, cfa_reg: np.ndarray,
-                         cfa_off: np.ndarray, rule: np.ndarray, off: np.ndarray) -> None:
-        """Frame 0 without CFI: where rbp is not (yet / any more) the frame, step from rsp."""
+    def _frame0_prologue(self, j: int, code: bytes, m: int, row: int, pc: int, vaddr: int,
+                         cfa_reg: np.ndarray, cfa_off: np.ndarray, rule: np.ndarray,
+                         off: np.ndarray) -> None:
+        """Frame 0 without CFI: unless rbp is already the frame (the default fp row), the
+        CFA is rsp plus what the prologue pushed so far, or what the epilogue left."""
+        prologue = None
         module = self.mods[m].module if m >= 0 else None
-        starts = _func_starts(module.elf_path, module.debug_path) if module else frozenset()
-        state = _prologue_state(code, vaddr in starts)
-        if state == "body":
+        if module is not None:
+            starts = _func_starts(module.elf_path, module.debug_path)
+            k = int(np.searchsorted(starts, vaddr, side="right")) - 1
+            if k >= 0 and vaddr - int(starts[k]) <= _PROLOGUE_MAX:
+                n = vaddr - int(starts[k])
+                prologue = self._code(m, row, pc - n, n) if n else b""
+        frame = _frame0_rule(code, prologue)
+        if frame is None:
             return
         cfa_reg[j] = RSP
-        cfa_off[j] = 8 if state == "entry" else 16
-        rule[j] = Rule.UNDEFINED
+        cfa_off[j] = frame[0]
+        rule[j] = Rule.SAME
+        off[j] = 0
         rule[j, 0] = Rule.OFFSET
         off[j, 0] = -8
-        k = TRACKED.index(RBP)
-        if state == "entry":
-            rule[j, k] = Rule.SAME
-        else:
-            rule[j, k] = Rule.OFFSET
-            off[j, k] = -16
+        for reg, at in frame[1].items():
+            rule[j, TRACKED.index(reg)] = Rule.OFFSET
+            off[j, TRACKED.index(reg)] = at
 
     def _simple(self, idx: np.ndarray, cfa_reg: np.ndarray, cfa_off: np.ndarray,
                 rule: np.ndarray, off: np.ndarray, fp: np.ndarray) -> None:
@@ -566,8 +572,8 @@ def _read_file(path: Path, offset: int, size: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=64)
-def _func_starts(elf_path: Path, debug_path: Path | None) -> frozenset[int]:
-    """Start addresses of the FUNC symbols of a module (its debug file's too)."""
+def _func_starts(elf_path: Path, debug_path: Path | None) -> np.ndarray:
+    """Sorted start addresses of the FUNC symbols of a module (its debug file's too)."""
     out: set[int] = set()
     for path in (elf_path, debug_path):
         if path is None:
@@ -584,30 +590,59 @@ def _func_starts(elf_path: Path, debug_path: Path | None) -> frozenset[int]:
                             out.add(int(sym["st_value"]))
         except (OSError, ELFError, struct.error, ValueError):
             continue
-    return frozenset(out)
+    return np.array(sorted(out), dtype=np.int64)
 
 
-def _prologue_state(code: bytes, at_function_start: bool) -> str:
-    """Where a pc without CFI stands: 'entry' (nothing pushed: CFA = rsp + 8),
-    'pushed' (rbp pushed, not yet the frame, or popped back to the top of the stack
-    before ret: CFA = rsp + 16), or 'body' (rbp is the frame)."""
+_PROLOGUE_MAX = 256  # bytes from a function's start simulated for frame 0 without CFI
+_REGNUM = {"rbx": 3, "rbp": RBP, "r12": 12, "r13": 13, "r14": 14, "r15": 15}
+
+
+def _frame0_rule(code: bytes, prologue: bytes | None) -> tuple[int, dict[int, int]] | None:
+    """How to step out of frame 0 where no CFI covers it, from the code at the pc and
+    (when the function's start is known) the straight-line code before it:
+    (CFA = rsp + k, {register: its slot's offset from the CFA}), or None where rbp is
+    the frame (the frame-pointer rule)."""
     import capstone
 
-    if at_function_start:
-        return "entry"
     md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    insns = list(md.disasm(code, 0, 2))
-    if not insns:
-        return "body"
-    first = insns[0]
-    text = f"{first.mnemonic} {first.op_str}".strip()
-    if text in ("endbr64", "push rbp", "ret"):
-        return "entry"
-    if text == "pop rbp" and len(insns) > 1 and insns[1].mnemonic == "ret":
-        return "pushed"
-    if text == "mov rbp, rsp":
-        return "pushed"
-    return "body"
+    here = [f"{i.mnemonic} {i.op_str}".strip() for i in md.disasm(code, 0, 2)]
+    if here[:1] == ["ret"]:
+        return 8, {}
+    if here[:2] == ["pop rbp", "ret"]:
+        return 16, {RBP: -16}
+    if prologue is None:
+        if here[:1] in (["endbr64"], ["push rbp"]):
+            return 8, {}
+        if here[:1] == ["mov rbp, rsp"]:
+            return 16, {RBP: -16}
+        return None
+    pushed = 0
+    saved: dict[int, int] = {}
+    done = 0
+    for insn in md.disasm(prologue, 0):
+        done = insn.address + insn.size
+        text = f"{insn.mnemonic} {insn.op_str}".strip()
+        ops = insn.op_str.split(", ")
+        if text == "mov rbp, rsp":
+            return None
+        if insn.mnemonic == "push":
+            pushed += 8
+            if ops[0] in _REGNUM:
+                saved.setdefault(_REGNUM[ops[0]], -8 - pushed)
+        elif insn.mnemonic in ("sub", "add") and ops[0] == "rsp" and len(ops) == 2:
+            try:
+                k = int(ops[1], 0)
+            except ValueError:
+                return None
+            pushed += k if insn.mnemonic == "sub" else -k
+        elif insn.mnemonic in ("endbr64", "nop") or (insn.mnemonic == "mov"
+                                                     and ops[0] not in ("rsp", "rbp")):
+            continue
+        else:
+            return None  # a branch or anything else: not a straight prologue
+    if done != len(prologue):
+        return None
+    return 8 + pushed, saved
 
 
 def unwind(stacks: pa.Table, mappings: pa.Table, store: ModuleStore,
