@@ -279,6 +279,7 @@ def choose_probe_offset(code: bytes, func_vaddr: int, *, name: str) -> Placement
         if insn is None:
             return at_zero(f"nothing decodable at +{off:#x}")
         text = _text(insn)
+        where = "it" if off == 0 else f"{text} at +{off:#x}"
         if _is_conditional(insn):
             target = _direct_target(insn)
             ok, why = (fn.silent_path(target - func_vaddr, off + insn.size)
@@ -291,14 +292,14 @@ def choose_probe_offset(code: bytes, func_vaddr: int, *, name: str) -> Placement
             if kernel_emulates(insn.bytes):
                 return _chosen(name, off, insn, skipped,
                                notes + [f"not skipping {text}: {why}"])
-            return at_zero(f"{text} at +{off:#x} is not emulated and its {why}")
+            return at_zero(f"{where} is not emulated and its {why}")
         if kernel_emulates(insn.bytes):
             return _chosen(name, off, insn, skipped, notes)
         if _is_branch(insn):
-            return at_zero(f"{text} at +{off:#x} is an unemulated jump")
+            return at_zero(f"{where} is an unemulated jump")
         why = _clobber(insn)
         if why:
-            return at_zero(f"{text} at +{off:#x} {why}")
+            return at_zero(f"{where} {why}")
         skipped.append(text)
         off += insn.size
     return at_zero(f"no emulated instruction in the first {MAX_WALK}")
