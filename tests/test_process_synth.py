@@ -9,6 +9,7 @@ import pyarrow as pa
 
 from memtrack.process.load import StageTables, load, meta_rows
 from memtrack.process.pair import pair, sort_events
+from memtrack.process.rss import rss_timeline
 from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, Allocator, EventKind
 from memtrack.schema.artifact import ArtifactWriter
 
@@ -124,15 +125,16 @@ def stage_tables(events: pa.Table) -> tuple[StageTables, pa.Table]:
         "module_id": pa.array([0], pa.int32()), "build_id": ["ab" * 20], "path": ["/bin/p"],
         "elf_path": ["/bin/p"], "has_debuginfo": [True], "in_artifact": [True]})  # fmt: skip
     return StageTables(
-        events=ev, allocations=pairing.allocations, mappings=MAPPINGS.empty_table(),
+        events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
+        mappings=MAPPINGS.empty_table(),
         processes=pa.table({
             "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
             "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
             "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]]},
             schema=PROCESSES),
-        rss=pa.table({"ts": [1000, 1400, 1500], "pid": [100, 100, 100],
-                      "member": [1, 1, 0], "bytes": [4096, 65536, 8192],
-                      "external": [False] * 3}, schema=RSS),
+        rss=rss_timeline(pa.table({
+            "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
+            "bytes": [4096, 65536, 8192], "external": [False] * 3}, schema=RSS), events),
         modules=modules,
         stacks=pa.table(st_rows, schema=pa.schema([
             ("stack_id", pa.int32()), ("stack_hash", pa.uint64()), ("pid", pa.uint32()),

@@ -12,16 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from memtrack.schema.ddl import (
     ALLOCATORS,
+    DERIVED_NAMES,
     END_REASONS,
     EVENT_KINDS,
     RSS_CAUSES,
     RSS_MEMBERS,
     TABLE_NAMES,
     create_schema,
+    derive,
 )
 
 CLONE_THREAD = 0x10000
@@ -33,6 +36,7 @@ class StageTables:
 
     events: pa.Table  # artifact events sorted by time, with event_id first
     allocations: pa.Table  # memtrack.process.pair.ALLOCATIONS
+    heap_timeline: pa.Table  # memtrack.process.pair.HEAP_TIMELINE
     mappings: pa.Table  # artifact mappings
     processes: pa.Table  # artifact processes
     rss: pa.Table  # memtrack.process.rss.rss_timeline (ts-ordered effective values)
@@ -56,19 +60,17 @@ CAUSE_SQL = f"CAST(list_extract({_names(RSS_CAUSES)}, cause::INTEGER + 1) AS rss
 END_SQL = f"CAST(list_extract({_names(END_REASONS)}, end_reason::INTEGER + 1) AS end_reason)"
 
 INSERTS = {
+    # Sources arrive in event order; DuckDB keeps insertion order without a sort.
     "events": f"""
-        INSERT INTO events SELECT e.event_id, e.ts, e.pid, e.tid, {KIND_SQL}, {ALLOCATOR_SQL},
-            e.flags, e.addr, e.old_addr, e.size, e.stack_hash, s.stack_id
-        FROM src_events e LEFT JOIN src_stacks s ON s.stack_hash = e.stack_hash
-            AND e.stack_hash <> 0
-        ORDER BY e.event_id""",
+        INSERT INTO events SELECT event_id, ts, pid, tid, {KIND_SQL}, {ALLOCATOR_SQL},
+            flags, addr, old_addr, size, stack_hash, stack_id
+        FROM src_events""",
     "allocations": f"""
-        INSERT INTO allocations SELECT a.alloc_id, a.event_id, a.pid, a.tid, a.ts, {KIND_SQL},
-            {ALLOCATOR_SQL}, a.addr, a.size, s.stack_id, a.free_ts, a.free_event_id,
-            a.free_tid, a.end_ts, a.end_event_id, {END_SQL}, a.lifetime_ns, a.realloc_of
-        FROM src_allocations a LEFT JOIN src_stacks s ON s.stack_hash = a.stack_hash
-            AND a.stack_hash <> 0
-        ORDER BY a.alloc_id""",
+        INSERT INTO allocations SELECT alloc_id, event_id, pid, tid, ts, {KIND_SQL},
+            {ALLOCATOR_SQL}, addr, size, stack_id, free_ts, free_event_id, free_tid, end_ts,
+            end_event_id, {END_SQL}, lifetime_ns, realloc_of, temporary
+        FROM src_allocations""",
+    "heap_timeline": "INSERT INTO heap_timeline SELECT * FROM src_heap_timeline",
     "modules": """
         INSERT INTO modules SELECT module_id, build_id, path, elf_path, has_debuginfo,
             in_artifact FROM src_modules ORDER BY module_id""",
@@ -147,14 +149,17 @@ def load(
     try:
         create_schema(con)
         con.executemany("INSERT INTO meta VALUES (?, ?)", list(meta.items()))
-        for name in ("events", "allocations", "mappings", "processes", "rss", "modules",
-                     "stacks", "stack_frames", "frames"):
+        for name in ("mappings", "processes", "rss", "modules", "stacks", "stack_frames",
+                     "frames", "heap_timeline"):
             con.register(f"src_{name}", getattr(tables, name))
-        for name in TABLE_NAMES:
+        for name in ("events", "allocations"):
+            con.register(f"src_{name}", with_stack_ids(getattr(tables, name), tables.stacks))
+        for name in (*TABLE_NAMES, "heap_timeline"):
             con.execute(INSERTS[name])
+        derive(con)
         counts = {
             name: con.execute(f"SELECT count(*) FROM {name}").fetchone()[0]  # type: ignore[index]
-            for name in TABLE_NAMES
+            for name in TABLE_NAMES + DERIVED_NAMES
         }
         if parquet_dir is not None:
             export_parquet(con, Path(parquet_dir))
@@ -166,9 +171,27 @@ def load(
     return counts
 
 
+def with_stack_ids(table: pa.Table, stacks: pa.Table) -> pa.Table:
+    """`table` with a stack_id column: its stack_hash's id in `stacks`, null where the
+    hash is 0 (no stack captured) or has no stack record."""
+    h = table.column("stack_hash").to_numpy()
+    known = stacks.column("stack_hash").to_numpy()
+    ids = stacks.column("stack_id").to_numpy()
+    order = np.argsort(known)
+    known, ids = known[order], ids[order]
+    if len(known):
+        i = np.minimum(np.searchsorted(known, h), len(known) - 1)
+        hit = (known[i] == h) & (h != 0)
+        sid = ids[i]
+    else:
+        hit = np.zeros(len(h), bool)
+        sid = np.zeros(len(h), np.int32)
+    return table.append_column("stack_id", pa.array(sid.astype(np.int32), mask=~hit))
+
+
 def export_parquet(con: duckdb.DuckDBPyConnection, root: Path) -> None:
     """Every table as Parquet, one directory per table (ROOT/TABLE/data.parquet)."""
-    for name in ("meta", *TABLE_NAMES):
+    for name in ("meta", *TABLE_NAMES, *DERIVED_NAMES):
         d = root / name
         d.mkdir(parents=True, exist_ok=True)
         target = str(d / "data.parquet").replace("'", "''")

@@ -46,6 +46,17 @@ ALLOCATIONS = pa.schema(
         ("end_reason", pa.uint8()),
         ("lifetime_ns", pa.uint64()),
         ("realloc_of", pa.uint64()),
+        ("temporary", pa.bool_()),
+    ]
+)
+
+HEAP_TIMELINE = pa.schema(
+    [
+        ("pid", pa.uint32()),
+        ("event_id", pa.uint64()),
+        ("ts", pa.uint64()),
+        ("delta", pa.int64()),
+        ("heap_bytes", pa.int64()),
     ]
 )
 
@@ -53,6 +64,7 @@ ALLOCATIONS = pa.schema(
 @dataclass
 class Pairing:
     allocations: pa.Table  # ALLOCATIONS, one row per allocation in event order
+    heap_timeline: pa.Table  # HEAP_TIMELINE: heap bytes per process after each change
     counters: dict[str, int] = field(default_factory=dict)
 
 
@@ -177,6 +189,18 @@ def pair(events: pa.Table, end_ts: int | None = None) -> Pairing:
     is_realloc_alloc = kind[a_eid] == EventKind.REALLOC
     realloc_of[is_realloc_alloc] = by_free_event[a_eid[is_realloc_alloc]]
 
+    # temporary (heaptrack's definition, per thread): the thread's next allocator event
+    # after the allocation is the one that freed it.
+    heap_ev = (kind <= EventKind.FREE) & ((addr != 0) | (old != 0))
+    h_eid = eid[heap_ev]
+    h_order = np.lexsort((h_eid, col["tid"][heap_ev], pid[heap_ev]))
+    h_sorted = h_eid[h_order]
+    same_thread = (pid[h_sorted][1:] == pid[h_sorted][:-1]) & (
+        col["tid"][h_sorted][1:] == col["tid"][h_sorted][:-1])
+    next_eid = np.full(n, -1, np.int64)
+    next_eid[h_sorted[:-1][same_thread]] = h_sorted[1:][same_thread]
+    temporary = has_free & (next_eid[a_eid] == free_eid)
+
     def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
         dtype = np.uint32 if typ == pa.uint32() else np.uint64
         return pa.array(values.astype(dtype), type=typ, mask=~valid)
@@ -203,6 +227,7 @@ def pair(events: pa.Table, end_ts: int | None = None) -> Pairing:
                 free_ts.astype(np.int64) - a_ts.astype(np.int64), has_free, pa.uint64()
             ),
             "realloc_of": nullable(realloc_of, realloc_of >= 0, pa.uint64()),
+            "temporary": pa.array(temporary),
         },
         schema=ALLOCATIONS,
     )
@@ -215,4 +240,37 @@ def pair(events: pa.Table, end_ts: int | None = None) -> Pairing:
         "allocations_not_freed": int((reason >= END_EXEC).sum()),
         "failed_allocations": int((is_alloc_kind & (addr == 0)).sum()),
     }
-    return Pairing(table, counters)
+    timeline = _heap_timeline(a_pid, a_eid, end_eid, col["size"][a_eid].astype(np.int64), ts)
+    return Pairing(table, timeline, counters)
+
+
+def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,
+                   size: np.ndarray, ts: np.ndarray) -> pa.Table:
+    """Heap bytes in use per process after each event that changed them: +size at the
+    allocation, -size where its lifetime ended (free, realloc, exec, exit, reuse)."""
+    ended = end_eid >= 0
+    p = np.concatenate([a_pid, a_pid[ended]])
+    e = np.concatenate([a_eid, end_eid[ended]])
+    d = np.concatenate([size, -size[ended]])
+    order = np.lexsort((e, p))
+    p, e, d = p[order], e[order], d[order]
+    if len(p) == 0:
+        return HEAP_TIMELINE.empty_table()
+    first = np.ones(len(p), bool)
+    first[1:] = (p[1:] != p[:-1]) | (e[1:] != e[:-1])
+    starts = np.flatnonzero(first)
+    gp, ge, gd = p[starts], e[starts], np.add.reduceat(d, starts)
+    run = np.cumsum(gd)
+    new_pid = np.ones(len(gp), bool)
+    new_pid[1:] = gp[1:] != gp[:-1]
+    pid_start = np.maximum.accumulate(np.where(new_pid, np.arange(len(gp)), 0))
+    before = np.where(pid_start > 0, run[np.maximum(pid_start - 1, 0)], 0)
+    heap = run - before
+    by_event = np.argsort(ge, kind="stable")
+    return pa.table({
+        "pid": pa.array(gp[by_event].astype(np.uint32)),
+        "event_id": pa.array(ge[by_event].astype(np.uint64)),
+        "ts": pa.array(ts[ge[by_event]]),
+        "delta": pa.array(gd[by_event]),
+        "heap_bytes": pa.array(heap[by_event]),
+    }, schema=HEAP_TIMELINE)

@@ -164,7 +164,8 @@ def process(
         summary.warnings = list(art.warnings) + list(getattr(store, "problems", []))
 
         tables = StageTables(
-            events=events, allocations=pairing.allocations, mappings=mappings,
+            events=events, allocations=pairing.allocations,
+            heap_timeline=pairing.heap_timeline, mappings=mappings,
             processes=processes, rss=rss, modules=modules, stacks=stacks,
             stack_frames=stack_frames, frames=frames,
         )
@@ -189,7 +190,7 @@ def process(
             "load",
             lambda: load(out_db, tables, meta, Path(parquet_dir) if parquet_dir else None),
         )
-        summary.metadata = _write_metadata(art, out_db)
+        summary.metadata = st.run("metadata", lambda: _write_metadata(art, out_db))
     return summary
 
 

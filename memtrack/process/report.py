@@ -60,11 +60,16 @@ def totals(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, Any
     calls = _one(con, f"SELECT count(*) FROM allocations WHERE {pids}")
     temporary = _one(con, f"SELECT count(*) FROM temporary WHERE {pids}")
     # Peak of the heap of the selected processes together, at event granularity.
-    peak = con.execute(f"""
-        SELECT heap, ts FROM (
-            SELECT ts, sum(sum(delta)) OVER (ORDER BY event_id) AS heap
-            FROM heap_timeline WHERE {pids} GROUP BY event_id, ts)
-        ORDER BY heap DESC, ts LIMIT 1""").fetchone()
+    npids = _one(con, f"SELECT count(DISTINCT pid) FROM heap_peak WHERE {pids}")
+    if npids <= 1:
+        peak = con.execute(
+            f"SELECT peak_bytes, peak_ts FROM heap_peak WHERE {pids}").fetchone()
+    else:
+        peak = con.execute(f"""
+            SELECT heap, ts FROM (
+                SELECT ts, sum(sum(delta)) OVER (ORDER BY event_id) AS heap
+                FROM heap_timeline WHERE {pids} GROUP BY event_id, ts)
+            ORDER BY heap DESC, ts LIMIT 1""").fetchone()
     # RSS of the selected processes together: each update's change, summed over time.
     rss = con.execute(f"""
         SELECT total, ts FROM (

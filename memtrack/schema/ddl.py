@@ -13,7 +13,7 @@ import duckdb
 
 from memtrack.schema import Allocator, EventKind, RssMember
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class RunError(Exception):
@@ -65,7 +65,7 @@ CREATE TABLE allocations (alloc_id UBIGINT, event_id UBIGINT, pid UINTEGER, tid 
     ts UBIGINT, kind event_kind, allocator allocator_kind, addr UBIGINT, size UBIGINT,
     stack_id INTEGER, free_ts UBIGINT, free_event_id UBIGINT, free_tid UINTEGER,
     end_ts UBIGINT, end_event_id UBIGINT, end_reason end_reason, lifetime_ns UBIGINT,
-    realloc_of UBIGINT);
+    realloc_of UBIGINT, temporary BOOLEAN);
 CREATE TABLE stacks (stack_id INTEGER, stack_hash UBIGINT, pid UINTEGER, depth USMALLINT,
     truncated BOOLEAN, complete BOOLEAN);
 CREATE TABLE stack_frames (stack_id INTEGER, depth USMALLINT, address UBIGINT,
@@ -73,8 +73,22 @@ CREATE TABLE stack_frames (stack_id INTEGER, depth USMALLINT, address UBIGINT,
 CREATE TABLE frames (frame_id INTEGER, inline_depth UTINYINT, name VARCHAR,
     function VARCHAR, symbol VARCHAR, "offset" UBIGINT, file VARCHAR, line UINTEGER,
     "column" UINTEGER, module_id INTEGER, vaddr UBIGINT, reason VARCHAR);
+CREATE TABLE heap_timeline (pid UINTEGER, event_id UBIGINT, ts UBIGINT, delta BIGINT,
+    heap_bytes BIGINT);
+CREATE TABLE heap_peak (pid UINTEGER, peak_event_id UBIGINT, peak_ts UBIGINT,
+    peak_bytes BIGINT);
 CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT,
     cause rss_cause);
+"""
+
+# heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak is
+# derived from it once loaded (a view would redo the window at every query).
+DERIVED = """
+INSERT INTO heap_peak
+WITH m AS (SELECT pid, max(heap_bytes) AS peak_bytes FROM heap_timeline GROUP BY pid)
+SELECT t.pid, min(t.event_id), arg_min(t.ts, t.event_id), m.peak_bytes
+FROM heap_timeline t JOIN m ON t.pid = m.pid AND t.heap_bytes = m.peak_bytes
+GROUP BY t.pid, m.peak_bytes ORDER BY t.pid;
 """
 
 # Views. A stack's logical frames run from the allocator itself (position 0) outward,
@@ -98,22 +112,6 @@ SELECT stack_id, frame_id, name, function, file, line FROM (
 CREATE VIEW allocation_sites AS
 SELECT a.*, coalesce(l.name, '[no stack]') AS location, l.file, l.line
 FROM allocations a LEFT JOIN stack_location l USING (stack_id);
-
-CREATE VIEW heap_timeline AS
-WITH d AS (
-    SELECT pid, event_id, 1 AS sub, ts, size::BIGINT AS delta FROM allocations
-    UNION ALL
-    SELECT pid, end_event_id, 0, end_ts, -size::BIGINT FROM allocations
-    WHERE end_event_id IS NOT NULL
-)
-SELECT pid, event_id, ts, sum(delta) AS delta,
-       (sum(sum(delta)) OVER (PARTITION BY pid ORDER BY event_id))::BIGINT AS heap_bytes
-FROM d GROUP BY pid, event_id, ts;
-
-CREATE VIEW heap_peak AS
-SELECT pid, event_id AS peak_event_id, ts AS peak_ts, heap_bytes AS peak_bytes FROM (
-    SELECT *, row_number() OVER (PARTITION BY pid ORDER BY heap_bytes DESC, event_id) AS k
-    FROM heap_timeline) WHERE k = 1;
 
 CREATE VIEW peak AS
 SELECT p.peak_ts, p.peak_bytes, a.* FROM allocations a JOIN heap_peak p USING (pid)
@@ -140,16 +138,7 @@ FROM w;
 CREATE VIEW leaks AS
 SELECT * FROM allocations WHERE end_reason IN ('exec', 'exit', 'end');
 
-CREATE VIEW temporary AS
-WITH seq AS (
-    SELECT event_id,
-           lead(event_id) OVER (PARTITION BY pid, tid ORDER BY event_id) AS next_event_id
-    FROM events
-    WHERE kind IN ('malloc', 'calloc', 'realloc', 'aligned_alloc', 'free')
-      AND (addr <> 0 OR old_addr <> 0)
-)
-SELECT a.* FROM allocations a JOIN seq s USING (event_id)
-WHERE a.free_event_id = s.next_event_id;
+CREATE VIEW temporary AS SELECT * FROM allocations WHERE temporary;
 
 CREATE VIEW hotspots AS
 WITH peaks AS (SELECT alloc_id, size FROM peak),
@@ -190,9 +179,10 @@ TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
     "stack_frames", "frames", "rss",
 )  # fmt: skip
+DERIVED_NAMES = ("heap_timeline", "heap_peak")
 VIEW_NAMES = (
-    "stack_lines", "stack_location", "allocation_sites", "heap_timeline", "heap_peak",
-    "peak", "rss_timeline", "leaks", "temporary", "hotspots",
+    "stack_lines", "stack_location", "allocation_sites", "peak", "rss_timeline", "leaks",
+    "temporary", "hotspots",
 )  # fmt: skip
 
 
@@ -202,6 +192,11 @@ def create_schema(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(TABLES)
     con.execute(VIEWS)
     con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+
+
+def derive(con: duckdb.DuckDBPyConnection) -> None:
+    """Fill the derived tables from the loaded ones."""
+    con.execute(DERIVED)
 
 
 def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConnection:
