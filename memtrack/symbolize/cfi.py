@@ -531,8 +531,10 @@ def build_table(elf_path: Path | str, debug_path: Path | str | None = None) -> C
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "memtrack" / "cfi"
+    """cfi/ under the symbolizer's cache directory ($XDG_CACHE_HOME/memtrack)."""
+    from memtrack.symbolize.cache import default_cache_dir
+
+    return default_cache_dir() / "cfi"
 
 
 _memo: dict[str, CFITable] = {}
