@@ -148,3 +148,71 @@ def test_heaptrack_side_by_side(tmp_path: Path, demo_bin: Path,
     extra = STDCXX_POOL if ht["calls"] == ours["calls"] + 1 else 0
     assert ht["peak"] == pytest.approx(ours["peak_heap_bytes"] + extra, rel=5e-3)
     assert ht["leaked"] == pytest.approx(ours["leaked_bytes"], rel=5e-3)
+
+
+# ---- with stacks: decode, unwind and symbolize on real captures
+
+
+@pytest.fixture(scope="module")
+def demo_stacks(tmp_path_factory: pytest.TempPathFactory, demo_bin: Path) -> Path:
+    from memtrack.capture.tracker import Tracker
+
+    tmp = tmp_path_factory.mktemp("demo-stacks")
+    with Tracker(CaptureOptions(stacks=True, rss=True)) as t:
+        art, _ = capture(t, tmp, [str(demo_bin)], "demo")
+    return art
+
+
+def test_demo_locations(demo_stacks: Path, tmp_path: Path) -> None:
+    con = run_db(tmp_path, demo_stacks)
+    d = report_data(con, ReportOptions(top=3))
+    top = {k: [(e["location"], e["value"]) for e in v] for k, v in d["sections"].items()}
+    assert top["calls"][0] == ("hot_loop", 10000)
+    assert top["leaks"] == [("leak_some", DEMO["leaked"])]
+    assert top["peak"][:2] == [("grow_buffer", 1 << 20), ("build_table", 1024000)]
+    assert top["temporary"][0] == ("hot_loop", 10000)
+    frames = d["sections"]["leaks"][0]["backtraces"][0]["frames"]
+    assert [f["function"] for f in frames[:2]] == ["leak_some", "main"]
+    assert frames[0]["file"].endswith("demo.c")
+    assert con.execute("SELECT count(*) FROM events WHERE kind IN ('malloc', 'realloc') "
+                       "AND stack_id IS NULL").fetchone() == (0,)
+
+
+TABLE_COLUMNS = {
+    "allocations": "*",
+    "stacks": "*",
+    "stack_frames": "*",
+    "frames": "*",
+    "modules": "module_id, build_id, path, has_debuginfo",
+}
+
+
+def dump(db: Path) -> dict[str, list[tuple]]:
+    con = open_run(db)
+    out = {t: sorted(con.execute(f"SELECT {c} FROM {t}").fetchall(), key=repr)
+           for t, c in TABLE_COLUMNS.items()}
+    con.close()
+    return out
+
+
+def test_copied_artifact_same_tables(demo_stacks: Path, tmp_path: Path) -> None:
+    here = process(demo_stacks, tmp_path / "host.duckdb", progress=False)
+    moved = tmp_path / "elsewhere" / "demo.memtrack"
+    shutil.copytree(demo_stacks, moved)
+    there = process(moved, tmp_path / "copy.duckdb", host_modules=False, progress=False)
+    assert there.unknown_frames == here.unknown_frames
+    assert dump(tmp_path / "copy.duckdb") == dump(tmp_path / "host.duckdb")
+
+
+def test_missing_modules_counted(demo_stacks: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare.memtrack"
+    shutil.copytree(demo_stacks, bare)
+    shutil.rmtree(bare / "modules")
+    (bare / "modules").mkdir()
+    s = process(bare, tmp_path / "bare.duckdb", host_modules=False, progress=False)
+    con = open_run(tmp_path / "bare.duckdb")
+    unknown = con.execute("""
+        SELECT count(*) FROM stack_frames sf JOIN frames f USING (frame_id)
+        WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]
+    assert s.unknown_frames == unknown > 0
+    assert con.execute("SELECT count(*) FROM allocations").fetchone() == (DEMO["calls"],)

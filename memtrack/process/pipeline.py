@@ -154,14 +154,15 @@ def process(
 
             rss = rss_timeline(rss, events)
         store = _module_store(artifact_path, host_modules)
-        unwound = st.run("unwind", lambda: _unwind(decoded, mappings, store))
+        unwound = st.run("unwind", lambda: _unwind(decoded, mappings, store, summary))
         modules = _modules(mappings, unwound[0], store, artifact_path)
         with st.stage("symbolize"):
             stacks, stack_frames, frames = _symbolize(
                 unwound, modules, store, summary, Path(cache_dir) if cache_dir else None)
         summary.stacks = stacks.num_rows
         summary.counters["events_stack_missing"] = _missing_stacks(events, stacks)
-        summary.warnings = list(art.warnings) + list(getattr(store, "problems", []))
+        summary.warnings = [*art.warnings, *summary.warnings,
+                            *(p for p in store.problems if p not in summary.warnings)]
 
         tables = StageTables(
             events=events, allocations=pairing.allocations,
@@ -225,12 +226,16 @@ def _module_store(artifact_path: Path, host_modules: bool) -> Any:
     return ModuleStore(artifact_path, host_modules=host_modules)
 
 
-def _unwind(decoded: pa.Table | None, mappings: pa.Table, store: Any) -> tuple[pa.Table, pa.Table]:
+def _unwind(decoded: pa.Table | None, mappings: pa.Table, store: Any, summary: Summary,
+            ) -> tuple[pa.Table, pa.Table]:
     if decoded is None or decoded.num_rows == 0:
         return UNWOUND_FRAMES.empty_table(), UNWOUND_STACKS.empty_table()
     from memtrack.process.unwind import unwind
 
     out = unwind(decoded, mappings, store)
+    for k, v in out.counters.items():
+        summary.counters[f"unwind_{k}"] = int(v)
+    summary.warnings.extend(out.problems)
     frames = out.frames.select(UNWOUND_FRAMES.names).cast(UNWOUND_FRAMES)
     stacks = out.stacks.select(UNWOUND_STACKS.names).cast(UNWOUND_STACKS)
     return frames, stacks
