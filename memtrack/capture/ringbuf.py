@@ -22,6 +22,16 @@ DISCARD = 1 << 30
 HEADER = 8
 
 
+def _gather(base: np.ndarray, n: int, stride: int, rec: int) -> np.ndarray:
+    """The n record bodies after their headers, copied into one contiguous block
+    (as whole 8-byte words when the sizes allow: far faster than a structured copy)."""
+    if stride % 8 == 0 and rec % 8 == 0:
+        words = np.ndarray((n, stride // 8), dtype=np.uint64, buffer=base)
+        return np.ascontiguousarray(words[:, HEADER // 8:HEADER // 8 + rec // 8])
+    raw = np.ndarray((n, stride), dtype=np.uint8, buffer=base)
+    return np.ascontiguousarray(raw[:, HEADER:HEADER + rec])
+
+
 class RingReader:
     """Consumes one BPF_RINGBUF_OUTPUT map of a loaded bcc program."""
 
@@ -76,9 +86,7 @@ class RingReader:
             bad = np.flatnonzero(hdr != rec)
             good = int(bad[0]) if bad.size else n
             if good:
-                recs = np.ndarray((good,), dtype=dtype, buffer=base, offset=HEADER,
-                                  strides=(stride,)).copy()
-                out.append(recs)
+                out.append(_gather(base, good, stride, rec).view(dtype).reshape(good))
                 self._advance(cons + good * stride)
             if good < n or span % stride:
                 if not self._read_one_odd(rec, out, dtype):
