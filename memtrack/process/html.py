@@ -262,6 +262,7 @@ function timeline() {
       let d = [], prev = null;  // steps: a value holds until the next sample
       s.forEach(q => { if (prev !== null) d.push(X(q[0]) + "," + Y(prev));
                        d.push(X(q[0]) + "," + Y(q[1])); prev = q[1]; });
+      d.push(X(t1) + "," + Y(prev));
       el("polyline", {points: d.join(" "), class: cls}, svg);
     });
   });
