@@ -107,14 +107,16 @@ def totals(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, Any
 def processes(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> list[dict[str, Any]]:
     rows = con.execute(f"""
         SELECT p.pid, p.ppid, p.name, p.exe, p.exit_code, p.exit_signal,
-               coalesce(h.peak_bytes, 0), h.peak_ts,
+               coalesce(h.peak_bytes, 0),
+               (h.peak_ts::DOUBLE - (SELECT value::DOUBLE FROM meta WHERE key = 'start_ns'))
+               / 1e9,
                (SELECT count(*) FROM allocations a WHERE a.pid = p.pid),
                (SELECT coalesce(sum(size), 0) FROM leaks l WHERE l.pid = p.pid),
                (SELECT max(rss) FROM rss_timeline r WHERE r.pid = p.pid)
         FROM processes p LEFT JOIN heap_peak h USING (pid)
         WHERE {_pids(opts).replace("pid", "p.pid")} ORDER BY p.start_ts, p.pid""").fetchall()
     keys = ("pid", "ppid", "name", "exe", "exit_code", "exit_signal", "peak_heap_bytes",
-            "peak_heap_ts", "calls", "leaked_bytes", "peak_rss_bytes")
+            "peak_heap_at_s", "calls", "leaked_bytes", "peak_rss_bytes")
     return [dict(zip(keys, r, strict=True)) for r in rows]
 
 
