@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from conftest import build
 from typer.testing import CliRunner
@@ -351,3 +352,39 @@ def test_cli_prints_like_llvm_symbolizer(tmp_path: Path) -> None:
             assert o == r
     bad = CliRunner().invoke(app, ["symbolize", "--module", str(exe), "0xzz"])
     assert bad.exit_code == 2 and "not an address" in bad.output
+
+
+@pytest.mark.parametrize("flags", [("-O2", "-g"), ("-O2", "-gdwarf-4")], ids=["dwarf5", "dwarf4"])
+def test_corrupted_and_truncated_modules_never_raise(flags: tuple[str, ...],
+                                                     tmp_path: Path) -> None:
+    exe = inl(flags)
+    img = ElfImage(exe)
+    names = (".debug_info", ".debug_line", ".debug_abbrev", ".debug_str", ".debug_aranges",
+             ".debug_rnglists", ".debug_ranges", ".symtab", ".strtab")
+    secs = [(img.sections[n]["sh_offset"], img.sections[n]["sh_size"]) for n in names
+            if n in img.sections]
+    img.close()
+    addrs = _text_sample(exe, 100)
+    base = exe.read_bytes()
+    rng = np.random.default_rng(3)
+    variants = []
+    for k in range(40):  # random bytes overwritten inside one section
+        data = bytearray(base)
+        off, size = secs[k % len(secs)]
+        for _ in range(int(rng.integers(1, 20))):
+            data[off + int(rng.integers(0, size))] = int(rng.integers(0, 256))
+        variants.append(bytes(data))
+    variants += [base[:cut] for cut in np.linspace(64, len(base) - 1, 15).astype(int).tolist()]
+    bid = read_build_id(exe)
+    for i, data in enumerate(variants):
+        w = ArtifactWriter(tmp_path / f"v{i}.memtrack")
+        src = tmp_path / f"v{i}"
+        src.write_bytes(data)
+        w.add_module(str(bid), "/bin/inl", src)
+        w.close()
+        t = symbolize(ModuleStore(tmp_path / f"v{i}.memtrack"), pa.array([bid] * len(addrs)),
+                      np.array(addrs, dtype=np.uint64))
+        assert set(t.column("row").to_pylist()) == set(range(len(addrs)))
+        assert all(t.column("function").to_pylist())
+        known = t.filter(pc.is_null(t.column("reason")))
+        assert all(known.column("symbol").to_pylist())

@@ -189,8 +189,8 @@ class ElfImage:
         fi = np.searchsorted(file_pos, idx) - 1
         fi[bind[idx] != STB_LOCAL] = -1
         src_files = [file_names[k] or None if k >= 0 else None for k in fi.tolist()]
-        # assembler-local labels are not functions
-        good = np.array([not nm.startswith(".L") for nm in names], dtype=bool)
+        # assembler-local labels are not functions; an empty name is no name
+        good = np.array([bool(nm) and not nm.startswith(".L") for nm in names], dtype=bool)
         idx = idx[good]
         names = [nm for nm, g in zip(names, good.tolist(), strict=True) if g]
         src_files = [f for f, g in zip(src_files, good.tolist(), strict=True) if g]
