@@ -97,11 +97,11 @@ def stage_tables(events: pa.Table) -> tuple[StageTables, pa.Table]:
     names = sorted({n for fr in STACKS.values() for n in fr})
     fid = {n: i for i, n in enumerate(names)}
     st_rows: dict[str, list] = {k: [] for k in (
-        "stack_id", "stack_hash", "pid", "depth", "truncated", "complete")}
+        "stack_id", "stack_hash", "pid", "depth", "truncated", "complete", "stop")}
     sf: dict[str, list] = {k: [] for k in (
         "stack_id", "depth", "address", "module_id", "method", "lookup_vaddr", "frame_id")}
     for sid, (h, fr) in enumerate(sorted(STACKS.items())):
-        for k, v in zip(st_rows, (sid, h, 100, len(fr), False, True), strict=True):
+        for k, v in zip(st_rows, (sid, h, 100, len(fr), False, True, "complete"), strict=True):
             st_rows[k].append(v)
         for d, n in enumerate(fr):
             vaddr = 0x1000 + 0x100 * fid[n]
@@ -138,7 +138,8 @@ def stage_tables(events: pa.Table) -> tuple[StageTables, pa.Table]:
         modules=modules,
         stacks=pa.table(st_rows, schema=pa.schema([
             ("stack_id", pa.int32()), ("stack_hash", pa.uint64()), ("pid", pa.uint32()),
-            ("depth", pa.uint16()), ("truncated", pa.bool_()), ("complete", pa.bool_())])),
+            ("depth", pa.uint16()), ("truncated", pa.bool_()), ("complete", pa.bool_()),
+            ("stop", pa.string())])),
         stack_frames=pa.table(sf, schema=pa.schema([
             ("stack_id", pa.int32()), ("depth", pa.uint16()), ("address", pa.uint64()),
             ("module_id", pa.int32()), ("method", pa.string()),

@@ -80,7 +80,7 @@ INSERTS = {
         FROM src_mappings m LEFT JOIN src_modules d ON d.build_id = m.build_id
         ORDER BY m.ts, m.pid, m.start""",
     "stacks": """
-        INSERT INTO stacks SELECT stack_id, stack_hash, pid, depth, truncated, complete
+        INSERT INTO stacks SELECT stack_id, stack_hash, pid, depth, truncated, complete, stop
         FROM src_stacks ORDER BY stack_id""",
     "stack_frames": """
         INSERT INTO stack_frames SELECT stack_id, depth, address, module_id, method,

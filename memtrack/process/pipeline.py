@@ -36,7 +36,7 @@ UNWOUND_FRAMES = pa.schema([
     ("path", pa.string()), ("lookup_vaddr", pa.uint64())])  # fmt: skip
 UNWOUND_STACKS = pa.schema([
     ("stack_hash", pa.uint64()), ("pid", pa.uint32()), ("depth", pa.uint16()),
-    ("truncated", pa.bool_()), ("complete", pa.bool_())])  # fmt: skip
+    ("truncated", pa.bool_()), ("complete", pa.bool_()), ("stop", pa.string())])  # fmt: skip
 SYMBOLS = pa.schema([
     ("row", pa.uint32()), ("inline_depth", pa.uint8()), ("function", pa.string()),
     ("symbol", pa.string()), ("offset", pa.uint64()), ("file", pa.string()),
@@ -294,22 +294,25 @@ def _symbolize(
         SELECT (row_number() OVER (ORDER BY stack_hash) - 1)::INTEGER AS stack_id, *
         FROM us""").to_arrow_table()
     con.register("st", stacks)
-    # A location: (module, ELF vaddr) where the mapping is known, else the runtime address.
+    # A location: (module, ELF vaddr) where both are known, else the runtime address.
+    con.execute("""
+        CREATE TEMP VIEW ufl AS
+        SELECT *, CASE WHEN lookup_vaddr IS NOT NULL THEN build_id END AS loc_build_id,
+               CASE WHEN build_id IS NOT NULL AND lookup_vaddr IS NOT NULL
+                    THEN lookup_vaddr ELSE address END AS loc_key
+        FROM uf""")
     con.execute("""
         CREATE TEMP TABLE locs AS
         SELECT (row_number() OVER (ORDER BY build_id NULLS LAST, key) - 1)::INTEGER
                AS frame_id, build_id, key FROM (
-            SELECT DISTINCT build_id,
-                   CASE WHEN build_id IS NULL THEN address ELSE lookup_vaddr END AS key
-            FROM uf)""")
+            SELECT DISTINCT loc_build_id AS build_id, loc_key AS key FROM ufl)""")
     stack_frames = con.execute("""
-        SELECT st.stack_id, uf.depth, uf.address, m.module_id, uf.method, uf.lookup_vaddr,
+        SELECT st.stack_id, u.depth, u.address, m.module_id, u.method, u.lookup_vaddr,
                l.frame_id
-        FROM uf JOIN st USING (stack_hash)
-        LEFT JOIN mods m ON m.build_id = uf.build_id
-        JOIN locs l ON l.build_id IS NOT DISTINCT FROM uf.build_id
-            AND l.key = CASE WHEN uf.build_id IS NULL THEN uf.address ELSE uf.lookup_vaddr END
-        ORDER BY st.stack_id, uf.depth""").to_arrow_table()
+        FROM ufl u JOIN st USING (stack_hash)
+        LEFT JOIN mods m ON m.build_id = u.build_id
+        JOIN locs l ON l.build_id IS NOT DISTINCT FROM u.loc_build_id AND l.key = u.loc_key
+        ORDER BY st.stack_id, u.depth""").to_arrow_table()
     known = con.execute("""
         SELECT l.frame_id, l.build_id, l.key, m.path FROM locs l
         LEFT JOIN mods m USING (build_id)

@@ -67,7 +67,7 @@ CREATE TABLE allocations (alloc_id UBIGINT, event_id UBIGINT, pid UINTEGER, tid 
     end_ts UBIGINT, end_event_id UBIGINT, end_reason end_reason, lifetime_ns UBIGINT,
     realloc_of UBIGINT, temporary BOOLEAN);
 CREATE TABLE stacks (stack_id INTEGER, stack_hash UBIGINT, pid UINTEGER, depth USMALLINT,
-    truncated BOOLEAN, complete BOOLEAN);
+    truncated BOOLEAN, complete BOOLEAN, stop VARCHAR);
 CREATE TABLE stack_frames (stack_id INTEGER, depth USMALLINT, address UBIGINT,
     module_id INTEGER, method VARCHAR, lookup_vaddr UBIGINT, frame_id INTEGER);
 CREATE TABLE frames (frame_id INTEGER, inline_depth UTINYINT, name VARCHAR,

@@ -1,0 +1,104 @@
+"""The pipeline's stack half on real unwinding and symbolization: stacks that a fixture
+snapshots itself (tests/unwind_support.py: what a malloc uprobe sees, decode-shaped)
+go through unwind, module and frame ids, symbolize and load, and come out as the
+report's sites and backtraces and the exports' frames."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from test_process_synth import END_NS
+from unwind_support import VARIANTS, build_fixture, run_snaps
+
+from memtrack.process import pipeline
+from memtrack.process.export import costs, folded
+from memtrack.process.load import StageTables, load, meta_rows
+from memtrack.process.pair import pair, sort_events
+from memtrack.process.report import ReportOptions, report_data
+from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, EventKind
+from memtrack.schema.ddl import open_run
+from memtrack.symbolize.modules import ModuleStore
+
+CHAIN = ["c", "b", "a", "main", "__libc_start_call_main", "__libc_start_main", "_start"]
+
+
+def test_chain_through_load(tmp_path: Path) -> None:
+    exe = build_fixture(["unwind/chain.c"], VARIANTS["O2"], "chain-O2")
+    snaps = run_snaps([str(exe)], tmp_path)
+    n = snaps.stacks.num_rows
+    assert snaps.sizes == [102, 112, 122]
+    pid = snaps.stacks.column("pid")[0].as_py()
+    events = pa.table({
+        "ts": [100 * (i + 1) for i in range(n)], "pid": [pid] * n, "tid": [pid] * n,
+        "kind": [int(EventKind.MALLOC)] * n, "allocator": [1] * n, "flags": [0] * n,
+        "addr": [0x1000 * (i + 1) for i in range(n)], "old_addr": [0] * n,
+        "size": snaps.sizes, "stack_hash": snaps.stacks.column("hash").to_pylist(),
+    }, schema=EVENTS)
+    ev = sort_events(events)
+    pairing = pair(ev, END_NS)
+    summary = pipeline.Summary(tmp_path, tmp_path / "run.duckdb")
+    store = ModuleStore(None, host_modules=True)
+    unwound = pipeline._unwind(snaps.stacks, snaps.mappings, store, summary)
+    modules = pipeline._modules(snaps.mappings, unwound[0], store, tmp_path)
+    stacks, stack_frames, frames = pipeline._symbolize(unwound, modules, store, summary, None)
+    assert stacks.num_rows == n
+    assert summary.unknown_frames == 0
+    assert summary.frames_by_method == {"cfi": 7 * n, "regs": n}
+    load(tmp_path / "run.duckdb", StageTables(
+        events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
+        mappings=snaps.mappings.cast(MAPPINGS), processes=PROCESSES.empty_table(),
+        rss=pipeline_rss(), modules=modules, stacks=stacks, stack_frames=stack_frames,
+        frames=frames), meta_rows(start_ns=0, end_ns=END_NS, root_pid=pid))
+    con = open_run(tmp_path / "run.duckdb")
+    # every stack: mt_snap (the "allocator", depth 0) then the chain
+    lines = con.execute("""
+        SELECT stack_id, list(function ORDER BY position) FROM stack_lines GROUP BY 1""").fetchall()
+    assert len(lines) == n
+    for _, fns in lines:
+        assert fns[0] == "mt_snap" and fns[1:] == CHAIN
+    sites = con.execute("SELECT DISTINCT name, file LIKE '%chain.c' FROM stack_location").fetchall()
+    assert sites == [("c", True)]
+    assert con.execute("SELECT count(*) FROM events WHERE stack_id IS NULL").fetchone() == (0,)
+    mods = dict(con.execute("SELECT regexp_extract(path, '[^/]*$'), has_debuginfo FROM modules "
+                            "WHERE module_id IN (SELECT module_id FROM stack_frames)").fetchall())
+    assert mods[exe.name] is True and "libc.so.6" in mods
+    d = report_data(con, ReportOptions())
+    leaks = d["sections"]["leaks"]
+    assert [(e["location"], e["value"]) for e in leaks] == [("c", sum(snaps.sizes))]
+    assert [f["function"] for f in leaks[0]["backtraces"][0]["frames"]] == CHAIN
+    text = folded(costs(con), "allocated")
+    assert text == f"? ({pid});" + ";".join(reversed(CHAIN)) + f" {sum(snaps.sizes)}\n"
+
+
+def pipeline_rss() -> pa.Table:
+    from memtrack.process.rss import rss_timeline
+
+    return rss_timeline(RSS.empty_table(), EVENTS.empty_table())
+
+
+def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
+    """Frames outside any module (null build id) or outside its PT_LOADs (null lookup
+    vaddr) keep their place in the stack as runtime-address locations."""
+    frames = pa.table({
+        "stack_hash": pa.array([7, 7, 7], pa.uint64()), "pid": pa.array([1] * 3, pa.uint32()),
+        "depth": pa.array([0, 1, 2], pa.uint16()),
+        "address": pa.array([0x10, 0x20, 0x30], pa.uint64()),
+        "method": ["regs", "fp", "fp"], "build_id": [None, "ee" * 20, None],
+        "path": [None, "/nonexistent/lib.so", None],
+        "lookup_vaddr": pa.array([None, None, None], pa.uint64()),
+    }, schema=pipeline.UNWOUND_FRAMES)
+    stacks = pa.table({
+        "stack_hash": pa.array([7], pa.uint64()), "pid": pa.array([1], pa.uint32()),
+        "depth": pa.array([3], pa.uint16()), "truncated": [False], "complete": [False],
+        "stop": ["no-mapping"]}, schema=pipeline.UNWOUND_STACKS)
+    summary = pipeline.Summary(tmp_path, tmp_path / "x.duckdb")
+    store = ModuleStore(None)
+    modules = pipeline._modules(MAPPINGS.empty_table(), frames, store, tmp_path)
+    st, sf, fr = pipeline._symbolize((frames, stacks), modules, store, summary, None)
+    assert sf.column("depth").to_pylist() == [0, 1, 2]
+    assert np.unique(sf.column("frame_id").to_numpy()).size == 3
+    assert fr.column("reason").to_pylist() == ["no-mapping"] * 3
+    assert summary.unknown_frames == 3
+    assert sf.column("module_id").to_pylist() == [None, 0, None]
