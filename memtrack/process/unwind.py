@@ -261,15 +261,22 @@ class _Unwinder:
                 self.stop[active] = S_MAX_DEPTH
                 break
             pcs = self.regs[active, RIP]
-            row, mod, vaddr, lookup = self._resolve(active, pcs, minus1[active])
+            row, mod, _vaddr, lookup = self._resolve(active, pcs, minus1[active])
             self._emit(active, depth, pcs, method[active], row, lookup)
             known = row >= 0
             known[known] = self.spaces.file_backed[row[known]] | self.spaces.is_vdso[
                 row[known]]
             self.stop[active[~known]] = S_UNKNOWN
-            active, mod, lookup, row, vaddr, pcs = (
-                active[known], mod[known], lookup[known], row[known], vaddr[known], pcs[known])
-            nxt_method, nxt_minus1 = self._step(active, mod, lookup, row, pcs, depth)
+            stepped = np.flatnonzero(known)
+            active, mod, lookup, row, pcs = (
+                active[known], mod[known], lookup[known], row[known], pcs[known])
+            nxt_method, nxt_minus1 = self._step(active, mod, lookup, row, pcs, depth,
+                                                minus1[active])
+            # A signal trampoline is not called: the handler returns to its first
+            # instruction. Its CFI is found at pc - 1 (glibc starts the FDE a byte early),
+            # but it is named at pc.
+            tramp = ~nxt_minus1 & minus1[active] & (lookup >= 0)
+            self.f_lookup[-1][stepped[tramp]] += 1
             method[active] = nxt_method
             minus1[active] = nxt_minus1
             active = active[self.stop[active] == S_NONE]
@@ -288,9 +295,11 @@ class _Unwinder:
         self.last_addr[idx] = addr
 
     def _step(self, idx: np.ndarray, mod: np.ndarray, lookup: np.ndarray, row: np.ndarray,
-              pcs: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+              pcs: np.ndarray, depth: int, was_minus1: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
         """Advance each stack by one frame; return (method, pc-1 lookup) of the next."""
         n = len(idx)
+        edge = np.zeros(n, dtype=bool)
         crow = np.full(n, -1, dtype=np.int64)
         cfa_reg = np.full(n, RBP, dtype=np.int64)
         cfa_off = np.full(n, 16, dtype=np.int64)
@@ -314,24 +323,28 @@ class _Unwinder:
             flags[s] = t.flags[r]
             for j in s[(t.flags[r] & COMPLEX) != 0].tolist():
                 tables[j] = t
+            # pc - 1 in the last row of an FDE that ends at pc: the pc may be a signal
+            # trampoline without CFI right after that function (musl's __restore_rt).
+            nxt = np.minimum(r + 1, len(t) - 1)
+            edge[s] = was_minus1[s] & (r + 1 < len(t)) & (t.pc[nxt] == lookup[s] + 1)
         method = np.where(crow >= 0, M_CFI, M_FP).astype(np.int8)
         minus1 = np.ones(n, dtype=bool)
         rare: dict[int, dict[str, Any]] = {}
+        for j in np.flatnonzero((crow < 0) | edge).tolist():
+            code = self._code(int(mod[j]), int(row[j]), int(pcs[j]), 16)
+            if code.startswith(SIGRETURN_CODE):
+                rare[j] = SIGRETURN_RULES
+                flags[j] = SIGNAL
+                method[j] = M_CFI
+                self.counters["unwind_sigreturn_by_code"] += 1
+            elif depth == 0 and crow[j] < 0:
+                self._frame0_prologue(j, code, int(mod[j]), int(row[j]), int(pcs[j]),
+                                      int(lookup[j]), cfa_reg, cfa_off, rule, off)
         for j in np.flatnonzero(flags & COMPLEX).tolist():
             t = tables[j]
             assert t is not None
             rare[j] = t.row(int(crow[j]))
             self.counters["unwind_expr_rows"] += 1
-        for j in np.flatnonzero(crow < 0).tolist():
-            code = self._code(int(mod[j]), int(row[j]), int(pcs[j]), 16)
-            if code.startswith(SIGRETURN_CODE):
-                rare[j] = SIGRETURN_RULES
-                flags[j] |= SIGNAL
-                method[j] = M_CFI
-                self.counters["unwind_sigreturn_by_code"] += 1
-            elif depth == 0:
-                self._frame0_prologue(j, code, int(mod[j]), int(row[j]), int(pcs[j]),
-                                      int(lookup[j]), cfa_reg, cfa_off, rule, off)
         simple = np.ones(n, dtype=bool)
         simple[list(rare)] = False
         s = np.flatnonzero(simple)
