@@ -25,7 +25,6 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 
@@ -129,114 +128,166 @@ def _fork_depths(forks: pa.Table) -> dict[int, int]:
     return depth
 
 
-_EFFECTIVE = """
-WITH g AS (
-    SELECT *, sum(CASE WHEN cause = 1 THEN 0 ELSE 1 END) OVER (
-        PARTITION BY pid, member ORDER BY ts, seq ROWS UNBOUNDED PRECEDING) AS grp
-    FROM rows
-), life AS (
-    SELECT pid, ts, alive FROM (
-        SELECT child AS pid, ts, true AS alive FROM forks
-        UNION ALL SELECT pid, ts, false FROM exits)
-), v AS (
-    SELECT g.ts, g.pid, g.member, g.cause, g.seq, g.grp,
-           CASE WHEN g.cause = 1 THEN min(g.bytes) OVER (
-               PARTITION BY g.pid, g.member, g.grp ORDER BY g.ts, g.seq
-               ROWS UNBOUNDED PRECEDING) ELSE g.bytes END AS bytes
-    FROM g
-)
-SELECT v.ts, v.pid, v.member, v.bytes, v.cause, v.seq
-FROM v ASOF LEFT JOIN life l ON v.pid = l.pid AND v.ts >= l.ts
-WHERE NOT (v.cause = 1 AND v.grp = 0)
-  AND (l.alive IS NULL OR l.alive OR v.cause = 4 OR l.ts = v.ts)
-"""
+def _cols(t: dict[str, np.ndarray], order: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v[order] for k, v in t.items()}
+
+
+def _effective(rows: dict[str, np.ndarray], lives: tuple[np.ndarray, np.ndarray, np.ndarray]
+               ) -> dict[str, np.ndarray]:
+    """Apply the rules to raw rows (any order); returns the kept rows sorted by pid,
+    member, ts, seq with `bytes` the effective value."""
+    r = _cols(rows, np.lexsort((rows["seq"], rows["ts"], rows["member"], rows["pid"])))
+    n = len(r["ts"])
+    if not n:
+        return r
+    part = r["pid"].astype(np.int64) * 8 + r["member"]
+    new_part = np.r_[True, part[1:] != part[:-1]]
+    external = r["cause"] == RssCause.EXTERNAL
+    start = new_part | ~external
+    grp = np.cumsum(start) - 1
+    # External rows may only lower: a running minimum inside each group (which starts at
+    # an own value, a seed or a reset). Values become ranks and each group an offset
+    # below every earlier group, so one cumulative minimum serves all groups.
+    values, rank = np.unique(r["bytes"], return_inverse=True)
+    u = np.int64(len(values))
+    g = np.int64(grp[-1] + 1)
+    offset = (g - 1 - grp) * u
+    eff = np.minimum.accumulate(offset + rank) - offset
+    r["bytes"] = values[eff]
+    # an external update with nothing known before it cannot lower anything: dropped
+    keep = ~external[np.flatnonzero(start)[grp]]
+    keep &= _alive(r["pid"], r["ts"], r["cause"], lives)
+    return _cols(r, np.flatnonzero(keep))
+
+
+def _alive(pid: np.ndarray, ts: np.ndarray, cause: np.ndarray,
+           lives: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """Rows not after their process's exit (a fork of the same pid starts a new life)."""
+    l_pid, l_ts, l_alive = lives
+    if not len(l_pid):
+        return np.ones(len(pid), bool)
+    n = len(pid)
+    a_pid = np.concatenate([l_pid, pid])
+    a_ts = np.concatenate([l_ts, ts])
+    is_life = np.r_[np.ones(len(l_pid), bool), np.zeros(n, bool)]
+    o = np.lexsort((~is_life, a_ts, a_pid))  # a life event before rows at its ts
+    pid_o, is_life_o = a_pid[o], is_life[o]
+    idx = np.where(is_life_o, np.arange(len(o)), -1)
+    new_pid = np.r_[True, pid_o[1:] != pid_o[:-1]]
+    # forward fill the last life event within each pid
+    marker = np.where(new_pid & ~is_life_o, -1, idx)
+    seg = np.cumsum(new_pid) - 1
+    seg_start = np.flatnonzero(new_pid)
+    last = np.maximum.accumulate(np.where(marker >= 0, marker, -1))
+    last = np.where(last >= seg_start[seg], last, -1)
+    alive_at = np.ones(len(o), bool)
+    has = last >= 0
+    life_idx = o[last[has]]  # index into the concatenation: < len(l_pid)
+    alive_at[has] = l_alive[life_idx] | (l_ts[life_idx] == a_ts[o][has])
+    keep = np.empty(n, bool)
+    rows = ~is_life_o
+    keep[o[rows] - len(l_pid)] = alive_at[rows]
+    return keep | (cause == RssCause.EXIT)
+
+
+def _value_at(eff: dict[str, np.ndarray], pid: int, member: int, ts: int) -> int | None:
+    """The effective value of (pid, member) as of ts, from _effective's sorted rows."""
+    part = eff["pid"].astype(np.int64) * 8 + eff["member"]
+    key = pid * 8 + member
+    lo, hi = np.searchsorted(part, [key, key + 1])
+    i = lo + int(np.searchsorted(eff["ts"][lo:hi], ts, side="right")) - 1
+    return int(eff["bytes"][i]) if i >= lo else None
 
 
 def rss_timeline(rss: pa.Table, events: pa.Table) -> pa.Table:
     """Each process's resident bytes per member over time (schema TIMELINE), ts-sorted."""
     forks, execs, exits = _lifecycle(events)
     n = rss.num_rows
-    raw = pa.table({
-        "ts": rss["ts"],
-        "pid": rss["pid"],
-        "member": rss["member"],
-        "bytes": rss["bytes"],
-        "cause": pa.array(np.where(rss["external"].to_numpy(zero_copy_only=False),
-                                   RssCause.EXTERNAL, RssCause.UPDATE).astype(np.uint8)),
-        "seq": pa.array(np.arange(n, dtype=np.int64)),
-    })
-    resets = [raw]
+    parts = [{
+        "ts": rss["ts"].to_numpy(),
+        "pid": rss["pid"].to_numpy(),
+        "member": rss["member"].to_numpy(),
+        "bytes": rss["bytes"].to_numpy(),
+        "cause": np.where(rss["external"].to_numpy(zero_copy_only=False),
+                          RssCause.EXTERNAL, RssCause.UPDATE).astype(np.uint8),
+        "seq": np.arange(n, dtype=np.int64),
+    }]
     for table, cause in ((execs, RssCause.EXEC), (exits, RssCause.EXIT)):
         k = table.num_rows
-        if not k:
-            continue
-        resets.append(pa.table({
-            "ts": pa.array(np.repeat(table["ts"].to_numpy(), 4), pa.uint64()),
-            "pid": pa.array(np.repeat(table["pid"].to_numpy(), 4), pa.uint32()),
-            "member": pa.array(np.tile(np.arange(4, dtype=np.uint8), k)),
-            "bytes": pa.array(np.zeros(4 * k, dtype=np.int64)),
-            "cause": pa.array(np.full(4 * k, cause, dtype=np.uint8)),
-            # a reset sorts after whatever else happened at its ts
-            "seq": pa.array(np.full(4 * k, n + 1, dtype=np.int64)),
-        }))
-    base = pa.concat_tables(resets)
-    con = duckdb.connect()
-    con.register("forks", forks)
-    con.register("exits", exits)
-    depths = _fork_depths(forks)
-    seeds: pa.Table | None = None
-    for gen in sorted(set(depths.values())):
-        rows = base if seeds is None else pa.concat_tables([base, seeds])
-        con.register("rows", rows)
-        con.execute(f"CREATE OR REPLACE TEMP TABLE tl AS {_EFFECTIVE}")
-        gen_forks = [c for c, d in depths.items() if d == gen]
-        con.register("gen_forks", pa.table({"child": pa.array(gen_forks, pa.uint32())}))
-        new = con.execute("""
-            WITH f AS (
-                SELECT f.ts, f.parent, f.child, m.member
-                FROM forks f JOIN gen_forks USING (child)
-                CROSS JOIN (SELECT range::UTINYINT AS member FROM range(4)) m
-            )
-            SELECT f.ts, f.child AS pid, f.member, t.bytes, 2::UTINYINT AS cause,
-                   -1::BIGINT AS seq
-            FROM f ASOF JOIN tl t ON f.parent = t.pid AND f.member = t.member AND f.ts >= t.ts
-        """).to_arrow_table()
-        new = new.cast(base.schema)
-        seeds = new if seeds is None else pa.concat_tables([seeds, new])
-    rows = base if seeds is None else pa.concat_tables([base, seeds])
-    con.register("rows", rows)
-    out = con.execute(f"SELECT ts, pid, member, bytes, cause FROM ({_EFFECTIVE}) "
-                      "ORDER BY ts, seq").to_arrow_table()
-    return out.cast(TIMELINE)
+        parts.append({
+            "ts": np.repeat(table["ts"].to_numpy(), 4),
+            "pid": np.repeat(table["pid"].to_numpy(), 4),
+            "member": np.tile(np.arange(4, dtype=np.uint8), k),
+            "bytes": np.zeros(4 * k, dtype=np.int64),
+            "cause": np.full(4 * k, cause, dtype=np.uint8),
+            "seq": np.full(4 * k, n + 1, dtype=np.int64),  # after whatever else at its ts
+        })
+    f_ts = forks["ts"].to_numpy()
+    f_parent = forks["parent"].to_numpy()
+    f_child = forks["child"].to_numpy()
+    x_pid, x_ts = exits["pid"].to_numpy(), exits["ts"].to_numpy()
+    lives = (np.concatenate([f_child, x_pid]).astype(np.uint32), np.concatenate([f_ts, x_ts]),
+             np.r_[np.ones(len(f_ts), bool), np.zeros(len(x_ts), bool)])
+    depth = _fork_depths(forks)
+    rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    # A child's seed reads its parent's effective values, which may hold the parent's own
+    # seed: fork generations are resolved in order.
+    for gen in sorted(set(depth.values())):
+        eff = _effective(rows, lives)
+        seeds: dict[str, list[int]] = {k: [] for k in rows}
+        for ts, parent, child in zip(f_ts.tolist(), f_parent.tolist(), f_child.tolist(),
+                                     strict=True):
+            if depth.get(child) != gen:
+                continue
+            for m in range(4):
+                v = _value_at(eff, parent, m, ts)
+                if v is None:
+                    continue
+                for k, x in (("ts", ts), ("pid", child), ("member", m), ("bytes", v),
+                             ("cause", RssCause.FORK), ("seq", -1)):
+                    seeds[k].append(x)
+        rows = {k: np.concatenate([rows[k], np.array(seeds[k], dtype=rows[k].dtype)])
+                for k in rows}
+    eff = _effective(rows, lives)
+    o = np.lexsort((eff["seq"], eff["ts"]))
+    return pa.table({k: pa.array(eff[k][o], TIMELINE.field(k).type) for k in TIMELINE.names})
 
 
 def rss_peaks(timeline: pa.Table) -> pa.Table:
     """Peak bytes per process and member, and of the total (file + anon + shmem), each
     with the first time it was reached (schema PEAKS); members never above 0 are left out."""
-    con = duckdb.connect()
-    con.register("tl", timeline.append_column(
-        "seq", pa.array(np.arange(timeline.num_rows, dtype=np.int64))))
-    names = ", ".join(f"({int(m)}, '{m.name.lower()}')" for m in RssMember)
-    out = con.execute(f"""
-        WITH names(member, name) AS (VALUES {names}),
-        totals AS (
-            SELECT pid, ts, seq, {" + ".join(
-                f"coalesce(last_value(CASE WHEN member = {int(m)} THEN bytes END IGNORE NULLS)"
-                f" OVER w, 0)" for m in _RESIDENT)} AS bytes
-            FROM tl
-            WINDOW w AS (PARTITION BY pid ORDER BY ts, seq ROWS UNBOUNDED PRECEDING)
-        ),
-        series AS (
-            SELECT pid, n.name AS member, bytes, ts, seq FROM tl JOIN names n USING (member)
-            UNION ALL
-            SELECT pid, 'total', bytes, ts, seq FROM totals
-        ),
-        peaks AS (SELECT pid, member, max(bytes) AS bytes FROM series GROUP BY pid, member
-                  HAVING max(bytes) > 0)
-        SELECT p.pid, p.member, p.bytes, min(s.ts) AS ts
-        FROM peaks p JOIN series s USING (pid, member, bytes)
-        GROUP BY p.pid, p.member, p.bytes ORDER BY p.pid, p.member
-    """).to_arrow_table()
+    ts = timeline["ts"].to_numpy()
+    pid = timeline["pid"].to_numpy()
+    member = timeline["member"].to_numpy()
+    val = timeline["bytes"].to_numpy()
+    n = len(ts)
+    o = np.lexsort((np.arange(n), ts, pid))  # per pid in time order (stable)
+    ts, pid, member, val = ts[o], pid[o], member[o], val[o]
+    new_pid = np.r_[True, pid[1:] != pid[:-1]] if n else np.zeros(0, bool)
+    seg_start = np.flatnonzero(new_pid)
+    seg = np.cumsum(new_pid) - 1
+    total = np.zeros(n, np.int64)
+    for m in _RESIDENT:
+        # the member's latest value at each row, within the same pid
+        idx = np.where(member == m, np.arange(n), -1)
+        last = np.maximum.accumulate(idx) if n else idx
+        ok = last >= seg_start[seg] if n else last >= 0
+        total += np.where(ok, val[np.maximum(last, 0)], 0)
+    names = np.array([m.name.lower() for m in RssMember] + ["total"])
+    s_pid = np.concatenate([pid, pid])
+    s_name = np.concatenate([member.astype(np.int64), np.full(n, len(RssMember))])
+    s_val = np.concatenate([val, total])
+    s_ts = np.concatenate([ts, ts])
+    s_ord = np.concatenate([np.arange(n), np.arange(n)])
+    # per (pid, member): the largest value, the first time it was reached
+    o = np.lexsort((s_ord, s_ts, -s_val, s_name, s_pid))
+    s_pid, s_name, s_val, s_ts = s_pid[o], s_name[o], s_val[o], s_ts[o]
+    first = np.r_[True, (s_pid[1:] != s_pid[:-1]) | (s_name[1:] != s_name[:-1])] if len(o) \
+        else np.zeros(0, bool)
+    first &= s_val > 0
+    out = pa.table({"pid": s_pid[first], "member": names[s_name[first]],
+                    "bytes": s_val[first], "ts": s_ts[first]})
+    out = out.sort_by([("pid", "ascending"), ("member", "ascending")])
     return out.cast(PEAKS)
 
 
