@@ -249,6 +249,17 @@ def test_deep_recursion_truncated(variant: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cfa_on_another_register(variant: str, tmp_path: Path) -> None:
+    """A realigned frame whose CFA is r12 + 16 (r12 known at frame 0 from the
+    registers) goes through the rare path and restores r12 for its caller."""
+    named, res = unwind_named(run_snaps([str(cases(variant)), "realign"], tmp_path))
+    (n,) = named
+    assert n.names == ["mt_snap", "mt_realign", "main", *LIBC_START]
+    assert n.complete
+    assert res.counters["unwind_expr_rows"] == 1
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_thread(variant: str, tmp_path: Path) -> None:
     named, _ = unwind_named(run_snaps([str(cases(variant)), "thread"], tmp_path))
     (n,) = named
