@@ -3,7 +3,9 @@
     sudo .venv/bin/python bench/bench_capture.py [--allocs 200000]
 
 1. BPF run time per probe hit (kernel.bpf_stats_enabled: run_time_ns / run_cnt) of
-   the malloc entry, the shared return and the free programs, stacks off and on.
+   the malloc entry, the shared return and the free programs, stacks off and on. The
+   loop runs on a private copy of libc so that only its own hits are counted (uprobes
+   are per inode: every process calling the shared libc's malloc would hit them).
 2. Userspace drain: events/s of the bulk mmap reader (RingReader.read_fixed) and of
    bcc's Python-callback reader over the same full ring.
 3. Artifact write: 1 M realistic events written to events.arrow (time, bytes/event).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes as ct
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,18 +55,25 @@ def prog_stats(fd: int) -> tuple[int, int]:
     return run_time, run_cnt
 
 
-def run_loop(cmd: list[str]) -> int:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+def run_loop(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     return int(out.split()[-1])
 
 
-def captured_loop(tracker: Tracker, cmd: list[str]) -> int:
+def private_libc(d: str) -> dict[str, str]:
+    """Environment that runs a program on a private copy of libc: probes on its inode
+    count only that program's hits, not every process on the host calling malloc."""
+    shutil.copy2("/lib/x86_64-linux-gnu/libc.so.6", Path(d) / "libc.so.6")
+    return {**os.environ, "LD_LIBRARY_PATH": d}
+
+
+def captured_loop(tracker: Tracker, cmd: list[str], env: dict[str, str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as d:
         r, w = os.pipe()
         saved = os.dup(1)
         os.dup2(w, 1)
         try:
-            session = tracker.spawn(cmd, Path(d) / "b.memtrack")
+            session = tracker.spawn(cmd, Path(d) / "b.memtrack", env=env)
         finally:
             os.dup2(saved, 1)
             os.close(saved)
@@ -82,8 +92,9 @@ def bench_probes(loop: Path, n: int) -> None:
     STATS.write_text("1")
     try:
         for stacks in (False, True):
-            with Tracker(CaptureOptions(stacks=stacks, rss=False, modules=False)) as t:
-                captured_loop(t, [str(loop), "loop", str(n)])
+            with Tracker(CaptureOptions(stacks=stacks, rss=False, modules=False)) as t, \
+                    tempfile.TemporaryDirectory() as d:
+                captured_loop(t, [str(loop), "loop", str(n)], private_libc(d))
                 for name in ("mt_e_libc_malloc", "mt_ret", "mt_f_libc_free"):
                     fn = t.bpf.funcs.get(name.encode())
                     if fn is None:
@@ -203,7 +214,9 @@ def bench_overhead(loop: Path, n: int) -> None:
     from bcc import BPF
 
     print("4. Overhead per allocation (malloc + free pair) on a loop")
-    bare = min(run_loop([str(loop), "loop", str(n)]) for _ in range(3))
+    libdir = tempfile.mkdtemp(prefix="memtrack-bench-")
+    env = private_libc(libdir)
+    bare = min(run_loop([str(loop), "loop", str(n)], env) for _ in range(3))
     noop_bare = min(run_loop([str(loop), "noop", str(n)]) for _ in range(3))
     b = BPF(text="int on_hit(struct pt_regs *ctx) { return 0; }")
     try:
@@ -222,11 +235,12 @@ def bench_overhead(loop: Path, n: int) -> None:
     print(f"   bare loop                            {bare / n:8.0f} ns per pair")
     for stacks in (False, True):
         with Tracker(CaptureOptions(stacks=stacks, rss=False, modules=False)) as t:
-            inst = min(captured_loop(t, [str(loop), "loop", str(n)]) for _ in range(2))
+            inst = min(captured_loop(t, [str(loop), "loop", str(n)], env) for _ in range(2))
         extra = (inst - bare) / n
         print(f"   captured, stacks {'on ' if stacks else 'off'}                 {extra:8.0f} ns "
               f"extra per pair = {extra / hit:.1f} bare uprobe hits "
               "(malloc entry + return + free = 3 probe hits)")
+    shutil.rmtree(libdir)
 
 
 def main() -> None:

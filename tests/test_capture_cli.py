@@ -79,3 +79,24 @@ def test_ring_full_is_counted_printed_and_fails_on_loss(tmp_path: Path) -> None:
     assert lost > 0 and events > 0
     # nothing vanishes silently: recorded + lost covers at least the 8000 heap calls
     assert events + lost >= 8000
+
+
+@pytest.mark.bpf
+def test_ctrl_c_stops_cmd_and_completes_the_artifact(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    out = tmp_path / "c.memtrack"
+    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--stacks", "off", "--no-rss",
+                          "--no-modules", "--", "sleep", "60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "manifest.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "killed by signal 2" in err
+    art = Artifact.open(out)
+    assert art.manifest.complete and art.manifest.exit_status.signal == signal.SIGINT

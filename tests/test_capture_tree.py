@@ -229,3 +229,53 @@ def test_sigint_stops_the_command_and_writes_the_artifact(tracker: Any,  # noqa:
     result = session.wait(timeout=10)
     assert result.signal == signal.SIGINT and result.status == 130
     assert (tmp_path / "i.memtrack" / "manifest.json").exists()
+
+
+def test_misuse_fails_with_a_message(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+    from memtrack.capture.tracker import CaptureError
+
+    session = tracker.spawn(["sleep", "0.2"], tmp_path / "a.memtrack")
+    with pytest.raises(CaptureError, match="still live"):
+        tracker.spawn(["true"], tmp_path / "b.memtrack")
+    with pytest.raises(CaptureError, match="finish\\(\\) while the session"):
+        tracker.finish()
+    assert session.wait(timeout=10).status == 0
+    with pytest.raises(CaptureError, match="cannot run /nonexistent: No such file"):
+        tracker.spawn(["/nonexistent"], tmp_path / "c.memtrack")
+
+
+def test_runs_as_the_given_user_with_live_line(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+    import io
+
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="memtrack-test-"))  # reachable by nobody
+    os.chmod(shared, 0o777)
+    out = shared / "id.txt"
+    live = io.StringIO()
+    session = tracker.spawn(["sh", "-c", f"id -u > {out}; id -g >> {out}"],
+                            tmp_path / "u.memtrack", user=(65534, 65534), live=live)
+    assert session.wait(timeout=20).status == 0
+    assert out.read_text().split() == ["65534", "65534"]
+    out.unlink()
+    shared.rmdir()
+    assert "events" in live.getvalue() and "ev/s" in live.getvalue()
+    art = tmp_path / "u.memtrack"
+    from memtrack.schema.artifact import Artifact
+
+    ev = Artifact.open(art).read("events").table.to_pylist()
+    assert any(e["kind"] == EventKind.MALLOC for e in ev)  # the unprivileged tree is traced
+
+
+def test_mmap_events_tell_anonymous_from_file_backed(tracker: Any,  # noqa: F811
+                                                     tmp_path: Path) -> None:
+    allocs = build(["capture/allocs.c"])
+    r = run(tracker, tmp_path, [str(allocs), "malloc_free"])
+    mm = kinds(r, EventKind.MMAP)
+    anon = [e for e in mm if e["old_addr"] == 2**64 - 1]
+    files = [e for e in mm if e["old_addr"] != 2**64 - 1]
+    assert anon and files
+    prot_exec = [e for e in files if (e["flags"] >> 32) & 4]
+    maps = r.art.read("mappings").table.to_pylist()
+    libc_x = [m for m in maps if m["path"].endswith("/libc.so.6") and "x" in m["perms"]]
+    assert {m["start"] for m in libc_x} <= {e["addr"] for e in prot_exec}
