@@ -247,3 +247,25 @@ def test_memory_metadata_for_a_pipeline(tmp_path: Path) -> None:
     assert procs[103]["peak_rss"]["shmem"] == {"bytes": 3 * P, "ts": 17}
     assert procs[102]["peak_rss"] == {}
     assert "anon_replay" not in procs[101]
+
+
+def test_reused_pid_gets_a_second_life(tmp_path: Path) -> None:
+    ev = events(fork(2, 100, 101), {"ts": 5, "pid": 101, "kind": EventKind.EXIT, "flags": 1},
+                fork(8, 100, 101), {"ts": 12, "pid": 101, "kind": EventKind.EXIT, "flags": 1,
+                                    "size": 9})
+    r = rss((1, 100, ANON, 10 * P), (3, 101, ANON, 50 * P), (6, 101, ANON, 0, True),
+            (7, 101, ANON, 99 * P), (9, 101, ANON, 20 * P))
+    tl = rss_timeline(r, ev)
+    assert series(tl, 101, ANON) == [(2, 10 * P, RssCause.FORK), (3, 50 * P, 0),
+                                      (5, 0, RssCause.EXIT), (8, 10 * P, RssCause.FORK),
+                                      (9, 20 * P, 0), (12, 0, RssCause.EXIT)]
+    w = ArtifactWriter(tmp_path / "r.memtrack")
+    w.manifest.root_pid = 100
+    w.write("events", ev)
+    w.write("rss", r)
+    w.close()
+    procs = memory_metadata(Artifact.open(tmp_path / "r.memtrack"))["processes"]
+    lives = [(p["start_ns"], p["exit_ns"], p["exit_status"], p["peak_rss"]["anon"])
+             for p in procs if p["pid"] == 101]
+    assert lives == [(2, 5, {"code": 0, "signal": None}, {"bytes": 50 * P, "ts": 3}),
+                     (8, 12, {"code": None, "signal": 9}, {"bytes": 20 * P, "ts": 9})]
