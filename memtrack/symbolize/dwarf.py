@@ -17,6 +17,7 @@ cache stores per build id.
 
 from __future__ import annotations
 
+import array
 import bisect
 import struct
 from dataclasses import dataclass, field
@@ -713,9 +714,9 @@ class Dwarf:
         return off
 
     # ---- line programs -------------------------------------------------------------
-    def _line_table(self, u: Unit) -> tuple[list[str], list[tuple[int, ...]]]:
+    def _line_table(self, u: Unit) -> tuple[list[str], array.array]:
         if u.stmt_list is None or not self.line:
-            return [], []
+            return [], array.array("Q")
         return parse_line_program(self, u, u.stmt_list)
 
 
@@ -734,8 +735,9 @@ def _join(*parts: str) -> str:
     return out
 
 
-def parse_line_program(dw: Dwarf, u: Unit, off: int) -> tuple[list[str], list[tuple[int, ...]]]:
-    """Run one line program: (file paths, rows (addr, file, line, col, end))."""
+def parse_line_program(dw: Dwarf, u: Unit, off: int) -> tuple[list[str], array.array]:
+    """Run one line program: (file paths, rows as flat (addr, file, line, col, end)
+    quintuples; an array of u64 converts to numpy without a copy)."""
     data = dw.line
     (length,) = struct.unpack_from("<I", data, off)
     p = off + 4
@@ -801,7 +803,7 @@ def parse_line_program(dw: Dwarf, u: Unit, off: int) -> tuple[list[str], list[tu
             _, p = uleb(data, p)
             _, p = uleb(data, p)
             files.append(_v4_path(comp_dir, dir_names, di, name))
-    rows: list[tuple[int, ...]] = []
+    rows = array.array("Q")
     _run_program(data, prog, end, addr_size, min_inst, line_base, line_range, opcode_base,
                  std_lengths, rows, files, comp_dir, dir_names, version)
     return files, rows
@@ -872,10 +874,10 @@ def _v5_entries(dw: Dwarf, u: Unit, data: bytes, p: int,
 
 def _run_program(data: bytes, p: int, end: int, addr_size: int, min_inst: int, line_base: int,
                  line_range: int, opcode_base: int, std_lengths: list[int],
-                 rows: list[tuple[int, ...]], files: list[str], comp_dir: str,
+                 rows: array.array, files: list[str], comp_dir: str,
                  dir_names: list[str], version: int) -> None:
     """The line-number state machine; appends (addr, file, line, col, end) rows."""
-    append = rows.append
+    append = rows.extend
     # special opcodes are most of a program: their address and line steps, by opcode
     adv_addr = [0] * 256
     adv_line = [0] * 256
@@ -930,13 +932,13 @@ def _run_program(data: bytes, p: int, end: int, addr_size: int, min_inst: int, l
                 _, p = uleb(data, p)
 
 
-def _flatten(u: Unit, files: list[str], rows: list[tuple[int, ...]],
+def _flatten(u: Unit, files: list[str], rows: array.array,
              nodes: list[tuple[int, int, int, int, int, int, list]], dw: Dwarf) -> CuTables:
     # Line rows: split into sequences, keep those that start in executable code and do
     # not overlap an earlier one (garbage-collected functions keep sequences at 0),
     # then concatenate in address order.
     if rows:
-        arr = np.array(rows, dtype=np.uint64)
+        arr = np.frombuffer(rows, dtype=np.uint64).reshape(-1, 5)
         ends = np.flatnonzero(arr[:, 4] == 1)
         starts = np.concatenate(([0], ends[:-1] + 1))
         seqs = []
