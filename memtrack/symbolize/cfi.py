@@ -209,7 +209,7 @@ _Rule = tuple  # (Rule, arg) where arg is an int or bytes
 
 
 def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
-         rows: list[tuple[int, Any, dict[int, _Rule]]], sec_addr: int) -> Any:
+         rows: list[tuple[int, Any, dict[int, _Rule]]]) -> Any:
     """Interpret CFA instructions from `start`; append (pc, cfa, regs) rows."""
     if init_state is None:
         cfa: Any = ("reg", RSP, 0)
@@ -377,7 +377,7 @@ def _fdes(data: bytes, sec_addr: int, eh: bool
                 cbody = cie_off + ch + (8 if ch == 12 else 4)
                 cie = _parse_cie(data, cbody, cie_off + ch + cl, eh, sec_addr)
                 init_rows: list[Any] = []
-                state = _run(cie, cie.initial, 0, 0, None, init_rows, sec_addr)
+                state = _run(cie, cie.initial, 0, 0, None, init_rows)
                 cies[cie_off] = (cie, state)
             cie, state = cies[cie_off]
             if eh:
@@ -393,7 +393,7 @@ def _fdes(data: bytes, sec_addr: int, eh: bool
             if rng == 0 or start == 0:
                 continue  # a discarded (zeroed) FDE of a garbage-collected function
             rows: list[Any] = []
-            _run(cie, data[q:end], start, start + rng, state, rows, sec_addr)
+            _run(cie, data[q:end], start, start + rng, state, rows)
             out.append((start, start + rng, cie.signal, rows))
         except (CFIError, IndexError, ValueError, struct.error, KeyError) as e:
             problems.append(f"FDE at {entry:#x}: {e}")
