@@ -32,7 +32,6 @@ from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact
 
 CLONE_THREAD = 0x10000
-CLONE_VM = 0x100
 MAP_SHARED = 0x01
 MAP_SHARED_VALIDATE = 0x03
 MAP_TYPE = 0x0F
@@ -88,7 +87,6 @@ PEAKS = pa.schema(
     ]
 )
 
-MEMBERS = [m.name.lower() for m in RssMember]
 _RESIDENT = (RssMember.FILE, RssMember.ANON, RssMember.SHMEM)
 
 
