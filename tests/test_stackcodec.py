@@ -1,0 +1,248 @@
+"""Stack record codec: hash, delta encode/decode, ring record parsing, chain decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memtrack.process.decode import decode_table
+from memtrack.process.stackcodec import (
+    FLAG_DELTA,
+    FLAG_TRUNCATED,
+    FNV_OFFSET,
+    FNV_PRIME,
+    StackFormatError,
+    StackRef,
+    decode_delta,
+    encode_delta,
+    hash_bytes,
+    records_to_batch,
+    stack_hash,
+)
+from memtrack.schema import NUM_REGS, STACKS, StackEncoding
+
+M64 = (1 << 64) - 1
+SP0 = 0x7FFD_0000_1000
+
+
+def ref_hash(words: list[int]) -> int:
+    """The hash written out plainly, one word at a time (the issue's definition)."""
+    lanes = [FNV_OFFSET ^ lane for lane in range(4)]
+    for i, w in enumerate(words):
+        lanes[i % 4] = ((lanes[i % 4] ^ w) * FNV_PRIME) & M64
+    h = FNV_OFFSET
+    for lane in lanes:
+        h = ((h ^ lane) * FNV_PRIME) & M64
+    h = ((h ^ (8 * len(words))) * FNV_PRIME) & M64
+    return h or 1
+
+
+def rand_words(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 2**64, size=n, dtype=np.uint64, endpoint=False)
+
+
+def test_hash_matches_the_definition_for_every_length_mod_4() -> None:
+    rng = np.random.default_rng(1)
+    rows = [rand_words(rng, n) for n in (1, 2, 3, 4, 5, 63, 64, 65, 1023, 1024)]
+    width = max(r.size for r in rows)
+    mat = np.zeros((len(rows), width), dtype=np.uint64)
+    for i, r in enumerate(rows):
+        mat[i, :r.size] = r
+    got = stack_hash(mat, np.array([r.size for r in rows]))
+    assert got.tolist() == [ref_hash(r.tolist()) for r in rows]
+    assert hash_bytes(rows[4].tobytes()) == ref_hash(rows[4].tolist())
+    # the length is part of the hash: trailing zero words change it
+    assert hash_bytes(b"\0" * 16) != hash_bytes(b"\0" * 24)
+
+
+def test_keyframe_round_trip() -> None:
+    rng = np.random.default_rng(2)
+    words = rand_words(rng, 1000)
+    words[100:300] = 0  # whole zero groups are left out of the body
+    regs = rand_words(rng, NUM_REGS)
+    regs[3] = 0
+    body = encode_delta(words, SP0, regs, None)
+    got, got_regs = decode_delta(body, SP0, words.size, None)
+    assert np.array_equal(got, words)
+    assert np.array_equal(got_regs, regs)
+    # reg mask + 16 regs + group mask + 16 bitmaps (groups 2-3 are all zero) + words
+    assert len(body) == 8 * (1 + 16 + 1 + 14 + 800)
+
+
+@pytest.mark.parametrize("shift_words", [0, 1, -1, 7, -300, 999, -999, 1000, -1000, 5000])
+def test_delta_against_a_reference_at_another_sp(shift_words: int) -> None:
+    """sp moving up and down, by less and by more than the copy (no overlap)."""
+    rng = np.random.default_rng(3)
+    ref_words = rand_words(rng, 1000)
+    ref = StackRef(hash=hash_bytes(ref_words.tobytes()), sp=SP0, words=ref_words,
+                   regs=rand_words(rng, NUM_REGS))
+    sp = SP0 + 8 * shift_words
+    words = rand_words(rng, 1000)
+    # the part that overlaps the reference is mostly unchanged, as on a real stack
+    lo, hi = max(0, -shift_words), min(1000, 1000 - shift_words)
+    if lo < hi:
+        words[lo:hi] = ref_words[lo + shift_words:hi + shift_words]
+        words[lo] ^= np.uint64(0xDEAD)
+    regs = ref.regs.copy()
+    regs[16] += np.uint64(5)
+    body = encode_delta(words, sp, regs, ref)
+    got, got_regs = decode_delta(body, sp, words.size, ref)
+    assert np.array_equal(got, words)
+    assert np.array_equal(got_regs, regs)
+    if hi - lo >= 900:
+        assert len(body) < 8 * 200  # the overlap costs nothing but the changed word
+
+
+def test_malformed_bodies_raise_format_errors() -> None:
+    words = np.arange(1, 65, dtype=np.uint64)
+    body = encode_delta(words, SP0, np.zeros(NUM_REGS, np.uint64), None)
+    with pytest.raises(StackFormatError):
+        decode_delta(body[:-8], SP0, 64, None)
+    with pytest.raises(StackFormatError):
+        decode_delta(body, SP0, 32, None)  # bitmap bits beyond the copy
+    with pytest.raises(StackFormatError):
+        decode_delta(b"\xff" * 8, SP0, 64, None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 4096),
+    ref_n=st.integers(0, 4096),
+    shift=st.integers(-5000, 5000),
+    seed=st.integers(0, 2**32 - 1),
+    density=st.floats(0, 1),
+)
+def test_property_encode_decode_is_identity(n: int, ref_n: int, shift: int, seed: int,
+                                            density: float) -> None:
+    rng = np.random.default_rng(seed)
+    ref_words = rand_words(rng, ref_n)
+    ref = None if ref_n == 0 else StackRef(0, SP0, ref_words, rand_words(rng, NUM_REGS))
+    sp = SP0 + 8 * shift
+    base = np.zeros(n, dtype=np.uint64)
+    if ref is not None:
+        lo, hi = max(0, -shift), min(n, ref_n - shift)
+        if lo < hi:
+            base[lo:hi] = ref_words[lo + shift:hi + shift]
+    change = rng.random(n) < density
+    words = np.where(change, rand_words(rng, n), base)
+    regs = rand_words(rng, NUM_REGS)
+    got, got_regs = decode_delta(encode_delta(words, sp, regs, ref), sp, n, ref)
+    assert np.array_equal(got, words)
+    assert np.array_equal(got_regs, regs)
+
+
+# --- ring records, as bpf/stacks.h writes them ------------------------------------------
+
+def ring_record(words: np.ndarray, sp: int, regs: np.ndarray, *, tid: int = 7, pid: int = 7,
+                ref: StackRef | None = None, delta: bool = True, truncated: bool = False,
+                fp: tuple[int, ...] = (0x401000, 0x401100),
+                fixups: tuple[tuple[int, int], ...] = (), ts: int = 1) -> bytes:
+    h = hash_bytes(words.tobytes())
+    body = encode_delta(words, sp, regs, ref) if delta else regs.tobytes() + words.tobytes()
+    flags = (FLAG_DELTA if delta else 0) | (FLAG_TRUNCATED if truncated else 0)
+    hdr = [h, ref.hash if ref is not None else 0, ts, pid | tid << 32, sp,
+           words.size * 8 | len(fp) << 32 | len(fixups) << 48 | flags << 56, len(body)]
+    extra = [v for pair in fixups for v in pair]
+    return np.array(hdr + list(fp) + extra, dtype=np.uint64).tobytes() + body
+
+
+def chain(rng: np.random.Generator, count: int, *, tid: int = 7, n: int = 512,
+          delta: bool = True) -> tuple[list[bytes], list[np.ndarray], list[int]]:
+    """A thread's records: sp wandering, a few words changing each time."""
+    records, copies, sps = [], [], []
+    ref = None
+    words = rand_words(rng, n + 64)
+    regs = rand_words(rng, NUM_REGS)
+    for i in range(count):
+        sp = SP0 + 8 * int(rng.integers(0, 64))
+        cur = words[(sp - SP0) // 8:(sp - SP0) // 8 + n].copy()
+        cur[int(rng.integers(0, n))] ^= np.uint64(i + 1)
+        words[(sp - SP0) // 8:(sp - SP0) // 8 + n] = cur
+        regs = regs.copy()
+        regs[16] = np.uint64(0x401000 + i)
+        records.append(ring_record(cur, sp, regs, tid=tid, pid=tid, ref=ref, delta=delta, ts=i))
+        copies.append(cur)
+        sps.append(sp)
+        if delta:
+            ref = StackRef(hash_bytes(cur.tobytes()), sp, cur, regs)
+    return records, copies, sps
+
+
+def test_ring_records_parse_into_the_stacks_schema() -> None:
+    rng = np.random.default_rng(4)
+    recs, copies, sps = chain(rng, 5)
+    raw, _, _ = chain(rng, 2, tid=9, delta=False)
+    batch, bad = records_to_batch(recs + raw + [b"\x01" * 24])
+    assert bad == 1
+    assert batch.schema.equals(STACKS)
+    assert batch.num_rows == 7
+    assert batch.column("sp").to_pylist()[:5] == sps
+    assert batch.column("encoding").to_pylist() == [StackEncoding.DELTA] * 5 + \
+        [StackEncoding.RAW] * 2
+    assert batch.column("ref_hash").to_pylist()[0] == 0
+    assert batch.column("regs").null_count == 5
+    assert batch.column("fp_chain").to_pylist()[0] == [0x401000, 0x401100]
+    assert len(batch.column("payload")[5].as_py()) == 512 * 8  # raw: the copy itself
+
+
+def test_decode_rebuilds_interleaved_thread_chains() -> None:
+    rng = np.random.default_rng(5)
+    a, ca, _ = chain(rng, 40, tid=1)
+    b, cb, _ = chain(rng, 40, tid=2)
+    r, cr, _ = chain(rng, 3, tid=3, delta=False)
+    mixed = [x for pair in zip(a, b, strict=True) for x in pair] + r
+    batch, _ = records_to_batch(mixed)
+    out = decode_table(pa.Table.from_batches([batch]))
+    assert out.counters["decode_mismatch"] == 0
+    assert out.counters["stack_keyframes"] == 2
+    assert out.counters["stack_deltas"] == 78
+    assert out.counters["stack_raw"] == 3
+    t = out.table
+    assert t.num_rows == 83
+    by_hash = dict(zip(t.column("hash").to_pylist(), t.column("stack").to_pylist(), strict=True))
+    for c in ca + cb + cr:
+        assert by_hash[hash_bytes(c.tobytes())] == c.tobytes()
+    assert t.column("regs")[0].as_py()[16] == 0x401000
+
+
+def test_stale_reference_is_dropped_until_the_next_keyframe() -> None:
+    rng = np.random.default_rng(6)
+    recs, copies, _ = chain(rng, 6)
+    again, copies2, _ = chain(rng, 3)  # a new keyframe chain of the same thread
+    lost = recs[:2] + recs[3:] + again  # record 2 never arrived (ring loss)
+    batch, _ = records_to_batch(lost)
+    out = decode_table(pa.Table.from_batches([batch]))
+    assert out.counters["decode_stale_ref"] == 1
+    assert out.counters["decode_mismatch"] == 3  # record 3 and the two chained on it
+    kept = set(out.table.column("hash").to_pylist())
+    want = {hash_bytes(c.tobytes()) for c in copies[:2] + copies2}
+    assert kept == want
+
+
+def test_hash_mismatch_is_dropped_and_counted() -> None:
+    rng = np.random.default_rng(7)
+    recs, copies, _ = chain(rng, 4)
+    bad = bytearray(recs[1])
+    bad[-1] ^= 0x40  # last delta word flipped: decodes, but hashes differently
+    batch, _ = records_to_batch([recs[0], bytes(bad), recs[2], recs[3]])
+    out = decode_table(pa.Table.from_batches([batch]))
+    assert out.counters["decode_mismatch"] == 3
+    assert out.table.column("hash").to_pylist() == [hash_bytes(copies[0].tobytes())]
+
+
+def test_truncated_copy_and_uretprobe_fixups_survive_decoding() -> None:
+    rng = np.random.default_rng(8)
+    words = rand_words(rng, 256)
+    slot = SP0 + 8 * 5
+    rec = ring_record(words, SP0, rand_words(rng, NUM_REGS), truncated=True,
+                      fixups=((slot, int(words[5])),))
+    batch, _ = records_to_batch([rec])
+    assert batch.column("truncated").to_pylist() == [True]
+    assert batch.column("ret_fixups").to_pylist() == [[{"slot": slot, "value": int(words[5])}]]
+    out = decode_table(pa.Table.from_batches([batch]))
+    assert out.table.column("truncated").to_pylist() == [True]
+    assert out.table.column("copy_len").to_pylist() == [256 * 8]
+    assert out.table.column("stack")[0].as_py() == words.tobytes()
