@@ -38,13 +38,14 @@ def tracker() -> Any:
         yield t
 
 
-def capture(t: Any, tmp: Path, cmd: list[str], name: str) -> tuple[Path, str]:
+def capture(t: Any, tmp: Path, cmd: list[str], name: str, *,
+            start_disabled: bool = False) -> tuple[Path, str]:
     out = tmp / "stdout"
     with open(out, "w") as f:
         saved = os.dup(1)
         os.dup2(f.fileno(), 1)
         try:
-            session = t.spawn(cmd, tmp / f"{name}.memtrack")
+            session = t.spawn(cmd, tmp / f"{name}.memtrack", start_disabled=start_disabled)
         finally:
             os.dup2(saved, 1)
             os.close(saved)
@@ -100,6 +101,37 @@ def test_allocs_many_one_for_one(tmp_path: Path, tracker: Any) -> None:
     assert con.execute("SELECT count(*) FROM temporary").fetchone() == (100,)
     first = int(re.search(r"^malloc (0x[0-9a-f]+)$", out, re.M).group(1), 16)
     assert con.execute("SELECT addr FROM allocations WHERE alloc_id = 0").fetchone() == (first,)
+
+
+@pytest.mark.parametrize("variant,libs", [("libstdc++", ()), ("jemalloc", ("-ljemalloc",))])
+def test_cxx_one_for_one(tmp_path: Path, tracker: Any, variant: str, libs: tuple) -> None:
+    exe = build(["capture/cxx.cc"], name=f"cxx-{variant}", libs=libs)
+    art, out = capture(tracker, tmp_path, [str(exe)], variant, start_disabled=True)
+    con = run_db(tmp_path, art)
+    printed = [int(v, 16) for v in re.findall(r"^\S+ (0x[0-9a-f]+)$", out, re.M)]
+    rows = con.execute("""
+        SELECT addr, size, end_reason::VARCHAR, allocator::VARCHAR, lifetime_ns > 0
+        FROM allocations ORDER BY alloc_id""").fetchall()
+    family = "cxx" if variant == "libstdc++" else variant
+    assert rows == [(a, s, "free", family, True)
+                    for a, s in zip(printed, (44444, 8, 88888), strict=True)]
+    peak = con.execute("SELECT peak_bytes FROM heap_peak").fetchall()
+    assert peak == [(44444 + 8 + 88888,)]
+
+
+def test_fork_processes(tmp_path: Path, tracker: Any) -> None:
+    exe = build(["capture/fork.c"])
+    art, out = capture(tracker, tmp_path, [str(exe)], "fork")
+    con = run_db(tmp_path, art)
+    (ppid, paddr), = [(int(p), int(a, 16)) for p, a in re.findall(r"^parent (\d+) (\S+)$",
+                                                                   out, re.M)]
+    (cpid, caddr), = [(int(p), int(a, 16)) for p, a in re.findall(r"^child (\d+) (\S+)$",
+                                                                  out, re.M)]
+    rows = con.execute("SELECT pid, addr, size, end_reason::VARCHAR FROM allocations "
+                       "WHERE size IN (1111, 2222) ORDER BY alloc_id").fetchall()
+    assert rows == [(ppid, paddr, 1111, "free"), (cpid, caddr, 2222, "free")]
+    assert con.execute("SELECT ppid, exit_code FROM processes WHERE pid = ?",
+                       [cpid]).fetchone() == (ppid, 0)
 
 
 def test_demo_figures(demo_run: duckdb.DuckDBPyConnection) -> None:
