@@ -1,0 +1,113 @@
+"""The unwinder behind an artifact: fixture snapshots written as raw stack records with
+their modules copied in, read back through decode, and the `memtrack unwind` command.
+(Real captures go through the same path; these need no BPF.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from unwind_support import VARIANTS, Snaps, build_fixture, run_snaps
+
+from memtrack.process.decode import decode
+from memtrack.process.stackcodec import hash_bytes
+from memtrack.process.unwind import unwind
+from memtrack.schema import StackEncoding
+from memtrack.schema.artifact import Artifact, ArtifactWriter
+from memtrack.symbolize.modules import ModuleStore
+
+
+def write_artifact(snaps: Snaps, path: Path) -> tuple[Path, list[int]]:
+    """An artifact holding the snapshots as raw stack records and their modules."""
+    w = ArtifactWriter(path)
+    t = snaps.stacks
+    stacks = [bytes(s) for s in t.column("stack").to_pylist()]
+    hashes = [hash_bytes(s) for s in stacks]
+    n = t.num_rows
+    w.write("stacks", {
+        "hash": hashes, "ref_hash": [0] * n, "ts": t.column("ts").to_pylist(),
+        "pid": t.column("pid").to_pylist(), "tid": t.column("tid").to_pylist(),
+        "sp": t.column("sp").to_pylist(), "copy_len": t.column("copy_len").to_pylist(),
+        "truncated": t.column("truncated").to_pylist(),
+        "encoding": [int(StackEncoding.RAW)] * n, "regs": t.column("regs").to_pylist(),
+        "payload": stacks, "fp_chain": t.column("fp_chain").to_pylist(),
+        "ret_fixups": [[] for _ in range(n)],
+    })
+    w.write("mappings", snaps.mappings)
+    for m in snaps.mappings.to_pylist():
+        if m["build_id"] and m["perms"][2] == "x" and not w.has_module(m["build_id"]):
+            w.add_module(m["build_id"], m["path"], Path(m["path"]))
+    w.close()
+    return path, hashes
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    tmp = tmp_path_factory.mktemp("art")
+    exe = build_fixture(["unwind/chain.c"], VARIANTS["O2"], "chain-O2")
+    return write_artifact(run_snaps([str(exe)], tmp), tmp / "chain.memtrack")
+
+
+def test_decode_then_unwind_with_artifact_modules_only(artifact: tuple[Path, list[int]]
+                                                       ) -> None:
+    path, hashes = artifact
+    art = Artifact.open(path)
+    decoded = decode(art)
+    assert decoded.counters["decode_mismatch"] == 0
+    assert decoded.table.column("hash").to_pylist() == hashes
+    res = unwind(decoded.table, art.read("mappings").table, ModuleStore(path))
+    assert res.problems == []
+    assert res.stacks.column("complete").to_pylist() == [True] * 3
+    assert res.frames.num_rows == 3 * 8
+    assert set(res.frames.column("method").to_pylist()) == {"regs", "cfi"}
+    # Every frame's module is the artifact's copy, found by build id.
+    bids = set(res.frames.column("build_id").to_pylist())
+    assert None not in bids and bids <= {m["build_id"] for m in art.modules()}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memtrack.cli", "unwind", *args],
+                          capture_output=True, text=True)
+
+
+def test_unwind_command(artifact: tuple[Path, list[int]]) -> None:
+    path, hashes = artifact
+    out = run_cli(str(path), "--record", f"{hashes[1]:#x}")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    pid = Artifact.open(path).read("stacks").table.column("pid")[1].as_py()
+    assert lines[0] == f"stack {hashes[1]:#018x} pid {pid}: 8 frames (complete)"
+    frames = [ln.split() for ln in lines[1:]]
+    assert [f[0] for f in frames] == [f"#{d}" for d in range(8)]
+    assert [f[2] for f in frames] == ["regs"] + ["cfi"] * 7
+    assert [f[3].split("+")[0] for f in frames] == [
+        "mt_snap", "c", "b", "a", "main", "__libc_start_call_main", "__libc_start_main",
+        "_start"]
+    assert all(f[-1].startswith("[") for f in frames)
+    assert run_cli(str(path), "--record", str(hashes[1])).stdout == out.stdout  # decimal
+
+
+def test_unwind_command_errors(artifact: tuple[Path, list[int]], tmp_path: Path) -> None:
+    path, _ = artifact
+    bad = run_cli(str(path), "--record", "0x1234")
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert bad.stderr == f"memtrack: unwind: no stack record with hash 0x1234 in {path}\n"
+    bad = run_cli(str(path), "--record", "zz")
+    assert bad.stderr == "memtrack: unwind: 'zz' is not a stack hash (hex or decimal)\n"
+    bad = run_cli(str(tmp_path / "none.memtrack"), "--record", "1")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("memtrack: unwind: ") and "no such artifact" in bad.stderr
+    assert len(bad.stderr.splitlines()) == 1
+
+
+def test_frames_table_types(artifact: tuple[Path, list[int]]) -> None:
+    path, _ = artifact
+    art = Artifact.open(path)
+    res = unwind(decode(art).table, art.read("mappings").table, ModuleStore(path))
+    assert res.frames.schema.types == [pa.uint64(), pa.uint32(), pa.uint16(), pa.uint64(),
+                                       pa.string(), pa.string(), pa.string(), pa.uint64()]
+    assert res.stacks.column_names[:5] == ["stack_hash", "pid", "depth", "truncated",
+                                           "complete"]
