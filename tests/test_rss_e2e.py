@@ -180,6 +180,7 @@ def test_pipeline_metadata_and_info(tracker: Any, tmp_path: Path) -> None:
     assert r.stdout.strip() == str(27 * 1000)
     out = write_memory_metadata(r.art, tmp_path / "memory_metadata.json")
     meta = json.loads(out.read_text())
+    assert any("swap-out" in x for x in meta["anon_replay_limits"])
     procs = meta["processes"]
     root = r.result.pid
     assert meta["root_pid"] == root and meta["command"] == cmd

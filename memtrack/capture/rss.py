@@ -243,6 +243,14 @@ class RssPart:
                 n += len(rec)
         return n
 
+    def close(self) -> None:
+        """Unmap the rings (the capture core calls this before unloading the program)."""
+        for r in self._readers.values():
+            close = getattr(r, "close", None)
+            if close is not None:
+                close()
+        self._readers.clear()
+
     def losses(self, bpf: Any) -> dict[str, int]:
         lost = bpf["mt_rss_lost"]
         return {name: int(lost[i].value) for i, name in enumerate(LOST_SLOTS)}

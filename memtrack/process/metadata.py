@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from memtrack.process.rss import (
     CLONE_THREAD,
+    REPLAY_LIMITS,
     artifact_rss,
     peaks_by_pid,
     reconstruct_anon,
@@ -176,6 +177,7 @@ def memory_metadata(art: Artifact) -> dict[str, Any]:
         "clock": {"source": m.clock.source, "wall_offset_ns": m.clock.wall_offset_ns},
         "page_size": m.host.page_size,
         "processes": processes,
+        **({"anon_replay_limits": list(REPLAY_LIMITS)} if replay is not None else {}),
     }
 
 

@@ -579,6 +579,15 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, *,
     return AnonReplay(timeline, peaks, caveats, huge_windows)
 
 
+# What the fault replay cannot see in any process (memory_metadata.json lists these).
+REPLAY_LIMITS = (
+    "swap-out and reclaim take pages away without a fault (the rss swap member shows it)",
+    "KSM merging and MADV_PAGEOUT lower RSS without an event",
+    "MADV_FREE'd pages stay counted until reclaim takes them",
+    "pages the kernel fills without a user fault in this process (mlock, another "
+    "process's process_vm_writev) are missed; MAP_POPULATE and MADV_POPULATE_WRITE are "
+    "counted",
+)
 THP_NOTE = "thp-inferred: a 2 MiB window that took a single fault is counted as a huge page"
 _CAVEAT = {
     MADV_FREE: "madv-free: lazily freed pages leave RSS only on reclaim, which faults miss",
