@@ -16,7 +16,13 @@ from test_rss_capture import Mark, close, parse_marks
 from memtrack.capture.parts import CaptureOptions
 from memtrack.info import collect_info
 from memtrack.process.metadata import write_memory_metadata
-from memtrack.process.rss import peaks_by_pid, reconstruct_anon, rss_peaks, rss_timeline
+from memtrack.process.rss import (
+    artifact_thp_mode,
+    peaks_by_pid,
+    reconstruct_anon,
+    rss_peaks,
+    rss_timeline,
+)
 from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact
 
@@ -63,7 +69,7 @@ class Run:
         m = self.art.manifest
         self.replay = reconstruct_anon(
             self.art.read("faults").table, self.events, self.art.read("mappings").table,
-            page_size=m.host.page_size, thp=m.options["extra"]["thp_enabled"], rss=self.rss)
+            page_size=m.host.page_size, thp=artifact_thp_mode(self.art), rss=self.rss)
 
     def kind(self, kind: EventKind) -> list[dict]:
         return self.events.filter(pc.equal(self.events["kind"], int(kind))).to_pylist()

@@ -23,6 +23,7 @@ from memtrack.process.rss import (
     CLONE_THREAD,
     REPLAY_LIMITS,
     artifact_rss,
+    artifact_thp_mode,
     peaks_by_pid,
     reconstruct_anon,
     rss_peaks,
@@ -136,8 +137,7 @@ def memory_metadata(art: Artifact) -> dict[str, Any]:
             faults, art.read("events", required=False).table,
             art.read("mappings", required=False).table,
             page_size=m.host.page_size or 4096,
-            thp=str(m.options.get("thp_enabled") or m.options.get("extra", {}).get(
-                "thp_enabled") or "madvise"),
+            thp=artifact_thp_mode(art),
             rss=art.read("rss", required=False).table)
     tl_pid = timeline["pid"].to_numpy()
     tl_ts = timeline["ts"].to_numpy()

@@ -304,6 +304,13 @@ def artifact_rss(art: Artifact) -> tuple[pa.Table, pa.Table]:
     return tl, rss_peaks(tl)
 
 
+def artifact_thp_mode(art: Artifact) -> str:
+    """The traced host's transparent-hugepage mode, as capture recorded it in the options
+    (memtrack.capture.rss puts it in CaptureOptions.extra); "madvise" when unknown."""
+    extra = art.manifest.options.get("extra") or {}
+    return str(extra.get("thp_enabled") or "madvise")
+
+
 # ---------------------------------------------------------------- fault-based anon replay
 
 
@@ -587,6 +594,7 @@ REPLAY_LIMITS = (
     "pages the kernel fills without a user fault in this process (mlock, another "
     "process's process_vm_writev) are missed; MAP_POPULATE and MADV_POPULATE_WRITE are "
     "counted",
+    "a write fault the kernel refuses (SIGSEGV on a guard page) is counted as a page",
 )
 THP_NOTE = "thp-inferred: a 2 MiB window that took a single fault is counted as a huge page"
 _CAVEAT = {
