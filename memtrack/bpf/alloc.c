@@ -73,16 +73,22 @@ static __always_inline void mt_emit(u32 pid, u32 tid, u8 kind, u8 allocator, u64
     mt_events.ringbuf_submit(e, 0);
 }
 
-static __always_inline struct mt_call *mt_call_of(u32 tid) {
+/* The calling thread's state; created on first use by a tracked process. A thread
+ * with state is tracked (the state goes at thread exit and when capture ends), which
+ * saves the mt_tracked lookup on the hot path. */
+static __always_inline struct mt_call *mt_call_of(u32 pid, u32 tid) {
     struct mt_call *c = mt_calls.lookup(&tid);
     if (c)
         return c;
+    if (!mt_is_tracked(pid))
+        return 0;
     struct mt_call zero = {};
     mt_calls.update(&tid, &zero);
     return mt_calls.lookup(&tid);
 }
 
-/* Remember the return-address slot a uretprobe is about to hijack (common.h). */
+/* Remember the return-address slot a uretprobe is about to hijack (common.h); only
+ * stack copies need them, so only with MT_STACKS. */
 static __always_inline void mt_retslot_push(u32 tid, u64 sp) {
     struct mt_retslots *r = mt_retslots.lookup(&tid);
     if (!r) {
@@ -119,12 +125,12 @@ static __always_inline int mt_entry(struct pt_regs *ctx, u8 kind, u8 allocator, 
                                     u64 old_addr, u64 outp, u64 flags) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    if (!mt_is_tracked(pid))
-        return 0;
-    struct mt_call *c = mt_call_of(tid);
+    struct mt_call *c = mt_call_of(pid, tid);
     if (!c)
         return 0;
+#ifdef MT_STACKS
     mt_retslot_push(tid, PT_REGS_SP(ctx));
+#endif
     u32 d = c->depth;
     c->depth = d + 1;
     c->last_free_ptr = 0;
@@ -148,14 +154,15 @@ static __always_inline int mt_entry(struct pt_regs *ctx, u8 kind, u8 allocator, 
 int mt_ret(struct pt_regs *ctx) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    if (!mt_is_tracked(pid))
-        return 0;
     struct mt_call *c = mt_calls.lookup(&tid);
     if (!c || c->depth == 0) {
-        mt_loss(MT_L_UNPAIRED_RETURN);
+        if (mt_is_tracked(pid))
+            mt_loss(MT_L_UNPAIRED_RETURN);
         return 0;
     }
+#ifdef MT_STACKS
     mt_retslot_pop(tid);
+#endif
     c->depth -= 1;
     if (c->depth != 0 || !c->on)
         return 0;
@@ -185,9 +192,9 @@ int mt_ret(struct pt_regs *ctx) {
 static __always_inline int mt_free(struct pt_regs *ctx, u8 allocator, u64 ptr, u64 size) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    if (ptr == 0 || !mt_is_tracked(pid))
+    if (ptr == 0)
         return 0;
-    struct mt_call *c = mt_call_of(tid);
+    struct mt_call *c = mt_call_of(pid, tid);
     if (!c || c->depth != 0)
         return 0;
     u64 sp = PT_REGS_SP(ctx);

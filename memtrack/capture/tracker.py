@@ -578,12 +578,13 @@ class Session:
                 del tracked[k]
             except KeyError:
                 pass
-        pending = self.bpf["mt_pending"]
-        for k in list(pending.keys()):
-            try:
-                del pending[k]
-            except KeyError:
-                pass
+        for name in ("mt_pending", "mt_calls"):
+            table = self.bpf[name]
+            for k in list(table.keys()):
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
         self._serve_attach()
         for pid in pids:
             try:
