@@ -89,6 +89,8 @@ def _lives(art: Artifact) -> list[_Life]:
         if life.ppid is None and row["ppid"]:
             life.ppid = row["ppid"]
         life.idents.append(row)
+    if m.root_pid and not lives[m.root_pid]:
+        lives[m.root_pid].append(_Life(m.root_pid, m.start_ns or None))
     out = [lf for ls in lives.values() for lf in ls]
     for lf in out:
         if lf.start_ns is None:
