@@ -291,14 +291,37 @@ def test_cache_kept_apart_without_debug_file_and_without_build_id(tmp_path: Path
     assert len(list((cache / "symbolize" / "v1").iterdir())) == 2  # nothing cached by path
 
 
-def test_cache_adds_units_in_parts(tmp_path: Path) -> None:
-    exe = inl()
-    addrs = _text_sample(exe, 200)
+def test_cache_adds_units_in_parts_and_compacts_them(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import memtrack.symbolize.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "MAX_PARTS", 2)
+    lib = build(["symbolize/units1.c", "symbolize/units2.c", "symbolize/units3.c"],
+                name="units", shared=True, flags=("-O2", "-g"))
+    fns = [nm(lib, f"unit{i}_{j}") for i in (1, 2, 3) for j in (1, 2, 3, 4)]
     cache = tmp_path / "cache"
-    run(exe, addrs[:5], cache_dir=cache)
-    both, _ = run(exe, addrs, cache_dir=cache)
-    cold, _ = run(exe, addrs)
-    assert both == cold
+    mdir = cache / "symbolize" / "v1" / f"{read_build_id(lib)}.nodebug"
+
+    def parts() -> int:
+        return len(list(mdir.glob("lines-*.parquet")))
+
+    run(lib, [fns[0][0]], cache_dir=cache)
+    assert parts() == 1
+    run(lib, [fns[0][0]], cache_dir=cache)
+    assert parts() == 1  # nothing new parsed: no new part
+    run(lib, [fns[4][0]], cache_dir=cache)
+    assert parts() == 2  # a second unit: a second part
+    run(lib, [fns[8][0]], cache_dir=cache)
+    assert parts() == 1  # a third: all three units rewritten as one part
+    assert len(list(mdir.glob("*-*.parquet"))) == 4  # lines, ranges, nodes, files
+    addrs = [a + d for a, size in fns for d in (0, size // 2)]
+    monkeypatch.setattr(Dwarf, "cu_tables", None)  # any parse now would fail loudly
+    warm, _ = run(lib, addrs, cache_dir=cache)
+    monkeypatch.undo()
+    cold, _ = run(lib, addrs)
+    assert warm == cold
+    assert {f["function"] for r in warm for f in r} >= {f"unit{i}_{j}" for i in (1, 2, 3)
+                                                         for j in (1, 2, 3, 4)}
 
 
 def test_demangle() -> None:

@@ -25,6 +25,7 @@ from memtrack.symbolize.dwarf import CuTables
 from memtrack.symbolize.symtab import SymbolTable
 
 CACHE_VERSION = "v1"
+MAX_PARTS = 8
 
 
 def default_cache_dir() -> Path:
@@ -139,10 +140,16 @@ class ModuleCache:
         tmp.write_text(json.dumps({"has_dwarf": has_dwarf}))
         os.replace(tmp, self.dir / "meta.json")
 
-    def store_units(self, cus: dict[int, CuTables]) -> None:
-        """Write the units parsed by this run as one new part."""
-        if not cus or not self.dir.is_dir():
+    def store_units(self, new: dict[int, CuTables], known: dict[int, CuTables]) -> None:
+        """Write the units parsed by this run (`new`) as one new part. Once a module has
+        more than MAX_PARTS parts, all units this run knows (`known`) are written as
+        one part instead and the older parts removed (a concurrent run's part removed
+        with them only costs that run's units a reparse later)."""
+        if not new or not self.dir.is_dir():
             return
+        old = sorted(self.dir.glob("lines-*.parquet"))
+        compact = len(old) >= MAX_PARTS
+        cus = known if compact else new
         part = uuid.uuid4().hex[:16]
 
         def col(get, dtype) -> np.ndarray:  # noqa: ANN001
@@ -195,3 +202,8 @@ class ModuleCache:
         }
         for kind, t in tables.items():
             _write(t, self.dir / f"{kind}-{part}.parquet")
+        if compact:
+            for p in old:
+                pid = p.name[len("lines-"):]
+                for kind in tables:
+                    (self.dir / f"{kind}-{pid}").unlink(missing_ok=True)

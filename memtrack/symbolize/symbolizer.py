@@ -211,7 +211,7 @@ class ModuleSymbolizer:
     def close(self) -> None:
         if self.cache is not None and self._new_cus:
             try:
-                self.cache.store_units(self._new_cus)
+                self.cache.store_units(self._new_cus, self.cus)
             except OSError as e:
                 self._cache_failed(e)
             self._new_cus = {}
