@@ -185,6 +185,9 @@ def _value(v: int, noun: str) -> str:
     return f"{v} {noun[:-1] if v == 1 else noun}"
 
 
+MAX_PROCESSES = 20  # in the text report, the processes with the most calls
+
+
 def format_text(data: dict) -> str:
     t = data["totals"]
     lines = []
@@ -208,13 +211,17 @@ def format_text(data: dict) -> str:
     ]
     if len(data["processes"]) > 1:
         lines += ["", "PROCESSES"]
-        for p in data["processes"]:
+        procs = sorted(data["processes"], key=lambda p: -p["calls"])[:MAX_PROCESSES]
+        for p in sorted(procs, key=data["processes"].index):
             status = (f"signal {p['exit_signal']}" if p["exit_signal"] else
                       f"exit {p['exit_code']}" if p["exit_code"] is not None else "no exit seen")
             lines.append(
                 f"  {p['pid']:>7} {p['name'] or '?':<16} parent {p['ppid']}, {status}: "
                 f"{p['calls']} calls, peak heap {human_bytes(p['peak_heap_bytes'])}, "
                 f"leaked {human_bytes(p['leaked_bytes'])}")
+        if len(data["processes"]) > len(procs):
+            lines.append(f"  ({len(data['processes']) - len(procs)} more with fewer calls: "
+                         "--format json lists them all)")
     if data["losses"]:
         lines.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in
                                                     data["losses"].items()))
