@@ -136,6 +136,12 @@ def test_unemulated_branch_to_a_silent_path_is_skipped() -> None:
     assert p.offset == 5 and p.skipped[1].startswith("jrcxz")
 
 
+def test_loop_instruction_writes_rcx_so_it_is_not_skipped() -> None:
+    # test; loop L; push; pop; ret; L: ret   (loop decrements rcx, an argument)
+    p = place(TEST_RDI, "e203", PUSH_RBX, POP_RBX, RET, RET)
+    assert p.offset == 0 and "writes rcx (an argument register)" in p.reason
+
+
 def test_scratch_register_writes_and_loads_are_skipped() -> None:
     # endbr64; cmpb $0,(%rip); mov $1,%eax; push %rbp       (operator new's shape)
     p = place(ENDBR64, CMP_RIP, MOV_EAX_1, PUSH_RBP, RET)

@@ -281,6 +281,9 @@ def choose_probe_offset(code: bytes, func_vaddr: int, *, name: str) -> Placement
         text = _text(insn)
         where = "it" if off == 0 else f"{text} at +{off:#x}"
         if _is_conditional(insn):
+            regs, _ = _writes(insn)
+            if regs - SCRATCH_WRITES:  # loop/loope/loopne count down rcx
+                return at_zero(f"{where} {_clobber(insn)}")
             target = _direct_target(insn)
             ok, why = (fn.silent_path(target - func_vaddr, off + insn.size)
                        if target is not None else (False, "indirect branch"))
