@@ -242,6 +242,10 @@ def test_misuse_fails_with_a_message(tracker: Any, tmp_path: Path) -> None:  # n
     assert session.wait(timeout=10).status == 0
     with pytest.raises(CaptureError, match="cannot run /nonexistent: No such file"):
         tracker.spawn(["/nonexistent"], tmp_path / "c.memtrack")
+    assert not (tmp_path / "c.memtrack").exists()
+    with pytest.raises(CaptureError, match="cannot start true: .*No such file"):
+        tracker.spawn(["true"], tmp_path / "d.memtrack", cwd="/nonexistent")
+    assert tracker.spawn(["true"], tmp_path / "e.memtrack").wait(timeout=10).status == 0
 
 
 def test_runs_as_the_given_user_with_live_line(tracker: Any, tmp_path: Path) -> None:  # noqa: F811

@@ -20,6 +20,7 @@ import errno
 import os
 import pwd
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -296,7 +297,17 @@ class Session:
         child_env[CONTROL_ACK_ENV] = str(self.ack_path)
         self.start_ns = time.monotonic_ns()
         m.start_ns = self.start_ns
-        self.pid = self._spawn(cmd, child_env, cwd, user)
+        try:
+            self.pid = self._spawn(cmd, child_env, cwd, user)
+        except BaseException:
+            self._epoll.close()
+            os.close(self._ctl_fd)
+            os.close(self._ctl_keep)
+            self._cleanup_fifos()
+            for t in self.writer.tables.values():
+                t.close()
+            shutil.rmtree(output, ignore_errors=True)
+            raise
         m.root_pid = self.pid
         self.writer.write_manifest()
 
@@ -351,9 +362,9 @@ class Session:
         os.close(w)
         _, status = os.waitpid(pid, os.WUNTRACED)
         if not os.WIFSTOPPED(status):
-            os.close(r)
-            msg = f"cannot start {cmd[0]}: the child exited before exec"
-            raise CaptureError(msg)
+            with os.fdopen(r, "rb") as f:
+                why = f.read().decode(errors="replace") or "the child exited before exec"
+            raise CaptureError(f"cannot start {cmd[0]}: {why}")
         pending = self.bpf["mt_pending"]
         pending[pending.Key(pid)] = pending.Leaf(1)
         os.kill(pid, signal.SIGCONT)
@@ -361,7 +372,6 @@ class Session:
             err = f.read()
         if err:
             os.waitpid(pid, 0)
-            self._cleanup_fifos()
             raise CaptureError(f"cannot run {cmd[0]}: {err.decode(errors='replace')}")
         return pid
 
