@@ -163,7 +163,7 @@ class StacksPart:
         table = bpf["mt_stack_stats"]
         out = {}
         for i, name in enumerate(KERNEL_STATS):
-            out[name] = int(sum(v.value for v in table[ct.c_int(i)]))
+            out[name] = int(sum(table[ct.c_int(i)]))
         return out
 
     def losses(self, bpf: Any) -> dict[str, int]:
