@@ -287,13 +287,12 @@ def _symbolize(
     """stacks, stack_frames and frames with their ids; symbolizes each distinct location."""
     uf, us = unwound
     con = duckdb.connect()
-    con.register("uf", uf)
-    con.register("us", us)
-    con.register("mods", modules)
+    for name, tbl in (("uf", uf), ("us", us), ("mods", modules)):
+        _copy_in(con, name, tbl)
     stacks = con.execute("""
         SELECT (row_number() OVER (ORDER BY stack_hash) - 1)::INTEGER AS stack_id, *
         FROM us""").to_arrow_table()
-    con.register("st", stacks)
+    _copy_in(con, "st", stacks)
     # A location: (module, ELF vaddr) where both are known, else the runtime address.
     con.execute("""
         CREATE TEMP VIEW ufl AS
@@ -326,8 +325,8 @@ def _symbolize(
         sym = sym.select(SYMBOLS.names).cast(SYMBOLS)
     else:
         sym = SYMBOLS.empty_table()
-    con.register("known", known)
-    con.register("sym", sym)
+    _copy_in(con, "known", known)
+    _copy_in(con, "sym", sym)
     frames = con.execute("""
         WITH k AS (SELECT (row_number() OVER (ORDER BY frame_id) - 1)::UINTEGER AS row, *
                    FROM known)
@@ -341,8 +340,8 @@ def _symbolize(
         ORDER BY 1, 2""").to_arrow_table()
     rows_out = np.unique(sym.column("row").to_numpy()) if sym.num_rows else np.array([])
     summary.counters["symbolize_missing_rows"] = known.num_rows - len(rows_out)
-    con.register("stack_frames", stack_frames)
-    con.register("frames", frames)
+    _copy_in(con, "stack_frames", stack_frames)
+    _copy_in(con, "frames", frames)
     summary.frames_by_method = dict(
         con.execute("SELECT method, count(*) FROM stack_frames GROUP BY 1 ORDER BY 1").fetchall()
     )
@@ -351,6 +350,14 @@ def _symbolize(
         WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]  # type: ignore[index]
     con.close()
     return stacks, stack_frames, frames
+
+
+def _copy_in(con: duckdb.DuckDBPyConnection, name: str, tbl: pa.Table) -> None:
+    """A DuckDB temp table of `tbl`. Copied, not scanned in place: DuckDB pushes join
+    filters into Arrow scans as Python ints, which fails on uint64 values >= 2**63."""
+    con.register(f"{name}_arrow", tbl)
+    con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {name}_arrow")
+    con.unregister(f"{name}_arrow")
 
 
 def _missing_stacks(events: pa.Table, stacks: pa.Table) -> int:
