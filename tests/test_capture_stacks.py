@@ -1,0 +1,53 @@
+"""The capture core with its default parts (stacks and RSS): every allocation carries
+the hash of the stack record taken at its outer entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import build
+from test_capture import F, M, run
+
+from memtrack.capture.parts import CaptureOptions
+
+pytestmark = pytest.mark.bpf
+
+
+@pytest.fixture(scope="module")
+def full_tracker() -> Any:
+    from memtrack.capture.tracker import Tracker
+
+    with Tracker(CaptureOptions()) as t:
+        assert [p.name for p in t.parts] == ["stacks", "core", "rss"]
+        yield t
+
+
+def test_allocations_carry_their_stack_hash(full_tracker: Any, tmp_path: Path) -> None:
+    allocs = build(["capture/allocs.c"])
+    r = run(full_tracker, tmp_path, [str(allocs), "many_allocs"])
+    assert r.result.nonzero_losses() == {}
+    stacks = r.art.read("stacks").table
+    hashes = set(stacks.column("hash").to_pylist())
+    h = r.heap()
+    mallocs = [e for e in h if e["kind"] == M]
+    assert len(mallocs) == 101
+    assert all(e["stack_hash"] != 0 and e["stack_hash"] in hashes for e in mallocs)
+    assert all(e["stack_hash"] == 0 for e in h if e["kind"] == F)
+    tids = set(stacks.column("tid").to_pylist())
+    assert tids == {r.result.pid}
+    assert r.art.read("rss").table.num_rows > 0
+
+
+def test_operator_new_stack_has_its_return_slot(full_tracker: Any, tmp_path: Path) -> None:
+    exe = build(["capture/cxx.cc"], name="cxx-libstdc++")
+    r = run(full_tracker, tmp_path, [str(exe)], start_disabled=True)
+    h = r.heap()
+    assert [(e["kind"], e["size"]) for e in h][:3] == [(M, 44444), (M, 8), (M, 88888)]
+    stacks = {s["hash"]: s for s in r.art.read("stacks").table.to_pylist()}
+    for e in h[:3]:
+        rec = stacks[e["stack_hash"]]
+        # the outer call's own slot: sp at entry and the real return address there
+        assert [f["slot"] for f in rec["ret_fixups"]] == [rec["sp"]]
+        assert rec["ret_fixups"][0]["value"] != 0
