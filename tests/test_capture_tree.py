@@ -250,7 +250,6 @@ def test_misuse_fails_with_a_message(tracker: Any, tmp_path: Path) -> None:  # n
 
 def test_runs_as_the_given_user_with_live_line(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
     import io
-
     import tempfile
 
     shared = Path(tempfile.mkdtemp(prefix="memtrack-test-"))  # reachable by nobody
@@ -283,3 +282,21 @@ def test_mmap_events_tell_anonymous_from_file_backed(tracker: Any,  # noqa: F811
     maps = r.art.read("mappings").table.to_pylist()
     libc_x = [m for m in maps if m["path"].endswith("/libc.so.6") and "x" in m["perms"]]
     assert {m["start"] for m in libc_x} <= {e["addr"] for e in prot_exec}
+
+
+def test_python_program_switches_recording(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+    import sys
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import memtrack_control as m\n"
+            "a = bytearray(7777777)\n"
+            "assert m.enable()\n"
+            "b = bytearray(8888888)\n"
+            "assert m.disable()\n"
+            "c = bytearray(9999999)\n")
+    r = run(tracker, tmp_path, [sys.executable, "-c", code, str(FIXTURES / "control")],
+            start_disabled=True)
+    assert r.result.status == 0
+    sizes = [e["size"] for e in r.heap()]
+    assert any(8888888 <= s < 8888888 + 4096 for s in sizes)
+    assert not any(7777777 <= s < 7777777 + 4096 or 9999999 <= s < 9999999 + 4096
+                   for s in sizes)
