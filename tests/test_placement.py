@@ -164,6 +164,23 @@ def test_clobbering_prologue_means_offset_zero(prologue: str, why: str) -> None:
     assert why in p.reason
 
 
+def test_argument_registers_the_probe_does_not_read_may_be_overwritten() -> None:
+    # mov %rdi,%rsi; push %rbx   (mimalloc's malloc moves its size to rsi first)
+    code = bytes.fromhex("4889fe" + PUSH_RBX + RET)
+    assert choose_probe_offset(code, BASE, name="f").offset == 0
+    p = choose_probe_offset(code, BASE, name="f", arg_regs=1)
+    assert (p.offset, p.skipped) == (3, ("mov rsi, rdi",))
+    assert choose_probe_offset(bytes.fromhex(MOV_RSI_RDI + PUSH_RBX), BASE, name="f",
+                               arg_regs=1).offset == 0          # rdi itself: never
+    with pytest.raises(ValueError, match="arg_regs 7"):
+        choose_probe_offset(code, BASE, name="f", arg_regs=7)
+
+
+def test_taken_path_to_before_the_function_leaves_the_code() -> None:
+    p = place(TEST_RDI, je(-20), PUSH_RBX, RET)
+    assert p.offset == 3 and "leaves the code given" in p.reason
+
+
 def test_unemulated_indirect_jump_means_offset_zero() -> None:
     p = place(ENDBR64, "ffe0")
     assert p.offset == 0 and "unemulated jump" in p.reason

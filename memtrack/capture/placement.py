@@ -25,10 +25,13 @@ The rule `choose_probe_offset` applies:
    probe: it writes no memory, does not call, does not move rsp (the probe reads the
    return address at [rsp] and copies the stack from rsp), and writes no register but
    rax, r10, r11 and the flags. That excludes the argument registers rdi, rsi, rdx,
-   rcx, r8, r9 (what the probe records), rsp, and the callee-saved registers the
-   unwinder restores. Since the stack pointer is untouched, a uretprobe attached at
-   the same offset also finds the return address at [rsp]: attach both there, they
-   then share one breakpoint.
+   rcx, r8, r9 (what the probe records; with `arg_regs` the caller says it reads only
+   the first n of them), rsp, and the callee-saved registers the unwinder restores.
+   Since the stack pointer is untouched, a uretprobe attached at the same offset also
+   finds the return address at [rsp]: attach both there, they then share one
+   breakpoint (measured: entry + uretprobe on one emulated offset cost about as much
+   as the two apart on emulated instructions, while a uretprobe left at a
+   single-stepped offset 0 costs the full single-step again).
 3. A conditional branch on the way is skipped only if its taken path provably emits
    no event: followed instruction by instruction (both ways at each further
    conditional branch, direct jumps followed while they stay inside `code`), every
@@ -160,8 +163,9 @@ def _direct_target(insn: cs.CsInsn) -> int | None:
     return None
 
 
-def _clobber(insn: cs.CsInsn) -> str | None:
-    """Why skipping `insn` would change what the entry probe sees, or None."""
+def _clobber(insn: cs.CsInsn, scratch: frozenset[str] = SCRATCH_WRITES) -> str | None:
+    """Why skipping `insn` would change what the entry probe sees, or None. `scratch`:
+    the registers it may write without that."""
     if insn.group(cs.CS_GRP_CALL):
         return "calls"
     if insn.group(cs.CS_GRP_RET) or insn.group(cs.CS_GRP_IRET):
@@ -172,7 +176,7 @@ def _clobber(insn: cs.CsInsn) -> str | None:
     regs, mem = _writes(insn)
     if mem:
         return "writes memory"
-    bad = sorted({_REG_OWNER.get(r, r) for r in regs - SCRATCH_WRITES})
+    bad = sorted({_REG_OWNER.get(r, r) for r in regs - scratch})
     if bad:
         kind = ("an argument register" if bad[0] in ARG_REGS else
                 "the stack pointer" if bad[0] == "rsp" else "a register the unwinder needs"
@@ -212,7 +216,7 @@ class _Code:
             if len(seen) >= MAX_PATH:
                 return False, "taken path too long to follow"
             seen.add(off)
-            if off < before:
+            if 0 <= off < before:
                 return False, f"taken path comes back to +{off:#x}"
             insn = self.at(off)
             if insn is None:
@@ -252,14 +256,22 @@ def _path_clobber(insn: cs.CsInsn) -> str | None:
     return None
 
 
-def choose_probe_offset(code: bytes, func_vaddr: int, *, name: str) -> Placement:
+def choose_probe_offset(code: bytes, func_vaddr: int, *, name: str,
+                        arg_regs: int = len(ARG_REGS)) -> Placement:
     """Choose the entry-probe offset in a function whose machine code is `code`.
 
     `code` should be the whole function (from its symbol's value, st_size bytes) and
-    `func_vaddr` its address (only used to resolve branch targets). See the module
-    docstring for the rule; `.reason` says what was decided and why, for `--verbose`
-    logs and the manifest.
+    `func_vaddr` its address (only used to resolve branch targets). `arg_regs`: how many
+    integer argument registers (rdi, rsi, rdx, rcx, r8, r9 in that order) the entry
+    probe reads; the others may be overwritten by skipped instructions (a probe that
+    reads only malloc's size passes 1, which lets the placement go past e.g. mimalloc's
+    `mov %rdi,%rsi`). The default, all six, is always safe. See the module docstring
+    for the rule; `.reason` says what was decided and why, for `--verbose` logs and the
+    manifest.
     """
+    if not 0 <= arg_regs <= len(ARG_REGS):
+        raise ValueError(f"arg_regs {arg_regs}: expected 0..{len(ARG_REGS)}")
+    scratch = SCRATCH_WRITES.union(*(_family(r) for r in ARG_REGS[arg_regs:]))
     fn = _Code(code, func_vaddr)
     first = fn.at(0)
     if first is None:
@@ -282,8 +294,8 @@ def choose_probe_offset(code: bytes, func_vaddr: int, *, name: str) -> Placement
         where = "it" if off == 0 else f"{text} at +{off:#x}"
         if _is_conditional(insn):
             regs, _ = _writes(insn)
-            if regs - SCRATCH_WRITES:  # loop/loope/loopne count down rcx
-                return at_zero(f"{where} {_clobber(insn)}")
+            if regs - scratch:  # loop/loope/loopne count down rcx
+                return at_zero(f"{where} {_clobber(insn, scratch)}")
             target = _direct_target(insn)
             ok, why = (fn.silent_path(target - func_vaddr, off + insn.size)
                        if target is not None else (False, "indirect branch"))
@@ -300,7 +312,7 @@ def choose_probe_offset(code: bytes, func_vaddr: int, *, name: str) -> Placement
             return _chosen(name, off, insn, skipped, notes)
         if _is_branch(insn):
             return at_zero(f"{where} is an unemulated jump")
-        why = _clobber(insn)
+        why = _clobber(insn, scratch)
         if why:
             return at_zero(f"{where} {why}")
         skipped.append(text)
