@@ -29,9 +29,9 @@ The rule `choose_probe_offset` applies:
    the first n of them), rsp, and the callee-saved registers the unwinder restores.
    Since the stack pointer is untouched, a uretprobe attached at the same offset also
    finds the return address at [rsp]: attach both there, they then share one
-   breakpoint (measured: entry + uretprobe on one emulated offset cost about as much
-   as the two apart on emulated instructions, while a uretprobe left at a
-   single-stepped offset 0 costs the full single-step again).
+   breakpoint (measured here: entry probe and uretprobe sharing one emulated
+   breakpoint cost about what the uretprobe alone costs, while a uretprobe left at a
+   single-stepped offset 0 adds a full single-step to every call).
 3. A conditional branch on the way is skipped only if its taken path provably emits
    no event: followed instruction by instruction (both ways at each further
    conditional branch, direct jumps followed while they stay inside `code`), every
