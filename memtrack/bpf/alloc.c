@@ -70,7 +70,9 @@ static __always_inline void mt_emit(u32 pid, u32 tid, u8 kind, u8 allocator, u64
     e->old_addr = old_addr;
     e->size = size;
     e->stack_hash = stack_hash;
-    mt_events.ringbuf_submit(e, 0);
+    /* no wakeup: the session polls the ring every few milliseconds, and a wakeup
+     * (irq_work) would cost more than the rest of the record */
+    mt_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
 
 /* The calling thread's state; created on first use by a tracked process. A thread

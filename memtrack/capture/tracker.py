@@ -288,9 +288,10 @@ class Session:
         self._ctl_buf = b""
         self._epoll = select.epoll()
         self._epoll.register(self._ctl_fd, select.EPOLLIN)
-        for reader in (tracker.core.events, tracker.core.attach_requests):
-            assert reader is not None
-            self._epoll.register(reader.fd, select.EPOLLIN)
+        # The events ring never wakes us (its records are submitted without a wakeup,
+        # which is cheaper): poll() reads it on every round; attach requests do wake us.
+        assert tracker.core.attach_requests is not None
+        self._epoll.register(tracker.core.attach_requests.fd, select.EPOLLIN)
         tracker.set_enabled(not start_disabled)
         child_env = dict(os.environ if env is None else env)
         child_env[CONTROL_ENV] = str(self.control_path)
@@ -392,7 +393,7 @@ class Session:
             except ProcessLookupError:
                 pass
 
-    def poll(self, timeout: float = 0.05) -> bool:
+    def poll(self, timeout: float = 0.02) -> bool:
         """One round: wait up to `timeout` s for data, serve attach requests and control
         commands, drain every ring. Returns False once the root process has exited."""
         if self.done:
