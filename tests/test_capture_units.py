@@ -135,3 +135,23 @@ def test_ring_reader_wraps_and_keeps_order() -> None:
         reader.close()
     finally:
         b.cleanup()
+
+
+def test_every_shape_has_a_program_and_an_argument_count() -> None:
+    import re
+
+    from memtrack.capture.allocators import (
+        CXX_NAMES,
+        JEMALLOC_NAMES,
+        LIBC_NAMES,
+        MIMALLOC_NAMES,
+        SHAPE_ARG_REGS,
+        TCMALLOC_NAMES,
+    )
+
+    src = (Path(__file__).resolve().parent.parent / "memtrack" / "bpf" / "alloc.c").read_text()
+    defined = set(re.findall(r"int mt_[ef]_##fam##_(\w+)\(", src))
+    shapes = {*LIBC_NAMES.values(), *CXX_NAMES.values(), *JEMALLOC_NAMES.values(),
+              *MIMALLOC_NAMES.values(), *TCMALLOC_NAMES.values()}
+    assert shapes <= defined
+    assert shapes <= set(SHAPE_ARG_REGS)

@@ -76,6 +76,14 @@ TCMALLOC_NAMES = {
     "tc_deletearray_sized_aligned": "freesized",
 }  # fmt: skip
 
+# How many integer argument registers (rdi, rsi, rdx, ...) each shape's BPF program
+# reads at entry: the placement may skip instructions that overwrite the others.
+SHAPE_ARG_REGS = {
+    "malloc": 1, "valloc": 1, "zalloc": 1, "alignedsz": 1, "calloc": 2, "mallocn": 2,
+    "realloc": 2, "memalign": 2, "callocaligned": 2, "mallocx": 2, "reallocn": 3,
+    "posixmemalign": 3, "free": 1, "freesized": 2, "freealignedsized": 3,
+}  # fmt: skip
+
 FAMILY_PREFIX = {
     Allocator.LIBC: "libc", Allocator.CXX: "cxx", Allocator.JEMALLOC: "jemalloc",
     Allocator.MIMALLOC: "mimalloc", Allocator.TCMALLOC: "tcmalloc", Allocator.OTHER: "other",
@@ -125,6 +133,10 @@ class Probe:
     @property
     def is_free(self) -> bool:
         return self.shape.startswith("free")
+
+    @property
+    def arg_regs(self) -> int:
+        return SHAPE_ARG_REGS[self.shape]
 
     @property
     def program(self) -> str:

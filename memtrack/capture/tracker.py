@@ -88,10 +88,10 @@ def default_parts(options: CaptureOptions) -> list[CapturePart]:
     return parts
 
 
-def _placement(code: bytes, vaddr: int, name: str) -> tuple[int, str]:
+def _placement(code: bytes, vaddr: int, name: str, arg_regs: int) -> tuple[int, str]:
     from memtrack.capture.placement import choose_probe_offset
 
-    p = choose_probe_offset(code, vaddr, name=name)
+    p = choose_probe_offset(code, vaddr, name=name, arg_regs=arg_regs)
     return int(p.offset), str(p.reason)
 
 
@@ -217,7 +217,7 @@ class Tracker:
         offset, reason = 0, "entry (--probe-placement entry)"
         if code:
             offset, reason = _placement(code[p.file_offset:p.file_offset + p.size], p.vaddr,
-                                        p.name)
+                                        p.name, p.arg_regs)
         attach_uprobe(self.bpf, p.program, path, p.file_offset + offset)
         if not p.is_free:
             attach_uprobe(self.bpf, "mt_ret", path, p.file_offset + offset, retprobe=True)
