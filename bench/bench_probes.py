@@ -18,7 +18,9 @@ Every figure comes from this run, next to its baseline:
    sharing the chosen offset; uretprobe at offset 0 apart from the entry probe; and
    uprobes on every `ret` instruction of the function instead of a uretprobe.
 
-Probes are attached to the measured pid only, so nothing else on the machine pays.
+Probes are attached to the measured pid only, so nothing else on the machine pays;
+each measurement first waits until no other tracer has allocator uprobes attached
+(bench_overhead.Quiet), since those would slow the loops measured here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import capstone as cs
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_overhead import Quiet  # noqa: E402
 from conftest import build  # noqa: E402
 
 from memtrack.capture.bcc_compat import attach_uprobe  # noqa: E402
@@ -109,6 +112,7 @@ class Bench:
                           libs=("-Wl,--no-as-needed", str(self.kinds),
                                 f"-Wl,-rpath,{self.kinds.parent}"))
         self.allocloop = build(["placement/allocloop.cc"], flags=("-O2", "-fno-builtin"))
+        self.quiet = Quiet([str(self.allocloop), "malloc", "200000"])
 
     def run(self, cmd: list[str], probes: list[tuple[str, int, bool]]) -> Hit:
         """Run `cmd` with uprobes (path, file offset, is_return) on its pid only."""
@@ -128,6 +132,7 @@ class Bench:
         iteration); the wall figure is (probed - bare) / hits, bare measured alongside."""
         walls, bpfs, hits = [], [], 0
         for _ in range(repeat):
+            self.quiet.wait()
             bare = self.run(cmd, [])
             probed = self.run(cmd, probes)
             hits = probed.hits
@@ -220,6 +225,9 @@ def main() -> None:
                   f"{per_call:.2f} hits/call")
     b.bpf.cleanup()
     os.close(stats_fd)
+    q = b.quiet
+    print(f"\nquiet machine check: waited {q.waited:.0f} s" +
+          (f"; NOT quiet {q.gave_up} times (those figures are disturbed)" if q.gave_up else ""))
 
 
 if __name__ == "__main__":
