@@ -149,7 +149,7 @@ def harness(budget: int, delta: bool, **kw: bool) -> Iterator[Harness]:
 def test_two_call_paths_give_two_stacks_each_recorded_once(delta: bool) -> None:
     exe = build(["stacks/two_paths.c"], flags=("-O0",))
     for h in harness(8192, delta):
-        h.wait(h.start([str(exe), "1000"]))
+        h.wait(h.start([str(exe), "1000", "wait"]))
         ev, stacks = h.result()
         losses = h.part.losses(h.bpf)
         stats = h.part.kernel_stats(h.bpf)
@@ -178,7 +178,7 @@ def test_churn_every_hash_resolves_to_a_verified_record(budget: int, delta: bool
     exe = build(["stacks/churn.c"], flags=("-O1", "-pthread"))
     threads, iters = 4, 400
     for h in harness(budget, delta):
-        h.wait(h.start([str(exe), str(iters), str(threads)]))
+        h.wait(h.start([str(exe), str(iters), str(threads), "wait"]))
         ev, stacks = h.result()
         losses = h.part.losses(h.bpf)
         malformed = h.part.malformed
@@ -232,7 +232,7 @@ def test_uretprobe_trampoline_is_replaced_by_the_real_return_address() -> None:
     assert m, nm
     sym, size = int(m.group(1), 16), int(m.group(2), 16)
     for h in harness(8192, True, retslots=True):
-        p = h.start([str(exe)])
+        p = h.start([str(exe), "wait"])
         end = time.monotonic() + 30
         while (sum(x.size for x in h.ev_parts) < 10) and time.monotonic() < end:
             h.drain()

@@ -186,7 +186,7 @@ static __always_inline u64 mt_stack_hash(struct mt_stack_scratch *s, u64 n) {
     for (int g = 0; g < MT_NCHUNK; g++) {
         if ((u64)g * MT_GROUP_WORDS >= n)
             break;
-#pragma unroll 4
+#pragma clang loop unroll(disable)
         for (int j = 0; j < MT_GROUP_WORDS; j += 4) {
             u64 i = (u64)g * MT_GROUP_WORDS + j;
             u64 *w = &s->cur.words[(g * MT_GROUP_WORDS + j) & MT_SW_MASK];
@@ -246,7 +246,7 @@ static __always_inline u64 mt_stack_encode(struct mt_stack_scratch *s, struct mt
         if ((u64)g * MT_GROUP_WORDS >= n)
             break;
         u64 bitmap = 0;
-#pragma unroll 8
+#pragma clang loop unroll(disable)
         for (int j = 0; j < MT_GROUP_WORDS; j++) {
             u64 i = (u64)g * MT_GROUP_WORDS + j;
             u64 k = i + shift;
