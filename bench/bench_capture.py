@@ -103,8 +103,30 @@ def bench_probes(loop: Path, n: int) -> None:
                     per = rt / cnt if cnt else float("nan")
                     print(f"   stacks {'on ' if stacks else 'off'} {name:18s} {per:8.0f} ns/hit "
                           f"over {cnt:,} hits  ({per / 100:.2f}x the 100 ns aim)")
+        floor = empty_program_cost(loop, n)
+        print(f"   floor: an empty program measured the same way costs {floor:.0f} ns/hit "
+              "(bpf_stats' own clock reads)")
     finally:
         STATS.write_text(old)
+
+
+def empty_program_cost(loop: Path, n: int) -> float:
+    from bcc import BPF
+
+    from memtrack.capture.allocators import read_elf
+
+    info = read_elf(loop, {"mt_bench_target"})
+    vaddr, _ = info.functions["mt_bench_target"]
+    off = info.vaddr_to_offset(vaddr)
+    assert off is not None
+    b = BPF(text="int on_hit(struct pt_regs *ctx) { return 0; }")
+    try:
+        attach_uprobe(b, "on_hit", str(loop), off)
+        run_loop([str(loop), "noop", str(n)])
+        rt, cnt = prog_stats(b.funcs[b"on_hit"].fd)
+    finally:
+        b.cleanup()
+    return rt / cnt if cnt else float("nan")
 
 
 FILL_PROG = r"""
