@@ -1,14 +1,13 @@
-"""Unwinding speed against `perf script` on the same Python allocation loop.
+"""Unwinding speed on a capture of a Python allocation loop, against `perf script`.
 
-The workload is the system python3 calling the fixture's snapshot entry through ctypes
-in a loop (each call: what a malloc uprobe sees — registers, 8 KiB of stack, the maps).
-memtrack unwinds those stacks (CFI tables cold, then warm); perf records the same loop
-with a uprobe on the same entry and `--call-graph dwarf,8192`, and `perf script`
-unwinds (and names) its samples. Printed: stacks/s and frames/s, time per stack next
-to perf's per sample (ratio), frames by method, stacks that reach _start / a thread
-start.
+memtrack captures the system python3 running an allocation loop (stacks on, 8 KiB
+copies), decodes its stack records and unwinds every distinct one (CFI tables cold,
+then warm); perf records the same loop with a uprobe on libc's malloc and
+`--call-graph dwarf,8192`, and `perf script` unwinds (and names) its samples.
+Printed: stacks/s and frames/s, time per stack next to perf's per sample (ratio),
+frames by method, stacks that reach _start / a thread start. Needs root and bcc.
 
-    .venv/bin/python bench/bench_unwind.py [--calls 1000]
+    .venv/bin/python bench/bench_unwind.py [--iterations 1000]
 """
 
 from __future__ import annotations
@@ -23,53 +22,28 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from unwind_support import run_snaps, snap_lib  # noqa: E402
-
-from memtrack.process.unwind import unwind  # noqa: E402
-from memtrack.symbolize import symbolize  # noqa: E402
-from memtrack.symbolize.modules import ModuleStore  # noqa: E402
+from memtrack.capture.parts import CaptureOptions
+from memtrack.process.decode import decode
+from memtrack.process.unwind import unwind
+from memtrack.schema.artifact import Artifact
+from memtrack.symbolize import symbolize
+from memtrack.symbolize.modules import ModuleStore
 
 WORKLOAD = """
-import ctypes, sys
-lib = ctypes.CDLL(sys.argv[1])
-for i in range(int(sys.argv[2])):
-    lib.mt_snap(64 + i % 50)
+import sys
+def leaf(n):
+    return bytearray(n)
+def mid(i):
+    return [leaf(64 + (i * 7 + k) % 4000) for k in range(3)]
+keep = []
+for i in range(int(sys.argv[1])):
+    keep.append(mid(i))
+    if len(keep) > 100:
+        keep.clear()
 """
+PYTHON = str(Path("/usr/bin/python3").resolve())
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 TRACEFS = Path("/sys/kernel/tracing")
-
-
-def perf_baseline(lib: Path, calls: int, tmp: Path) -> tuple[int, float] | str:
-    """(samples, seconds of `perf script`), or why perf could not run."""
-    out = subprocess.run(["nm", str(lib)], capture_output=True, text=True).stdout
-    off = next(int(line.split()[0], 16) for line in out.splitlines()
-               if line.endswith(" mt_snap"))
-    group = f"mtbench{os.getpid()}"
-    events = TRACEFS / "uprobe_events"
-    try:
-        _tracefs_write(events, f"p:{group}/snap {lib}:{off:#x}")
-    except OSError as e:
-        return f"cannot add a uprobe event ({e}); run as root"
-    try:
-        data = tmp / "perf.data"
-        script = tmp / "work.py"
-        script.write_text(WORKLOAD)
-        rec = subprocess.run(
-            ["perf", "record", "-q", "-m", "8192", "-o", str(data), "-e", f"{group}:snap",
-             "--call-graph", "dwarf,8192", "--", "/usr/bin/python3", str(script), str(lib),
-             str(calls)], capture_output=True, text=True)
-        if rec.returncode != 0:
-            return f"perf record failed: {rec.stderr.strip()[:200]}"
-        t = time.perf_counter()
-        res = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True,
-                             text=True)
-        dt = time.perf_counter() - t
-        samples = sum(1 for line in res.stdout.splitlines() if f"{group}:snap" in line)
-        return samples, dt
-    finally:
-        _tracefs_write(events, f"-:{group}/snap")
 
 
 def _tracefs_write(path: Path, line: str) -> None:
@@ -81,32 +55,90 @@ def _tracefs_write(path: Path, line: str) -> None:
         os.close(fd)
 
 
+def malloc_file_offset() -> int:
+    out = subprocess.run(["nm", "-D", str(LIBC)], capture_output=True, text=True,
+                         check=True).stdout
+    vaddr = next(int(ln.split()[0], 16) for ln in out.splitlines()
+                 if ln.split()[-1].split("@")[0] == "malloc")
+    mod = ModuleStore(None).add_file(LIBC)
+    seg = mod.segments
+    i = int(np.flatnonzero((seg.vaddr <= vaddr) & (vaddr < seg.vaddr + seg.filesz))[0])
+    return vaddr - int(seg.vaddr[i]) + int(seg.offset[i])
+
+
+def perf_baseline(script: Path, iterations: int, tmp: Path) -> tuple[int, float] | str:
+    """(samples, seconds of `perf script`), or why perf could not run."""
+    group = f"mtbench{os.getpid()}"
+    events = TRACEFS / "uprobe_events"
+    try:
+        _tracefs_write(events, f"p:{group}/malloc {LIBC.resolve()}:{malloc_file_offset():#x}")
+    except OSError as e:
+        return f"cannot add a uprobe event ({e}); run as root"
+    try:
+        data = tmp / "perf.data"
+        rec = subprocess.run(
+            ["perf", "record", "-q", "-m", "16384", "-o", str(data), "-e", f"{group}:malloc",
+             "--call-graph", "dwarf,8192", "--", PYTHON, str(script), str(iterations)],
+            capture_output=True, text=True)
+        if rec.returncode != 0:
+            return f"perf record failed: {rec.stderr.strip()[:200]}"
+        t = time.perf_counter()
+        res = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True,
+                             text=True)
+        dt = time.perf_counter() - t
+        samples = sum(1 for line in res.stdout.splitlines() if f"{group}:malloc" in line)
+        return samples, dt
+    finally:
+        _tracefs_write(events, f"-:{group}/malloc")
+
+
+def capture(script: Path, iterations: int, out: Path) -> Path:
+    from memtrack.capture.tracker import Tracker
+
+    with Tracker(CaptureOptions(stacks=True, rss=False)) as t:
+        result = t.spawn([PYTHON, str(script), str(iterations)], out).wait(timeout=600)
+    if result.exit_code != 0:
+        raise SystemExit(f"bench: the workload exited with {result.exit_code}")
+    lost = {k: v for k, v in result.losses.items() if v}
+    if lost:
+        print(f"capture losses: {lost}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--iterations", type=int, default=1000)
     args = ap.parse_args()
-    lib = snap_lib()
+    if os.geteuid() != 0:
+        raise SystemExit("bench: needs root (capture with bcc, perf uprobes)")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         os.environ["XDG_CACHE_HOME"] = str(tmp / "cache")  # cold CFI tables on the first pass
-        snaps = run_snaps(["/usr/bin/python3", "-c", WORKLOAD, str(lib), str(args.calls)],
-                          tmp)
-        n = snaps.stacks.num_rows
-        store = ModuleStore(None, host_modules=True)
+        script = tmp / "work.py"
+        script.write_text(WORKLOAD)
+        path = capture(script, args.iterations, tmp / "py.memtrack")
+        art = Artifact.open(path)
         t = time.perf_counter()
-        unwind(snaps.stacks, snaps.mappings, store)
+        decoded = decode(art).table
+        t_decode = time.perf_counter() - t
+        mappings = art.read("mappings").table
+        n_events = art.read("events").table.num_rows
+        store = ModuleStore(path)
+        t = time.perf_counter()
+        unwind(decoded, mappings, store)
         cold = time.perf_counter() - t
         t = time.perf_counter()
-        res = unwind(snaps.stacks, snaps.mappings, store)
+        res = unwind(decoded, mappings, store)
         warm = time.perf_counter() - t
         frames = res.frames
         t = time.perf_counter()
         symbolize(store, frames.column("build_id").combine_chunks(),
                   frames.column("lookup_vaddr").fill_null(0).to_numpy().astype(np.uint64))
         sym = time.perf_counter() - t
+        n = res.stacks.num_rows
         nf = frames.num_rows
-        print(f"workload: python3 ctypes loop, {n} stacks (8 KiB copies), {nf} frames, "
-              f"{len(snaps.mappings)} mapping rows")
+        print(f"workload: python3 allocation loop x{args.iterations}: {n_events} events, "
+              f"{decoded.num_rows} stack records (decoded in {t_decode:.3f} s), {nf} frames")
         print(f"memtrack unwind, CFI tables cold: {cold:.3f} s   warm: {warm:.3f} s")
         print(f"  warm: {n / warm:,.0f} stacks/s, {nf / warm:,.0f} frames/s, "
               f"{warm / n * 1e6:.1f} us/stack")
@@ -116,14 +148,18 @@ def main() -> None:
             print(f"  frames by method {m:<9} {np.mean(methods == m):7.2%}")
         done = np.array(res.stacks.column("complete").to_pylist())
         print(f"  stacks reaching _start / a thread start: {done.mean():.2%}")
-        base = perf_baseline(lib, args.calls, tmp)
+        stops = res.stacks.column("stop").to_pylist()
+        others = {s: stops.count(s) for s in set(stops) if s != "complete"}
+        if others:
+            print(f"  other stops: {others}")
+        base = perf_baseline(script, args.iterations, tmp)
         if isinstance(base, str):
             print(f"perf baseline: not measured: {base}")
             return
         samples, dt = base
-        print(f"perf script (dwarf unwinding + symbols): {samples} samples in {dt:.3f} s, "
-              f"{dt / max(samples, 1) * 1e6:.1f} us/sample")
         per_perf = dt / max(samples, 1)
+        print(f"perf script (dwarf unwinding + symbols): {samples} samples in {dt:.3f} s, "
+              f"{per_perf * 1e6:.1f} us/sample")
         print(f"ratio perf script per sample / memtrack unwind per stack (warm): "
               f"{per_perf / (warm / n):.1f}x")
         print(f"ratio perf script per sample / memtrack unwind+symbolize per stack: "
@@ -131,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
