@@ -45,6 +45,8 @@ from memtrack.schema.manifest import Clock, ExitStatus, Host
 CLONE_THREAD = 0x10000
 CONTROL_ENV = "MEMTRACK_CONTROL"
 CONTROL_ACK_ENV = "MEMTRACK_CONTROL_ACK"
+BATCH_ROWS = 65536  # events per events.arrow batch, at most
+BATCH_SECONDS = 0.5  # and at least one batch this often while events arrive
 
 
 class CaptureError(Exception):
@@ -266,6 +268,9 @@ class Session:
         self._identity: dict[int, tuple[str, str, list[str]]] = {}
         self._interrupts = 0
         self._last_live = 0.0
+        self._pending: list[np.ndarray] = []
+        self._pending_rows = 0
+        self._last_flush = time.monotonic()
         self.writer = ArtifactWriter(output, overwrite=overwrite)
         opts = tracker.options
         m = self.writer.manifest
@@ -455,14 +460,29 @@ class Session:
         n = 0
         rec = core.read_events()
         if rec.size:
-            self.writer.write("events", events_batch(rec))
+            self._pending.append(rec)
+            self._pending_rows += rec.size
             self._note_forks(rec)
             n += rec.size
+        if self._pending_rows >= BATCH_ROWS or (
+                self._pending and time.monotonic() - self._last_flush >= BATCH_SECONDS):
+            self._flush_events()
         for part in self.tracker.parts:
             if part is not core:
                 n += part.drain(self.bpf, self.writer)
         self._events += int(rec.size)
         return n
+
+    def _flush_events(self) -> None:
+        """Write the drained events as one batch (a batch per 20 ms round would make
+        tiny, slow-to-read batches)."""
+        if self._pending:
+            rec = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self.writer.write("events", events_batch(rec))
+            self.writer.flush()
+        self._pending = []
+        self._pending_rows = 0
+        self._last_flush = time.monotonic()
 
     def _note_forks(self, rec: np.ndarray) -> None:
         """processes.arrow rows for new child processes (they start as their parent)."""
@@ -607,6 +627,7 @@ class Session:
         self._release_stragglers()
         while self._drain():
             pass
+        self._flush_events()
         self._show_live(final=True)
         self.done = True
         end = time.monotonic_ns()
