@@ -385,3 +385,21 @@ def test_frame0_rule(prologue: str | None, at_pc: str, expect: object) -> None:
 
     pro = bytes.fromhex(prologue) if prologue is not None else None
     assert _frame0_rule(bytes.fromhex(at_pc) + b"\x90" * 8, pro) == expect
+
+
+def test_stop_rules_no_advance_and_max_depth(tmp_path: Path) -> None:
+    snaps = run_snaps([str(cases("O2")), "realign"], tmp_path)
+    # A CFA (r12 + 16) below the frame's sp: the step would not advance.
+    t = snaps.stacks
+    regs = np.array(t.column("regs").to_pylist(), dtype=np.uint64)
+    regs[:, 12] = regs[:, 7] - np.uint64(64)
+    bent = t.set_column(t.schema.get_field_index("regs"), "regs",
+                        pa.array(regs.tolist(), t.schema.field("regs").type))
+    store = ModuleStore(None, host_modules=True)
+    res = unwind(bent, snaps.mappings, store)
+    assert res.stacks.column("stop").to_pylist() == ["no-advance"]
+    assert res.stacks.column("depth").to_pylist() == [2]
+    res = unwind(snaps.stacks, snaps.mappings, store, max_depth=3)
+    assert res.stacks.column("stop").to_pylist() == ["max-depth"]
+    assert res.frames.column("depth").to_pylist() == [0, 1, 2]
+    assert not res.stacks.column("complete")[0].as_py()

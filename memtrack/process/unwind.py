@@ -400,6 +400,11 @@ class _Unwinder:
         new = self.regs[idx].copy()
         nvalid = self.valid[idx].copy()
         stop = np.zeros(len(idx), dtype=np.int8)
+        stop[rule[:, 0] == _UNDEFINED] = S_COMPLETE
+        stop[(stop == 0) & ~bvalid] = S_BAD_REG
+        # The frame-pointer step needs rbp inside the frame above sp.
+        stop[(stop == 0) & fp & (base < old_sp)] = S_BAD_REG
+        stop[(stop == 0) & (cfa <= old_sp)] = S_NO_ADVANCE
         for k, reg in enumerate(TRACKED):
             kind = rule[:, k]
             addr = cfa + off[:, k].astype(np.uint64)
@@ -412,16 +417,11 @@ class _Unwinder:
                 val[is_off], ok[is_off], beyond[is_off] = self.mem.read(idx[is_off],
                                                                         addr[is_off])
             if k == 0:
-                stop[kind == _UNDEFINED] = S_COMPLETE
-                stop[(kind != _UNDEFINED) & ~is_off & ~is_val] = S_NO_RULE
+                stop[(stop == 0) & ~is_off & ~is_val] = S_NO_RULE
                 stop[(stop == 0) & is_off & beyond] = S_TRUNCATED
                 stop[(stop == 0) & is_off & ~ok] = S_BAD_ADDR
             new[:, reg] = np.where(is_off, val, np.where(is_val, addr, new[:, reg]))
             nvalid[:, reg] = np.where(is_off, ok, is_val | ((kind == _SAME) & nvalid[:, reg]))
-        # The frame-pointer step needs rbp inside the frame above sp.
-        stop[(stop == 0) & ~bvalid] = S_BAD_REG
-        stop[(stop == 0) & fp & (base < old_sp)] = S_BAD_REG
-        stop[(stop == 0) & (cfa <= old_sp)] = S_NO_ADVANCE
         stop[(stop == 0) & (new[:, RIP] == 0)] = S_NULL
         new[:, RSP] = cfa
         nvalid[:, RSP] = True
@@ -443,18 +443,21 @@ class _Unwinder:
         def read(addr: int, size: int) -> int:
             return self.mem.read_one(i, addr, size)
 
+        rip_rule = rules["regs"].get(RIP, [Rule.SAME, 0])
+        if rip_rule[0] == Rule.UNDEFINED:
+            self.stop[i] = S_COMPLETE
+            return
         try:
             c = rules["cfa"]
             cfa = evaluate(c[1], reg, read) if c[0] == "expr" else (reg(c[1]) + c[2]) & (
                 (1 << 64) - 1)
+            if cfa <= int(regs[RSP]):
+                self.stop[i] = S_NO_ADVANCE
+                return
             new = regs.copy()
             nvalid = valid.copy()
             nvalid[list(CALLER_SAVED)] = False
             new[RSP], nvalid[RSP] = cfa, True
-            rip_rule = rules["regs"].get(RIP, [Rule.SAME, 0])
-            if rip_rule[0] == Rule.UNDEFINED:
-                self.stop[i] = S_COMPLETE
-                return
             for r, (kind, arg) in rules["regs"].items():
                 if not 0 <= r < NUM_REGS:
                     continue
@@ -480,8 +483,6 @@ class _Unwinder:
             return
         if rip_rule[0] == Rule.SAME or not nvalid[RIP]:
             self.stop[i] = S_NO_RULE
-        elif cfa <= int(regs[RSP]):
-            self.stop[i] = S_NO_ADVANCE
         elif int(new[RIP]) == 0:
             self.stop[i] = S_NULL
         else:
