@@ -50,6 +50,9 @@ def test_chain_four_builds(variant: str, tmp_path: Path) -> None:
     assert res.counters["unwind_stop_complete"] == 3
     assert res.counters["unwind_frames_cfi"] == 21
     assert res.problems == []
+    # Symbols and CFI are looked up at the pc for frame 0, at the return address - 1 after.
+    for f in res.frames.to_pylist()[:8]:
+        assert f["lookup_vaddr"] == _vaddr_of(snaps, f) - (f["depth"] > 0)
 
 
 def test_frame_pointer_fallback_without_cfi(tmp_path: Path) -> None:
