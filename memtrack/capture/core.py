@@ -78,12 +78,10 @@ class CorePart:
             self.written += rec.size
         return int(rec.size)
 
-    def loss_totals(self, bpf: Any) -> dict[str, int]:
+    def losses(self, bpf: Any) -> dict[str, int]:
+        """Totals since the program was loaded (a session subtracts its start values)."""
         table = bpf["mt_core_losses"]
         return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(LOSS_SLOTS)}
-
-    def losses(self, bpf: Any) -> dict[str, int]:
-        return self.loss_totals(bpf)
 
     def close(self) -> None:
         for r in (self.events, self.attach_requests):

@@ -233,9 +233,7 @@ class Tracker:
     def loss_totals(self) -> dict[str, int]:
         out = dict.fromkeys(LOSS_COUNTERS, 0)
         for part in self.parts:
-            totals = part.loss_totals(self.bpf) if isinstance(part, CorePart) else \
-                part.losses(self.bpf)
-            for k, v in totals.items():
+            for k, v in part.losses(self.bpf).items():
                 out[k] = out.get(k, 0) + int(v)
         return out
 
