@@ -41,6 +41,7 @@ def collect_info(path: Path) -> dict[str, Any]:
         "losses": m.losses,
         "modules": art.modules(),
         "peak_rss": peak_rss(art, reads["rss"].table, ev, reads["processes"].table),
+        "stack_records": stack_records(reads["stacks"].table, ev),
         "warnings": art.warnings,
     }
 
@@ -65,6 +66,48 @@ def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[
             **{m: pk[m]["bytes"] if m in pk else 0 for m in ("anon", "file", "shmem", "swap")},
         })
     return rows
+
+
+def stack_records(stacks: Any, events: Any, top: int = 10) -> dict[str, Any]:
+    """Stack records: how many, keyframes / deltas / raw, distinct hashes, the allocations
+    without a stack, and the `top` most frequent stacks by allocations referencing them."""
+    import numpy as np
+
+    from memtrack.schema import StackEncoding
+
+    enc = stacks.column("encoding").to_numpy()
+    ref = stacks.column("ref_hash").to_numpy()
+    delta = enc == StackEncoding.DELTA
+    hashes = stacks.column("hash").to_numpy()
+    h = events.column("stack_hash").to_numpy() if events.num_rows else np.zeros(0, np.uint64)
+    kinds = events.column("kind").to_numpy() if events.num_rows else np.zeros(0, np.uint8)
+    alloc = np.isin(kinds, [int(k) for k in (EventKind.MALLOC, EventKind.CALLOC,
+                                             EventKind.REALLOC, EventKind.ALIGNED_ALLOC)])
+    used, counts = np.unique(h[h != 0], return_counts=True)
+    order = np.argsort(-counts, kind="stable")[:top]
+    first: dict[int, int] = {}  # hash -> its first record
+    if hashes.size:
+        uniq, idx = np.unique(hashes, return_index=True)
+        first = dict(zip(uniq.tolist(), idx.tolist(), strict=True))
+    pids = stacks.column("pid").to_numpy()
+    lens = stacks.column("copy_len").to_numpy()
+    rows = []
+    for u, c in zip(used[order].tolist(), counts[order].tolist(), strict=True):
+        i = first.get(u)
+        rows.append({"hash": u, "occurrences": c,
+                     "pid": int(pids[i]) if i is not None else None,
+                     "copy_len": int(lens[i]) if i is not None else None})
+    return {
+        "records": int(hashes.size),
+        "keyframes": int((delta & (ref == 0)).sum()),
+        "deltas": int((delta & (ref != 0)).sum()),
+        "raw": int((enc == StackEncoding.RAW).sum()),
+        "distinct_hashes": int(np.unique(hashes).size),
+        "payload_bytes": int(pc.sum(pc.binary_length(stacks.column("payload"))).as_py() or 0),
+        "allocations_without_stack": int((alloc & (h == 0)).sum()),
+        "unresolved_hashes": int(np.setdiff1d(used, hashes).size),
+        "top": rows,
+    }
 
 
 def show_info(path: Path, *, as_json: bool = False) -> None:
@@ -111,6 +154,20 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
             at = f"{r['at_s']:.3f} s" if r["at_s"] is not None else "-"
             t.add_row(str(r["pid"]), r["comm"], _mib(r["total"]), at,
                       *(_mib(r[m]) for m in ("anon", "file", "shmem", "swap")))
+        out.print(t)
+    sr = data["stack_records"]
+    if sr["records"]:
+        out.print(f"stack records  {sr['records']:,} ({sr['keyframes']:,} keyframes, "
+                  f"{sr['deltas']:,} deltas, {sr['raw']:,} raw), {sr['distinct_hashes']:,} "
+                  f"distinct hashes, {_mib(sr['payload_bytes'])} of payload; allocations "
+                  f"without a stack {sr['allocations_without_stack']:,}, hashes without a "
+                  f"record {sr['unresolved_hashes']:,}")
+        t = Table(title="most frequent stacks", show_edge=False)
+        for col in ("stack hash", "allocations", "pid", "copy bytes"):
+            t.add_column(col, justify="right")
+        for r in sr["top"]:
+            t.add_row(f"{r['hash']:016x}", f"{r['occurrences']:,}", str(r["pid"] or "-"),
+                      f"{r['copy_len']:,}" if r["copy_len"] is not None else "-")
         out.print(t)
     lost = {k: v for k, v in data["losses"].items() if v}
     out.print("losses    " + (", ".join(f"{k}={v:,}" for k, v in lost.items()) or "none"))
