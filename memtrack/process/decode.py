@@ -16,12 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.stackcodec import (
-    StackFormatError,
-    StackRef,
-    decode_delta,
-    stack_hash,
-)
+from memtrack.process.stackcodec import stack_hash
 from memtrack.schema import NUM_REGS, StackEncoding
 from memtrack.schema.artifact import Artifact
 
@@ -64,19 +59,84 @@ def _binary_parts(arr: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarr
     return offsets.astype(np.int64), data
 
 
-def _hash_rows(flat: np.ndarray, starts: np.ndarray, nwords: np.ndarray) -> np.ndarray:
-    """Stack hashes of the copies flat[starts[i]:starts[i] + nwords[i]]."""
-    out = np.zeros(starts.size, dtype=np.uint64)
-    for lo in range(0, starts.size, _HASH_ROWS):
-        s = starts[lo:lo + _HASH_ROWS]
+def _hash_rows(flat: np.ndarray, nwords: np.ndarray) -> np.ndarray:
+    """Stack hashes of the copies laid end to end in `flat` (nwords[i] words each)."""
+    out = np.zeros(nwords.size, dtype=np.uint64)
+    first = 0
+    for lo in range(0, nwords.size, _HASH_ROWS):
         n = nwords[lo:lo + _HASH_ROWS]
+        count = int(n.sum())
         width = int(n.max()) if n.size else 0
-        mat = np.zeros((s.size, width), dtype=np.uint64)
-        col = np.arange(width)
-        live = col[None, :] < n[:, None]
-        mat[live] = flat[(s[:, None] + col[None, :])[live]]
-        out[lo:lo + s.size] = stack_hash(mat, n)
+        mat = np.zeros((n.size, width), dtype=np.uint64)
+        # row-major order of `live` is the order of the copies in flat
+        mat[np.arange(width)[None, :] < n[:, None]] = flat[first:first + count]
+        first += count
+        out[lo:lo + n.size] = stack_hash(mat, n)
     return out
+
+
+def _payload_words(poff: np.ndarray, pdata: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The payloads as one uint64 array and each payload's word offsets. Payloads of a
+    length that is not whole words are left out (their offsets give an empty range)."""
+    lens = np.diff(poff)
+    whole = lens % 8 == 0
+    if whole.all() and poff[0] % 8 == 0:
+        base = int(poff[0])
+        words = pdata[base:int(poff[-1])].view(np.uint64)
+        return words, (poff - base) // 8
+    keep = np.repeat(whole, lens)
+    words = pdata[int(poff[0]):int(poff[-1])][keep].view(np.uint64)
+    woff = np.zeros(poff.size, dtype=np.int64)
+    np.cumsum(np.where(whole, lens // 8, 0), out=woff[1:])
+    return words, woff
+
+
+def _rank(rows: np.ndarray) -> np.ndarray:
+    """For a sorted array of row numbers: each entry's index among its row's entries."""
+    if rows.size == 0:
+        return rows
+    start = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+    return np.arange(rows.size) - np.repeat(start, np.diff(np.r_[start, rows.size]))
+
+
+def _parse_deltas(rows: np.ndarray, P: np.ndarray, woff: np.ndarray, nwords: np.ndarray,
+                  starts: np.ndarray, flat: np.ndarray, regs: np.ndarray) -> np.ndarray:
+    """Scatter the delta words and registers of `rows` into flat/regs (still to be XORed
+    with their references); returns which rows parsed."""
+    b, e = woff[rows], woff[rows + 1]
+    good = e - b >= 2
+    safe = np.minimum(b, max(P.size - 1, 0))
+    rm = np.where(good, P[safe] if P.size else 0, 0)
+    good &= (rm >> np.uint64(NUM_REGS)) == 0
+    rbits = ((rm[:, None] >> np.arange(NUM_REGS, dtype=np.uint64)) & np.uint64(1)).astype(bool)
+    gpos = b + 1 + rbits.sum(axis=1)
+    good &= gpos < e
+    gm = np.where(good, P[np.minimum(gpos, max(P.size - 1, 0))] if P.size else 0, 0)
+    ngroups = (nwords[rows] + 63) // 64
+    over = np.where(ngroups >= 64, 0, gm >> np.minimum(ngroups, 63).astype(np.uint64))
+    good &= over == 0
+    gbits = ((gm[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)).astype(bool)
+    wstart = gpos + 1 + gbits.sum(axis=1)
+    good &= wstart <= e
+    gbits &= good[:, None]
+    g_row, g_idx = np.nonzero(gbits)
+    bitmaps = P[gpos[g_row] + 1 + _rank(g_row)]
+    nbits = np.bincount(g_row, weights=np.bitwise_count(bitmaps), minlength=rows.size)
+    good &= nbits.astype(np.int64) == e - wstart
+    keep = good[g_row]
+    g_row, g_idx, bitmaps = g_row[keep], g_idx[keep], bitmaps[keep]
+    bit = np.unpackbits(bitmaps.view(np.uint8), bitorder="little").reshape(-1, 64)
+    bi, bj = np.nonzero(bit)
+    w_row = g_row[bi]
+    word = g_idx[bi] * 64 + bj
+    inside = word < nwords[rows[w_row]]
+    bad_rows = np.unique(w_row[~inside])
+    good[bad_rows] = False
+    sel = good[w_row]
+    flat[starts[rows[w_row[sel]]] + word[sel]] = P[wstart[w_row] + _rank(w_row)][sel]
+    r_row, r_reg = np.nonzero(rbits & good[:, None])
+    regs[rows[r_row], r_reg] = P[b[r_row] + 1 + _rank(r_row)]
+    return good
 
 
 def decode_table(stacks: pa.Table) -> DecodedStacks:
@@ -88,7 +148,7 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
         return DecodedStacks(DECODED.empty_table(), counters)
     col = {name: stacks.column(name).to_numpy() for name in
            ("hash", "ref_hash", "sp", "copy_len", "tid", "encoding")}
-    hashes, ref_hash, sp = col["hash"], col["ref_hash"], col["sp"]
+    hashes, ref_hash, sp, tid = col["hash"], col["ref_hash"], col["sp"], col["tid"]
     nwords = (col["copy_len"] // 8).astype(np.int64)
     encoding = col["encoding"]
     raw = encoding == StackEncoding.RAW
@@ -98,68 +158,66 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
     counters["stack_deltas"] = int((delta & (ref_hash != 0)).sum())
 
     poff, pdata = _binary_parts(stacks.column("payload"))
-    regs_col = stacks.column("regs").combine_chunks()
-    # .values keeps the slots of null (delta) rows, so row i is values[i * 17:(i + 1) * 17]
-    raw_regs = regs_col.values.to_numpy(zero_copy_only=False)[
-        regs_col.offset * NUM_REGS:(regs_col.offset + n) * NUM_REGS].reshape(n, NUM_REGS)
-
+    P, woff = _payload_words(poff, pdata)
     starts = np.zeros(n, dtype=np.int64)
     np.cumsum(nwords[:-1], out=starts[1:])
     flat = np.zeros(int(nwords.sum()), dtype=np.uint64)
     regs = np.zeros((n, NUM_REGS), dtype=np.uint64)
-    usable = np.ones(n, dtype=bool)  # reference and payload were sound
+    usable = raw | delta  # reference and payload are sound
 
-    # Raw records: their payload is the copy (vectorized copy of every raw row).
-    raw_rows = np.flatnonzero(raw)
-    if raw_rows.size:
-        plen = poff[raw_rows + 1] - poff[raw_rows]
-        fits = plen == nwords[raw_rows] * 8
-        usable[raw_rows[~fits]] = False
-        counters["decode_bad_payload"] += int((~fits).sum())
-        ok_rows = raw_rows[fits]
-        src = _ragged_bytes(poff[ok_rows], plen[fits])
-        dst = _ragged_bytes(starts[ok_rows] * 8, plen[fits])
-        flat.view(np.uint8)[dst] = pdata[src]
-        regs[ok_rows] = raw_regs[ok_rows]
+    # Raw records: the payload is the copy; copied for all of them at once.
+    raw_ok = raw & (woff[1:] - woff[:-1] == nwords)
+    counters["decode_bad_payload"] += int((raw & ~raw_ok).sum())
+    usable &= ~(raw & ~raw_ok)
+    flat[np.repeat(raw_ok, nwords)] = P[np.repeat(raw_ok, woff[1:] - woff[:-1])]
+    regs_col = stacks.column("regs").combine_chunks()
+    # .values keeps the slots of null (delta) rows, so row i is values[i * 17:(i + 1) * 17]
+    raw_regs = regs_col.values.to_numpy(zero_copy_only=False)[
+        regs_col.offset * NUM_REGS:(regs_col.offset + n) * NUM_REGS].reshape(n, NUM_REGS)
+    regs[raw_ok] = raw_regs[raw_ok]
 
-    # Delta records, in file order per thread: each needs the one before it.
-    tid = col["tid"]
+    # Delta records: every body parsed at once, then XORed with the thread's previous
+    # record, in file order per thread (each needs the one before it).
+    drows = np.flatnonzero(delta)
+    parsed = _parse_deltas(drows, P, woff, nwords, starts, flat, regs)
+    counters["decode_bad_payload"] += int((~parsed).sum())
+    usable[drows[~parsed]] = False
     order = np.argsort(tid, kind="stable")
     prev = np.full(n, -1, dtype=np.int64)
     same = tid[order[1:]] == tid[order[:-1]]
     prev[order[1:][same]] = order[:-1][same]
-    pbytes = pdata.tobytes() if delta.any() else b""
-    for r in order[delta[order]].tolist():
-        ref = None
-        if ref_hash[r]:
-            p = int(prev[r])
-            if p < 0 or hashes[p] != ref_hash[r]:
-                usable[r] = False
-                counters["decode_stale_ref"] += 1
-                continue
-            ref = StackRef(int(hashes[p]), int(sp[p]),
-                           flat[starts[p]:starts[p] + nwords[p]], regs[p])
-        try:
-            words, rg = decode_delta(pbytes[poff[r]:poff[r + 1]], int(sp[r]), int(nwords[r]), ref)
-        except StackFormatError:
-            usable[r] = False
-            counters["decode_bad_payload"] += 1
-            continue
-        flat[starts[r]:starts[r] + nwords[r]] = words
-        regs[r] = rg
+    chained = delta & (ref_hash != 0)
+    stale = chained & ((prev < 0) | (hashes[np.maximum(prev, 0)] != ref_hash))
+    counters["decode_stale_ref"] = int(stale.sum())
+    usable &= ~stale
+    todo = order[(chained & usable)[order]]
+    p = prev[todo]
+    diff = sp[todo].astype(np.int64) - sp[p].astype(np.int64)
+    todo, p, diff = todo[diff % 8 == 0], p[diff % 8 == 0], diff[diff % 8 == 0]
+    shift = diff // 8
+    lo = np.maximum(0, -shift)
+    hi = np.minimum(nwords[todo], nwords[p] - shift)
+    go = lo < hi
+    d0 = (starts[todo] + lo)[go].tolist()
+    d1 = (starts[todo] + hi)[go].tolist()
+    s0 = (starts[p] + lo + shift)[go].tolist()
+    for a, z, f in zip(d0, d1, s0, strict=True):
+        flat[a:z] ^= flat[f:f + z - a]
+    # registers: a delta's are the XOR of its chain's register deltas back to its keyframe
+    seq_regs = regs[order]
+    seg_start = ~chained[order]
+    seg_start[1:] |= tid[order[1:]] != tid[order[:-1]]
+    acc = np.bitwise_xor.accumulate(seq_regs, axis=0)
+    first = np.maximum.accumulate(np.where(seg_start, np.arange(n), 0))
+    before = np.where((first > 0)[:, None], acc[np.maximum(first - 1, 0)], 0)
+    regs[order] = acc ^ before
 
-    ok = usable & (_hash_rows(flat, starts, nwords) == hashes)
-    ok &= raw | delta
+    ok = usable & (_hash_rows(flat, nwords) == hashes)
     # A delta record is only as good as every record back to its keyframe.
-    seq = order
-    chain_start = (ref_hash[seq] == 0) | raw[seq]
-    chain_start[1:] |= tid[seq[1:]] != tid[seq[:-1]]
     idx = np.arange(n)
-    last_start = np.maximum.accumulate(np.where(chain_start, idx, 0))
-    last_bad = np.maximum.accumulate(np.where(~ok[seq], idx, -1))
-    keep_sorted = last_bad < last_start
+    last_bad = np.maximum.accumulate(np.where(~ok[order], idx, -1))
     keep = np.zeros(n, dtype=bool)
-    keep[seq] = keep_sorted
+    keep[order] = last_bad < first
     counters["decode_mismatch"] = int(n - keep.sum())
 
     _apply_fixups(stacks, flat, starts, sp, nwords)
@@ -167,10 +225,10 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
     out_len = nwords[rows] * 8
     stack_off = np.zeros(rows.size + 1, dtype=np.int64)
     np.cumsum(out_len, out=stack_off[1:])
-    stack_data = flat.view(np.uint8)[_ragged_bytes(starts[rows] * 8, out_len)]
+    data = flat if rows.size == n else flat[np.repeat(keep, nwords)]
     stack_arr = pa.Array.from_buffers(
         pa.binary(), rows.size,
-        [None, pa.py_buffer(stack_off.astype(np.int32)), pa.py_buffer(stack_data)])
+        [None, pa.py_buffer(stack_off.astype(np.int32)), pa.py_buffer(data)])
     take = pa.array(rows)
     table = pa.table({
         "hash": pa.array(hashes[rows]),
@@ -185,15 +243,6 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
         "fp_chain": stacks.column("fp_chain").take(take),
     }, schema=DECODED)
     return DecodedStacks(table, counters)
-
-
-def _ragged_bytes(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    lengths = lengths.astype(np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
 
 
 def _apply_fixups(stacks: pa.Table, flat: np.ndarray, starts: np.ndarray, sp: np.ndarray,

@@ -50,30 +50,34 @@ class StackFormatError(ValueError):
 def stack_hash(words: np.ndarray, nwords: np.ndarray) -> np.ndarray:
     """Hashes of many copies at once: row r of `words` (n x W uint64) holds nwords[r] words.
 
-    The lanes are sequential within a copy, so the loop runs over word columns and each
-    step updates every row at once."""
+    The lanes are sequential within a copy, so the loop runs over word columns (4 at a
+    time, one per lane) and each step updates every row at once; columns every row has
+    need no masking."""
     words = np.asarray(words, dtype=np.uint64)
     if words.ndim != 2:
         raise ValueError("words must be a 2-D array (one copy per row)")
     n = np.asarray(nwords, dtype=np.int64)
     rows, width = words.shape
-    lanes = np.empty((rows, LANES), dtype=np.uint64)
-    lanes[:] = np.uint64(FNV_OFFSET) ^ np.arange(LANES, dtype=np.uint64)
+    width4 = -(-width // LANES) * LANES
+    cols = np.zeros((width4, rows), dtype=np.uint64)  # column-major: one step = 4 rows
+    cols[:width] = words.T
+    lanes = np.empty((LANES, rows), dtype=np.uint64)
+    lanes[:] = (np.uint64(FNV_OFFSET) ^ np.arange(LANES, dtype=np.uint64))[:, None]
     prime = np.uint64(FNV_PRIME)
-    pad = (-width) % LANES
-    if pad:
-        words = np.concatenate([words, np.zeros((rows, pad), np.uint64)], axis=1)
-    lane_idx = np.arange(LANES)
+    full = (int(n.min()) if rows else 0) // LANES * LANES
+    lane_idx = np.arange(LANES)[:, None]
     with np.errstate(over="ignore"):
-        for c in range(0, words.shape[1], LANES):
-            live = (c + lane_idx)[None, :] < n[:, None]
-            step = (lanes ^ words[:, c:c + LANES]) * prime
-            np.copyto(lanes, step, where=live)
+        for c in range(0, full, LANES):
+            lanes ^= cols[c:c + LANES]
+            lanes *= prime
+        for c in range(full, width4, LANES):
+            live = (c + lane_idx) < n[None, :]
             if not live.any():
                 break
+            np.copyto(lanes, (lanes ^ cols[c:c + LANES]) * prime, where=live)
         h = np.full(rows, FNV_OFFSET, dtype=np.uint64)
         for lane in range(LANES):
-            h = (h ^ lanes[:, lane]) * prime
+            h = (h ^ lanes[lane]) * prime
         h = (h ^ (n.astype(np.uint64) * np.uint64(8))) * prime
     h[h == 0] = 1
     return h
