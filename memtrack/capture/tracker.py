@@ -12,6 +12,17 @@ A session spawns its command stopped (fork, SIGSTOP, exec), arms tracking for th
 the tracked tree stops the process in BPF (SIGSTOP) and files an attach request; the
 session then snapshots the process's mappings, classifies the new file, attaches the
 allocator probes it needs and sends SIGCONT, so a library's first allocation is seen.
+
+Limits (kernel facts, not bugs to fix here):
+- Uprobes live on the file's inode: while a tracker holds them, every process on the
+  host that calls a probed allocator takes the trap (the BPF programs return at once
+  for untracked processes), and a uretprobe replaces the return address of every such
+  call: an exception thrown out of a probed operator new (bad_alloc) then finds the
+  uprobe trampoline instead of its caller and the C++ runtime aborts.
+- The attach stops are real SIGSTOP/SIGCONT: a parent that waits with WUNTRACED or
+  WCONTINUED, or handles SIGCHLD, sees them.
+- A process's mappings are snapshotted at its exec and at each attach stop, not at its
+  exit (it cannot be stopped there).
 """
 
 from __future__ import annotations
