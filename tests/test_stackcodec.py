@@ -246,3 +246,42 @@ def test_truncated_copy_and_uretprobe_fixups_survive_decoding() -> None:
     assert out.table.column("truncated").to_pylist() == [True]
     assert out.table.column("copy_len").to_pylist() == [256 * 8]
     assert out.table.column("stack")[0].as_py() == words.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), threads=st.integers(1, 4), count=st.integers(1, 25))
+def test_property_decode_table_rebuilds_random_chains(seed: int, threads: int,
+                                                      count: int) -> None:
+    """Interleaved threads, copies of varying length, sp jumping by up to 3x the budget,
+    keyframes now and then: every record comes back with its bytes and registers."""
+    rng = np.random.default_rng(seed)
+    records, want = [], {}
+    refs: dict[int, StackRef | None] = {}
+    for _ in range(count):
+        for tid in range(1, threads + 1):
+            n = int(rng.integers(1, 1025))
+            sp = SP0 + 8 * int(rng.integers(-3072, 3072))
+            ref = refs.get(tid)
+            words = rand_words(rng, n)
+            if ref is not None:  # mostly the reference's bytes where they overlap
+                base = np.zeros(n, dtype=np.uint64)
+                shift = (sp - ref.sp) // 8
+                lo, hi = max(0, -shift), min(n, ref.words.size - shift)
+                if lo < hi:
+                    base[lo:hi] = ref.words[lo + shift:hi + shift]
+                words = np.where(rng.random(n) < 0.1, words, base)
+            if rng.random() < 0.1:
+                ref = None  # the kernel lost the reference: a keyframe
+            regs = rand_words(rng, NUM_REGS)
+            records.append(ring_record(words, sp, regs, tid=tid, pid=tid, ref=ref))
+            h = hash_bytes(words.tobytes())
+            want[h] = (words.tobytes(), regs.tolist())
+            refs[tid] = StackRef(h, sp, words, regs)
+    batch, bad = records_to_batch(records)
+    assert bad == 0
+    out = decode_table(pa.Table.from_batches([batch]))
+    assert out.counters["decode_mismatch"] == 0
+    got = out.table.to_pylist()
+    assert len(got) == len(records)
+    for rec in got:
+        assert (rec["stack"], rec["regs"]) == want[rec["hash"]]
