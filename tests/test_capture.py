@@ -160,3 +160,16 @@ def test_exit_status_and_info(tracker: Any, allocs: Path, tmp_path: Path) -> Non
     (child,) = [p["pid"] for p in procs if p["exe"] == str(allocs)]
     assert r.after_exec(child) == [(M, 512), (F, 0)]
     check_no_loss(r)
+
+
+def test_rest_of_the_family_and_failed_calls(tracker: Any, allocs: Path, tmp_path: Path) -> None:
+    r = run(tracker, tmp_path, [str(allocs), "misc"])
+    assert r.result.status == 0
+    a, b, c, d, e = (r.printed(n)[0] for n in ("reallocarray", "memalign", "valloc",
+                                                  "pvalloc", "malloc"))
+    assert [(x["kind"], x["size"], x["addr"], x["old_addr"]) for x in r.heap()] == [
+        (R, 300, a, 0), (A, 100, b, 0), (A, 200, c, 0), (A, 300, d, 0), (M, 50, e, 0),
+        (F, 0, e, 0),  # realloc(e, 0) freed it
+        (F, 0, a, 0), (F, 0, b, 0), (F, 0, c, 0), (F, 0, d, 0)]
+    assert b % 32 == 0 and c % 4096 == 0 and d % 4096 == 0
+    check_no_loss(r)
