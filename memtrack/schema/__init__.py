@@ -126,11 +126,14 @@ class StackEncoding(enum.IntEnum):
 
 
 # One stack record per distinct stack hash. `payload` holds the stack bytes from sp
-# upward (raw) or their delta against the same thread's previous record. `regs` is
-# the register snapshot at allocator entry in DWARF order (raw; never delta encoded in
-# this file). `fp_chain` is the kernel's frame-pointer walk (return addresses).
-# `ret_fixups` lists stack slots where a live uretprobe had replaced the return
-# address with the trampoline, and the original value to put back.
+# upward (raw) or their delta against the same thread's previous record, registers
+# included (format: memtrack.process.stackcodec). `regs` is the register snapshot at
+# allocator entry in DWARF order for raw records, null for delta records (their
+# registers are XOR-encoded in the payload; memtrack.process.decode rebuilds them).
+# `fp_chain` is the kernel's frame-pointer walk (return addresses, rip first).
+# `ret_fixups` lists stack slots whose original return address capture recorded (a
+# live uretprobe replaces it with its trampoline); the kernel writes the original back
+# into the copy before hashing, so payload and hash never hold the trampoline.
 STACKS = pa.schema(
     [
         ("hash", pa.uint64()),
