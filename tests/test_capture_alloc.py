@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from conftest import build
-from test_capture import A, F, M, run, tracker  # noqa: F401 - tracker is a fixture
+from test_capture import A, C, F, M, R, run, tracker  # noqa: F401 - tracker is a fixture
 
 from memtrack.schema import Allocator
 
@@ -42,3 +42,30 @@ def test_cxx_workload(tracker: Any, tmp_path: Path, variant: str) -> None:  # no
     assert {e["allocator"] for e in h} == {family}
     assert r.result.nonzero_losses() == {}
     assert A not in [e["kind"] for e in h]
+
+
+NATIVE = {
+    "jemalloc": ("-DUSE_JEMALLOC", "-ljemalloc", [
+        (M, 100, "a", 0), (C, 110, "b", 0), (A, 120, "c", 0), (R, 200, "d", "a"),
+        (F, 200, "d", 0), (F, 0, "b", 0), (F, 0, "c", 0)]),
+    "mimalloc": ("-DUSE_MIMALLOC", "-lmimalloc", [
+        (C, 20, "a", 0), (C, 30, "b", 0), (M, 40, "c", 0), (A, 50, "d", 0), (A, 60, "e", 0),
+        (A, 70, "f", 0), (R, 90, "g", "c"),
+        (F, 0, "a", 0), (F, 30, "b", 0), (F, 0, "g", 0), (F, 0, "d", 0), (F, 60, "e", 0),
+        (F, 0, "f", 0)]),
+    "tcmalloc": ("-DUSE_TCMALLOC", "-ltcmalloc_minimal", [
+        (M, 100, "a", 0), (C, 100, "b", 0), (A, 120, "c", 0), (R, 300, "d", "a"),
+        (A, 130, "e", 0), (F, 300, "d", 0), (F, 0, "b", 0), (F, 0, "c", 0), (F, 0, "e", 0)]),
+}
+
+
+@pytest.mark.parametrize("lib", list(NATIVE))
+def test_native_api_sizes_and_kinds(tracker: Any, tmp_path: Path, lib: str) -> None:  # noqa: F811
+    define, link, expected = NATIVE[lib]
+    exe = build(["capture/native_api.c"], name=f"native-{lib}", flags=(define,), libs=(link,))
+    r = run(tracker, tmp_path, [str(exe)], name=lib, start_disabled=True)
+    assert r.result.status == 0, r.stdout
+    addr = {n: r.printed(n)[0] for n in "abcdefg" if r.printed(n)}
+    got = [(e["kind"], e["size"], e["addr"], e["old_addr"]) for e in r.heap()]
+    assert got == [(k, s, addr[a], addr[o] if o else 0) for k, s, a, o in expected]
+    assert r.result.nonzero_losses() == {}
