@@ -85,7 +85,7 @@ INSERTS = {
     "stack_frames": """
         INSERT INTO stack_frames SELECT stack_id, depth, address, module_id, method,
             lookup_vaddr, frame_id
-        FROM src_stack_frames ORDER BY stack_id, depth""",
+        FROM src_stack_frames""",
     "frames": """
         INSERT INTO frames SELECT f.frame_id, f.inline_depth,
             coalesce(f.function, f.symbol,

@@ -211,13 +211,7 @@ def _decode(art: Artifact, raw_stacks: pa.Table, counters: dict[str, int]) -> pa
     decoded = decode(art)
     for k, v in decoded.counters.items():
         counters[k] = counters.get(k, 0) + int(v)
-    table: pa.Table = decoded.table
-    # One record per stack hash: a forked child's identical stack is the parent's.
-    _, first = np.unique(table.column("hash").to_numpy(), return_index=True)
-    counters["stacks_duplicate_hash"] = table.num_rows - len(first)
-    if len(first) != table.num_rows:
-        table = table.take(pa.array(np.sort(first)))
-    return table
+    return decoded.table
 
 
 def _module_store(artifact_path: Path, host_modules: bool) -> Any:
@@ -289,9 +283,13 @@ def _symbolize(
     con = duckdb.connect()
     for name, tbl in (("uf", uf), ("us", us), ("mods", modules)):
         _copy_in(con, name, tbl)
+    # One stack per hash: the same bytes recorded again (by a forked child, or after the
+    # in-kernel dedupe forgot them) unwind the same; the first pid's unwinding is kept.
     stacks = con.execute("""
         SELECT (row_number() OVER (ORDER BY stack_hash) - 1)::INTEGER AS stack_id, *
-        FROM us""").to_arrow_table()
+        FROM us QUALIFY row_number() OVER (PARTITION BY stack_hash ORDER BY pid) = 1
+        """).to_arrow_table()
+    summary.counters["stacks_duplicate_hash"] = us.num_rows - stacks.num_rows
     _copy_in(con, "st", stacks)
     # A location: (module, ELF vaddr) where both are known, else the runtime address.
     con.execute("""
@@ -308,7 +306,7 @@ def _symbolize(
     stack_frames = con.execute("""
         SELECT st.stack_id, u.depth, u.address, m.module_id, u.method, u.lookup_vaddr,
                l.frame_id
-        FROM ufl u JOIN st USING (stack_hash)
+        FROM ufl u JOIN st USING (stack_hash, pid)
         LEFT JOIN mods m ON m.build_id = u.build_id
         JOIN locs l ON l.build_id IS NOT DISTINCT FROM u.loc_build_id AND l.key = u.loc_key
         ORDER BY st.stack_id, u.depth""").to_arrow_table()
