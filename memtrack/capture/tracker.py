@@ -33,7 +33,6 @@ import pwd
 import select
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -672,7 +671,3 @@ class Session:
         except OSError:
             pass
 
-
-def main_live_stream() -> TextIO | None:
-    """stderr when it is a terminal (the live line), else None (quiet)."""
-    return sys.stderr if sys.stderr.isatty() else None
