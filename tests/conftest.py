@@ -70,6 +70,14 @@ def build(sources: list[str | Path], *, name: str | None = None, flags: tuple[st
     h = hashlib.sha256()
     for p in paths:
         h.update(p.read_bytes())
+    # Headers the sources may include: every header beside a source, under fixtures/
+    # (fixtures include each other's by relative path) and in -I directories.
+    inc_dirs = {p.parent for p in paths} | {FIXTURES}
+    inc_dirs |= {Path(f[2:]) for f in flags if f.startswith("-I")}
+    for d in sorted(inc_dirs):
+        pattern = "**/*.h" if d == FIXTURES else "*.h"
+        for hdr in sorted(d.glob(pattern)):
+            h.update(hdr.read_bytes())
     h.update(repr((flags, libs, shared, compiler)).encode())
     stem = name or paths[0].stem
     out = BUILD_DIR / f"{stem}-{h.hexdigest()[:12]}{'.so' if shared else ''}"
