@@ -5,7 +5,9 @@ and memray, all measured in this run.
 
 Workloads: a malloc/free loop (fixtures/placement/allocloop.cc), a tree of 2^18 - 1
 malloc'd nodes with half of them freed (fixtures/placement/tree.c), a `python -c` loop
-building 200 k dicts and lists, and `sort` of a 20 MB text file generated here.
+building 200 k dicts and lists, and `sort` of a 20 MB text file generated here (one
+sort thread: on a shared 2-core machine a multi-threaded baseline mostly measures the
+neighbours).
 Tools: memtrack capture with stacks off and with stacks on (default options otherwise:
 RSS and module copies included), `heaptrack`, and `memray run --native` on the Python
 workload. Each figure is the fastest of --repeat runs (the machine is shared: the least
@@ -168,7 +170,7 @@ def run_bench(repeat: int, loop_n: int, tmp: Path) -> None:
         "malloc/free loop": [str(allocloop), "malloc", str(loop_n)],
         "tree 2^18 half freed": [str(tree), "18"],
         "python 200k dicts+lists": [py, "-c", PY_LOOP],
-        "sort 20 MB": ["sort", "-o", os.devnull, str(sort_input)],
+        "sort 20 MB": ["sort", "--parallel=1", "-o", os.devnull, str(sort_input)],
     }
     heaptrack = shutil.which("heaptrack")
     memray = shutil.which("memray") or shutil.which("memray", path=str(Path(py).parent))
