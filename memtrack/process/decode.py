@@ -35,7 +35,7 @@ DECODED = pa.schema(
     ]
 )
 
-_HASH_ROWS = 4096  # records hashed per vectorized pass (bounds the padded matrix)
+_HASH_ROWS = 1024  # records hashed per vectorized pass (bounds the padded matrix)
 
 
 @dataclass
