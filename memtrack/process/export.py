@@ -23,56 +23,63 @@ METRICS = ("allocated", "calls", "peak", "leaked")
 NO_STACK = "[no stack]"
 
 
+Frames = tuple[int, ...]  # a stack's physical frame ids from the allocation site outward
+
+
 @dataclass
 class Costs:
-    """Per (stack, pid): the four metrics; plus each stack's frames and names."""
+    """The four metrics per (frame sequence, pid): stacks whose bytes differed but that
+    unwound to the same frames are one row. Plus the frames' inline levels."""
 
-    rows: list[tuple[int | None, int, int, int, int, int, int, int]]
-    # stack_id -> physical frames from the allocation site outward: frame_id list
-    stack_frames: dict[int, list[int]]
+    # (frames or None where no stack was captured, pid, calls, bytes, peak allocations,
+    #  peak bytes, leaked allocations, leaked bytes)
+    rows: list[tuple[Frames | None, int, int, int, int, int, int, int]]
     # frame_id -> inline levels innermost first: (name, file, line, module_id)
     frames: dict[int, list[tuple[str, str | None, int | None, int | None]]]
     processes: dict[int, str]
     modules: list[tuple[int, str, str | None]]  # module_id, path, build_id
 
-    def names(self, stack_id: int | None) -> list[str]:
-        """Logical frame names from the allocation site outward."""
-        if stack_id is None or stack_id not in self.stack_frames:
-            return [NO_STACK]
-        return [lv[0] for f in self.stack_frames[stack_id] for lv in self.frames[f]] or [
-            NO_STACK]
+    def levels(self, key: Frames | None) -> list[tuple[str, str | None, int | None]]:
+        """Logical frames (name, file, line) from the allocation site outward."""
+        out = [lv[:3] for f in key or () for lv in self.frames[f]]
+        return out or [(NO_STACK, None, None)]
+
+    def names(self, key: Frames | None) -> list[str]:
+        return [lv[0] for lv in self.levels(key)]
 
 
 def costs(con: duckdb.DuckDBPyConnection, pid: int | None = None) -> Costs:
     where = "TRUE" if pid is None else f"pid = {int(pid)}"
-    rows = con.execute(f"""
+    raw = con.execute(f"""
         WITH a AS (
             SELECT stack_id, pid, count(*) AS calls, sum(size) AS bytes
             FROM allocations WHERE {where} GROUP BY ALL),
         p AS (SELECT stack_id, pid, count(*) AS n, sum(size) AS bytes FROM peak
               WHERE {where} GROUP BY ALL),
         l AS (SELECT stack_id, pid, count(*) AS n, sum(size) AS bytes FROM leaks
-              WHERE {where} GROUP BY ALL)
-        SELECT a.stack_id, a.pid, a.calls, a.bytes::BIGINT, coalesce(p.n, 0),
-               coalesce(p.bytes, 0)::BIGINT, coalesce(l.n, 0), coalesce(l.bytes, 0)::BIGINT
+              WHERE {where} GROUP BY ALL),
+        seq AS (
+            SELECT stack_id, list(frame_id ORDER BY depth) FILTER (WHERE depth > 0) AS fids
+            FROM stack_frames WHERE stack_id IN (SELECT stack_id FROM a) GROUP BY stack_id)
+        SELECT CASE WHEN a.stack_id IS NOT NULL THEN coalesce(s.fids, []) END AS key, a.pid,
+               sum(a.calls)::BIGINT, sum(a.bytes)::BIGINT, sum(coalesce(p.n, 0))::BIGINT,
+               sum(coalesce(p.bytes, 0))::BIGINT, sum(coalesce(l.n, 0))::BIGINT,
+               sum(coalesce(l.bytes, 0))::BIGINT
         FROM a LEFT JOIN p ON p.stack_id IS NOT DISTINCT FROM a.stack_id AND p.pid = a.pid
                LEFT JOIN l ON l.stack_id IS NOT DISTINCT FROM a.stack_id AND l.pid = a.pid
-        ORDER BY a.pid, a.stack_id NULLS FIRST""").fetchall()
-    chosen = f"SELECT DISTINCT stack_id FROM allocations WHERE {where}"
-    stack_frames = dict(con.execute(f"""
-        SELECT stack_id, list(frame_id ORDER BY depth) FROM stack_frames
-        WHERE depth > 0 AND stack_id IN ({chosen})
-        GROUP BY stack_id""").fetchall())
+               LEFT JOIN seq s ON s.stack_id = a.stack_id
+        GROUP BY 1, 2 ORDER BY 2, 1 NULLS FIRST""").fetchall()
+    rows = [(tuple(k) if k is not None else None, *rest) for k, *rest in raw]
     frames: dict[int, list[tuple[str, str | None, int | None, int | None]]] = {}
     for fid, name, file, line, mid in con.execute(f"""
             SELECT frame_id, name, file, line, module_id FROM frames
-            WHERE frame_id IN (SELECT DISTINCT frame_id FROM stack_frames
-                               WHERE stack_id IN ({chosen}))
+            WHERE frame_id IN (SELECT DISTINCT frame_id FROM stack_frames WHERE stack_id IN (
+                SELECT DISTINCT stack_id FROM allocations WHERE {where}))
             ORDER BY frame_id, inline_depth""").fetchall():
         frames.setdefault(fid, []).append((name, file, line, mid))
     procs = {p: n or "?" for p, n in con.execute("SELECT pid, name FROM processes").fetchall()}
     modules = con.execute("SELECT module_id, path, build_id FROM modules ORDER BY 1").fetchall()
-    return Costs(rows, stack_frames, frames, procs, modules)
+    return Costs(rows, frames, procs, modules)  # type: ignore[arg-type]
 
 
 def _metric(row: tuple, metric: str) -> int:
@@ -114,11 +121,7 @@ def speedscope(c: Costs, metric: str, name: str = "memtrack") -> dict[str, Any]:
 
     stacks = []
     for row in c.rows:
-        if row[0] is not None and row[0] in c.stack_frames:
-            inner = [(lv[0], lv[1], lv[2]) for f in c.stack_frames[row[0]] for lv in c.frames[f]]
-        else:
-            inner = [(NO_STACK, None, None)]
-        outer_first = [(_root(c, row[1]), None, None), *reversed(inner)]
+        outer_first = [(_root(c, row[1]), None, None), *reversed(c.levels(row[0]))]
         stacks.append([idx(k) for k in outer_first])
     profiles = []
     for m in (metric, *[x for x in METRICS if x != metric]):
@@ -223,10 +226,7 @@ def pprof(c: Costs, duration_ns: int = 0, time_ns: int = 0) -> bytes:
         4, _field_varint(1, function_id(NO_STACK, None))))
     pid_key = s("pid")
     for row in c.rows:
-        if row[0] is not None and row[0] in c.stack_frames and c.stack_frames[row[0]]:
-            locs = [f + 1 for f in c.stack_frames[row[0]]]
-        else:
-            locs = [no_stack_loc]
+        locs = [f + 1 for f in row[0]] if row[0] else [no_stack_loc]
         values = (row[2], row[3], row[6], row[7])
         label = _field_bytes(3, _field_varint(1, pid_key) + _field_varint(3, row[1]))
         out += _field_bytes(2, _packed(1, locs) + _packed(2, values) + label)

@@ -104,10 +104,10 @@ SELECT sf.stack_id,
 FROM stack_frames sf JOIN frames f USING (frame_id);
 
 CREATE VIEW stack_location AS
-SELECT stack_id, frame_id, name, function, file, line FROM (
-    SELECT *, row_number() OVER (PARTITION BY stack_id
-                                 ORDER BY (depth = 0), position) AS k
-    FROM stack_lines) WHERE k = 1;
+SELECT sf.stack_id, sf.frame_id, f.name, f.function, f.file, f.line
+FROM stack_frames sf JOIN stacks s USING (stack_id)
+JOIN frames f ON f.frame_id = sf.frame_id AND f.inline_depth = 0
+WHERE sf.depth = CASE WHEN s.depth > 1 THEN 1 ELSE 0 END;
 
 CREATE VIEW allocation_sites AS
 SELECT a.*, coalesce(l.name, '[no stack]') AS location, l.file, l.line
@@ -161,7 +161,9 @@ self AS (
 incl AS (
     SELECT f.name AS function, sum(calls) AS calls, sum(bytes) AS bytes,
            sum(peak) AS peak, sum(leaked) AS leaked
-    FROM per_stack s JOIN (SELECT DISTINCT stack_id, name FROM stack_lines) f USING (stack_id)
+    FROM per_stack s JOIN (
+        SELECT DISTINCT sf.stack_id, f.name FROM stack_frames sf JOIN frames f USING (frame_id)
+    ) f USING (stack_id)
     GROUP BY 1
 )
 SELECT coalesce(s.function, i.function) AS function,
