@@ -186,6 +186,7 @@ def _value(v: int, noun: str) -> str:
 
 
 MAX_PROCESSES = 20  # in the text report, the processes with the most calls
+MAX_FRAMES = 16  # frames per backtrace in the text report
 
 
 def format_text(data: dict) -> str:
@@ -236,9 +237,13 @@ def format_text(data: dict) -> str:
                          f" in {e['stacks']} backtrace{'s' if e['stacks'] != 1 else ''}")
             for bt in e["backtraces"]:
                 lines.append(f"    {_value(bt['value'], noun)} from:")
-                for f in bt["frames"] or [{"function": "[no stack]", "file": None}]:
+                frames = bt["frames"] or [{"function": "[no stack]", "file": None}]
+                for f in frames[:MAX_FRAMES]:
                     loc = f"  {f['file']}:{f['line']}" if f.get("file") else ""
                     lines.append(f"      {f['function']}{loc}")
+                if len(frames) > MAX_FRAMES:
+                    lines.append(f"      ... {len(frames) - MAX_FRAMES} outer frames "
+                                 "(--format json has them all)")
     return "\n".join(lines) + "\n"
 
 
