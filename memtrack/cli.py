@@ -147,6 +147,9 @@ def process(
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables."""
+    import duckdb
+
+    from memtrack.process.pipeline import ProcessError
     from memtrack.process.pipeline import process as run_process
 
     try:
@@ -154,8 +157,10 @@ def process(
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
             cache_dir=cache_dir, progress=False if quiet else None,
         )
-    except ArtifactError as e:
+    except (ArtifactError, ProcessError) as e:
         raise fail(str(e)) from None
+    except duckdb.IOException as e:
+        raise fail(f"{output}: {' '.join(str(e).split())}") from None
     except OSError as e:
         raise fail(f"{e.filename or output}: {e.strerror or e}") from None
     if not quiet:

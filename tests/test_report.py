@@ -118,6 +118,10 @@ def test_process_cli(tmp_path: Path) -> None:
     code, _, err = invoke("process", str(tmp_path / "missing.memtrack"), "-o",
                           str(tmp_path / "x.duckdb"))
     assert code == 2 and "no such artifact" in err and err.count("\n") == 1
+    for out, msg in ((tmp_path / "nodir" / "x.duckdb", "no such directory"),
+                     (tmp_path, "is a directory")):
+        code, _, err = invoke("process", str(art), "-o", str(out))
+        assert code == 2 and msg in err and err.count("\n") == 1
     (art / "events.arrow").write_bytes(b"garbage")
     code, _, err = invoke("process", str(art), "-o", str(tmp_path / "x.duckdb"))
     assert code == 2 and "events.arrow" in err and err.count("\n") == 1

@@ -43,6 +43,10 @@ SYMBOLS = pa.schema([
     ("line", pa.uint32()), ("column", pa.uint32()), ("reason", pa.string())])  # fmt: skip
 
 
+class ProcessError(Exception):
+    """`process` cannot write its output; the message is one line for the user."""
+
+
 @dataclass
 class Summary:
     """What `process` did: row counts, stage times, and everything that was lost."""
@@ -127,6 +131,10 @@ def process(
     progress: a progress bar per stage; None = only when stderr is a terminal.
     """
     artifact_path, out_db = Path(artifact_path), Path(out_db)
+    if not out_db.parent.is_dir():
+        raise ProcessError(f"{out_db.parent}: no such directory for the run database")
+    if out_db.is_dir():
+        raise ProcessError(f"{out_db}: is a directory, not a run database path")
     summary = Summary(artifact_path, out_db)
     show = sys.stderr.isatty() if progress is None else progress
     st = _Stages(summary, show)
