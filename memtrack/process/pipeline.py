@@ -104,11 +104,11 @@ class _Stages:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        task = self.progress.add_task(name, total=1)
+        task = self.progress.add_task(name, total=None)  # pulses while the stage runs
         t0 = time.perf_counter()
         yield
         self.summary.timings[name] = time.perf_counter() - t0
-        self.progress.update(task, completed=1)
+        self.progress.update(task, total=1, completed=1)
 
     def run(self, name: str, fn: Callable[[], T]) -> T:
         with self.stage(name):
