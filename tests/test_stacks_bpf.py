@@ -160,6 +160,8 @@ def test_two_call_paths_give_two_stacks_each_recorded_once(delta: bool) -> None:
     # exact-hash dedupe: one record per path, however many calls
     assert sorted(stacks.column("hash").to_pylist()) == sorted([int(a[0]), int(b[0])])
     assert stats["stack_captures"] == 2000 and stats["stack_deduped"] == 1998
+    # main's stack may or may not end within 8 KiB (it holds the environment)
+    assert losses.pop("stack_truncated") == sum(stacks.column("truncated").to_pylist())
     assert not any(losses.values()), losses
     want = StackEncoding.DELTA if delta else StackEncoding.RAW
     assert set(stacks.column("encoding").to_pylist()) == {want}

@@ -88,6 +88,7 @@ struct mt_stack_scratch {
     u64 ref_sp;
     u64 ref_hash;
     u64 seed[4];
+    u64 tail;
 };
 
 BPF_ARRAY(mt_stack_scratch, struct mt_stack_scratch, MT_NCPU);
@@ -193,21 +194,42 @@ static __always_inline u64 mt_stack_hash(struct mt_stack_scratch *s, u64 n) {
     seed[2] = MT_FNV_OFFSET ^ 2;
     seed[3] = MT_FNV_OFFSET ^ 3;
     u64 h0 = seed[0], h1 = seed[1], h2 = seed[2], h3 = seed[3];
+    int g;
 #pragma clang loop unroll(disable)
-    for (int g = 0; g < MT_NCHUNK; g++) {
-        if ((u64)g * MT_GROUP_WORDS >= n)
+    for (g = 0; g < MT_NCHUNK; g++) {
+        if ((u64)(g + 1) * MT_GROUP_WORDS > n)
             break;
 #pragma clang loop unroll(disable)
         for (int j = 0; j < MT_GROUP_WORDS; j += 4) {
-            u64 i = (u64)g * MT_GROUP_WORDS + j;
             u64 *w = &s->cur.words[(g * MT_GROUP_WORDS + j) & MT_SW_MASK];
-            u64 m0 = 0 - mt_lt(i, n), m1 = 0 - mt_lt(i + 1, n), m2 = 0 - mt_lt(i + 2, n),
-                m3 = 0 - mt_lt(i + 3, n);
-            h0 = (mt_fnv_step(h0, w[0]) & m0) | (h0 & ~m0);
-            h1 = (mt_fnv_step(h1, w[1]) & m1) | (h1 & ~m1);
-            h2 = (mt_fnv_step(h2, w[2]) & m2) | (h2 & ~m2);
-            h3 = (mt_fnv_step(h3, w[3]) & m3) | (h3 & ~m3);
+            h0 = mt_fnv_step(h0, w[0]);
+            h1 = mt_fnv_step(h1, w[1]);
+            h2 = mt_fnv_step(h2, w[2]);
+            h3 = mt_fnv_step(h3, w[3]);
         }
+    }
+    /* The group the copy ends in (past the copy when it is whole groups): words beyond
+     * n leave their lane alone. Lanes and position go through scratch: one state. */
+    seed[0] = h0;
+    seed[1] = h1;
+    seed[2] = h2;
+    seed[3] = h3;
+    s->tail = (u64)g * MT_GROUP_WORDS;
+    h0 = seed[0];
+    h1 = seed[1];
+    h2 = seed[2];
+    h3 = seed[3];
+    u64 base = ((volatile struct mt_stack_scratch *)s)->tail;
+#pragma clang loop unroll(disable)
+    for (int j = 0; j < MT_GROUP_WORDS; j += 4) {
+        u64 i = base + j;
+        u64 *w = &s->cur.words[i & (MT_SW_MASK & ~3ULL)];
+        u64 m0 = 0 - mt_lt(i, n), m1 = 0 - mt_lt(i + 1, n), m2 = 0 - mt_lt(i + 2, n),
+            m3 = 0 - mt_lt(i + 3, n);
+        h0 = (mt_fnv_step(h0, w[0]) & m0) | (h0 & ~m0);
+        h1 = (mt_fnv_step(h1, w[1]) & m1) | (h1 & ~m1);
+        h2 = (mt_fnv_step(h2, w[2]) & m2) | (h2 & ~m2);
+        h3 = (mt_fnv_step(h3, w[3]) & m3) | (h3 & ~m3);
     }
     u64 h = MT_FNV_OFFSET;
     h = mt_fnv_step(h, h0);
