@@ -285,3 +285,20 @@ def test_property_decode_table_rebuilds_random_chains(seed: int, threads: int,
     assert len(got) == len(records)
     for rec in got:
         assert (rec["stack"], rec["regs"]) == want[rec["hash"]]
+
+
+def test_decoded_stacks_are_split_into_binary_chunks_and_multi_chunk_payloads_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrow binary offsets are 32-bit: big outputs come in chunks, and a stacks table
+    read in several batches decodes the same."""
+    import memtrack.process.decode as dec
+
+    rng = np.random.default_rng(9)
+    recs, copies, _ = chain(rng, 12, tid=3)
+    b1, _ = records_to_batch(recs[:5])
+    b2, _ = records_to_batch(recs[5:])
+    monkeypatch.setattr(dec, "_CHUNK_BYTES", 3 * 512 * 8)
+    out = decode_table(pa.Table.from_batches([b1, b2]))
+    stack = out.table.column("stack")
+    assert stack.num_chunks == 4
+    assert stack.to_pylist() == [c.tobytes() for c in copies]

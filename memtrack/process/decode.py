@@ -50,13 +50,47 @@ def decode(artifact: Artifact) -> DecodedStacks:
 
 
 def _binary_parts(arr: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets int64, data uint8) of a binary column, without copying the data."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    _, obuf, dbuf = arr.buffers()
-    offsets = np.frombuffer(obuf, dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4)
-    data = np.frombuffer(dbuf, dtype=np.uint8) if dbuf is not None else np.zeros(0, np.uint8)
-    return offsets.astype(np.int64), data
+    """(offsets int64, data uint8) of a binary column; one chunk is read without a copy,
+    several are joined here (Arrow could not join more than 2 GiB into one binary)."""
+    chunks = arr.chunks if isinstance(arr, pa.ChunkedArray) else [arr]
+    offs, datas, base = [np.zeros(1, dtype=np.int64)], [], 0
+    for c in chunks:
+        if len(c) == 0:
+            continue
+        _, obuf, dbuf = c.buffers()
+        o = np.frombuffer(obuf, dtype=np.int32, count=len(c) + 1, offset=c.offset * 4)
+        o = o.astype(np.int64)
+        d = np.frombuffer(dbuf, dtype=np.uint8)[o[0]:o[-1]] if dbuf is not None else \
+            np.zeros(0, np.uint8)
+        offs.append(o[1:] - o[0] + base)
+        datas.append(d)
+        base += int(o[-1] - o[0])
+    data = datas[0] if len(datas) == 1 else (np.concatenate(datas) if datas else
+                                              np.zeros(0, np.uint8))
+    return np.concatenate(offs), data
+
+
+_CHUNK_BYTES = 1 << 30  # output binary chunks stay well below Arrow's 2 GiB offsets
+
+
+def _binary_chunks(flat: np.ndarray, lengths: np.ndarray) -> pa.ChunkedArray:
+    """The byte strings laid end to end in `flat` (lengths in bytes) as binary chunks."""
+    data = flat.view(np.uint8)
+    ends = np.cumsum(lengths)
+    bounds = [0]
+    while bounds[-1] < lengths.size:
+        first = int(ends[bounds[-1] - 1]) if bounds[-1] else 0
+        nxt = int(np.searchsorted(ends, first + _CHUNK_BYTES, side="right"))
+        bounds.append(max(nxt, bounds[-1] + 1))
+    chunks = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        first = int(ends[a - 1]) if a else 0
+        off = np.zeros(b - a + 1, dtype=np.int64)
+        np.cumsum(lengths[a:b], out=off[1:])
+        chunks.append(pa.Array.from_buffers(
+            pa.binary(), b - a, [None, pa.py_buffer(off.astype(np.int32)),
+                                 pa.py_buffer(data[first:first + int(off[-1])])]))
+    return pa.chunked_array(chunks, pa.binary())
 
 
 def _hash_rows(flat: np.ndarray, nwords: np.ndarray) -> np.ndarray:
@@ -222,13 +256,8 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
 
     _apply_fixups(stacks, flat, starts, sp, nwords)
     rows = np.flatnonzero(keep)
-    out_len = nwords[rows] * 8
-    stack_off = np.zeros(rows.size + 1, dtype=np.int64)
-    np.cumsum(out_len, out=stack_off[1:])
     data = flat if rows.size == n else flat[np.repeat(keep, nwords)]
-    stack_arr = pa.Array.from_buffers(
-        pa.binary(), rows.size,
-        [None, pa.py_buffer(stack_off.astype(np.int32)), pa.py_buffer(data)])
+    stack_arr = _binary_chunks(data, nwords[rows] * 8)
     take = pa.array(rows)
     table = pa.table({
         "hash": pa.array(hashes[rows]),
