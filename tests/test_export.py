@@ -134,3 +134,8 @@ def test_bad_format(run_db: Path, tmp_path: Path) -> None:
     r = runner.invoke(app, ["export", str(run_db), "--format", "svg", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2
     assert "expected one of folded, pprof, speedscope" in r.output
+
+
+def test_pid_filter(run_db: Path, tmp_path: Path) -> None:
+    text = export(run_db, tmp_path, "folded", "--pid", "200").read_text()
+    assert text == "child (200);[no stack] 128\nchild (200);thread_fn 64\n"
