@@ -244,3 +244,11 @@ def test_help_lists_every_command() -> None:
     assert r.returncode == 0
     for cmd in ("capture", "process", "report", "query", "export", "info", "doctor"):
         assert f" {cmd} " in r.stdout, cmd
+
+
+def test_fidelity_counters_are_not_losses(tmp_path: Path) -> None:
+    path = tmp_path / "run.memtrack"
+    w = ArtifactWriter(path)
+    w.manifest.losses.update(stack_truncated=7, stack_delta_fallback=1, stacks_ring_full=2)
+    w.close()
+    assert Artifact.open(path).manifest.nonzero_losses() == {"stacks_ring_full": 2}

@@ -155,3 +155,17 @@ def test_every_shape_has_a_program_and_an_argument_count() -> None:
               *MIMALLOC_NAMES.values(), *TCMALLOC_NAMES.values()}
     assert shapes <= defined
     assert shapes <= set(SHAPE_ARG_REGS)
+
+
+def test_truncated_copies_are_noted_not_lost() -> None:
+    from memtrack.capture.run import summary
+    from memtrack.capture.tracker import CaptureResult
+
+    result = CaptureResult(artifact=Path("x.memtrack"), pid=1, exit_code=0, signal=None,
+                           events=10, losses={"stack_truncated": 5, "events_ring_full": 2,
+                                              "stacks_ring_full": 0}, duration_s=1.0)
+    assert result.nonzero_losses() == {"events_ring_full": 2}
+    lines = summary(result, ["./prog"])
+    assert "memtrack: LOST events_ring_full = 2" in lines
+    assert any(line.startswith("memtrack: note: stack_truncated = 5") for line in lines)
+    assert not any("LOST stack_truncated" in line for line in lines)

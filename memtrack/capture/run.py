@@ -28,6 +28,10 @@ def summary(result: CaptureResult, cmd: list[str]) -> list[str]:
              f"{result.duration_s:.2f} s written to {result.artifact}"]
     for k, v in result.nonzero_losses().items():
         lines.append(f"memtrack: LOST {k} = {v:,}")
+    for k, v in result.fidelity_notes().items():
+        hint = " (frames beyond the copy come from the kernel's frame-pointer chain; " \
+               "raise --stack-budget)" if k == "stack_truncated" else ""
+        lines.append(f"memtrack: note: {k} = {v:,}{hint}")
     lines += [f"memtrack: warning: {w}" for w in result.warnings]
     return lines
 

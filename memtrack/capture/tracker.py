@@ -48,7 +48,7 @@ from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC, CorePart, events_batch
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import BPF_DIR, CaptureOptions, CapturePart
 from memtrack.capture.procfs import PROC, read_identity, wait_stopped
-from memtrack.schema import LOSS_COUNTERS, PROCESSES, EventKind
+from memtrack.schema import LOSS_COUNTERS, PROCESSES, EventKind, is_loss
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.manifest import Clock, ExitStatus, Host
 
@@ -82,7 +82,11 @@ class CaptureResult:
         return self.exit_code or 0
 
     def nonzero_losses(self) -> dict[str, int]:
-        return {k: v for k, v in self.losses.items() if v}
+        """Counters of lost data that are not zero (see schema.FIDELITY_COUNTERS)."""
+        return {k: v for k, v in self.losses.items() if v and is_loss(k)}
+
+    def fidelity_notes(self) -> dict[str, int]:
+        return {k: v for k, v in self.losses.items() if v and not is_loss(k)}
 
 
 def default_parts(options: CaptureOptions) -> list[CapturePart]:

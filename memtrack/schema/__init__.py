@@ -251,5 +251,16 @@ LOSS_COUNTERS = (
 )
 
 
+# Counters among those that report reduced fidelity, not lost data: a copy cut at the
+# stack budget still holds its frames up to the cut, and a delta fallback wrote a
+# keyframe instead. They are printed like losses (never silent) but do not fail
+# `--fail-on-loss`.
+FIDELITY_COUNTERS = frozenset({"stack_truncated", "stack_delta_fallback"})
+
+
+def is_loss(counter: str) -> bool:
+    return counter not in FIDELITY_COUNTERS
+
+
 def table_file(name: str) -> str:
     return f"{name}.arrow"

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrack.schema import FORMAT_VERSION, LOSS_COUNTERS
+from memtrack.schema import FORMAT_VERSION, LOSS_COUNTERS, is_loss
 
 
 def _memtrack_version() -> str:
@@ -108,7 +108,8 @@ class Manifest:
         return m
 
     def nonzero_losses(self) -> dict[str, int]:
-        return {k: v for k, v in self.losses.items() if v}
+        """Counters of lost data that are not zero (fidelity counters left out)."""
+        return {k: v for k, v in self.losses.items() if v and is_loss(k)}
 
 
 def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
