@@ -36,8 +36,9 @@
  *   reads a reference through one kind of pointer;
  * - the per-word loops stay rolled: every allocator program inlines this capture, and
  *   unrolled copies multiplied the compile time of the capture program.
- * Verified instructions of the core's malloc probe (kernel 6.18, bench/bench_stacks.py):
- * about 131 k at 8 KiB and 525 k at 32 KiB with delta encoding, 21 k and 81 k raw. */
+ * Verified instructions of a probe that only captures (kernel 6.18): about 67 k at 8 KiB
+ * and 260 k at 32 KiB with delta encoding, 9 k and 28 k raw (bench/bench_stacks.py
+ * prints those of the capture core's malloc probe). */
 #ifndef MEMTRACK_STACKS_H
 #define MEMTRACK_STACKS_H
 
@@ -306,6 +307,18 @@ static __always_inline u64 mt_stack_encode(struct mt_stack_scratch *s, struct mt
 }
 #endif
 
+/* A raw body at s->out[pos]: the registers, then the copy. Returns the position after. */
+static __always_inline u64 mt_stack_raw_body(struct mt_stack_scratch *s, u64 pos, u64 n) {
+#pragma unroll
+    for (int r = 0; r < MT_NREGS; r++)
+        s->out[(pos + r) & MT_OW_MASK] = s->cur.regs[r];
+    pos += MT_NREGS;
+    if (n > MT_STACK_WORDS)
+        n = MT_STACK_WORDS;
+    bpf_probe_read_kernel(&s->out[pos & MT_OW_MASK], n * 8, s->cur.words);
+    return pos + n;
+}
+
 /* Capture the calling thread's stack; returns its hash (0: no stack). Emits a stack
  * record when the hash was not seen before. */
 static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 tid) {
@@ -352,6 +365,7 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     pos += 2 * nfix;
     u64 ref_hash = 0;
     u64 flags = trunc ? MT_SF_TRUNCATED : 0;
+    u64 body = pos;
 
 #ifdef MT_STACK_DELTA
     struct mt_stack_ref *ref = mt_stack_refs.lookup(&tid);
@@ -362,44 +376,40 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
         s->cur.nwords = 0;
         mt_stack_refs.update(&tid, &s->cur);
         ref = mt_stack_refs.lookup(&tid);
-        if (!ref) {
-            mt_stack_count(MT_SS_DELTA_FALLBACK);
-            return 0;
+    }
+    if (ref) {
+        u64 rn = ref->nwords;
+        u64 ref_sp = ref->sp;
+        ref_hash = ref->hash;
+        if (rn > MT_STACK_WORDS || sp - ref_sp + (1ULL << 40) > (2ULL << 40)) {
+            /* unusable reference (sp moved by more than 1 TiB): a keyframe */
+            rn = 0;
+            ref_hash = 0;
         }
+        /* One verifier state from here on, whatever the path. */
+        vs->pos = pos;
+        vs->nfp = nfp;
+        vs->nfix = nfix;
+        vs->rn = rn;
+        vs->ref_sp = ref_sp;
+        vs->ref_hash = ref_hash;
+        pos = vs->pos;
+        n = vs->nwords;
+        if (n > MT_STACK_WORDS)
+            return 0;
+        pos = mt_stack_encode(s, ref, vs->rn, vs->ref_sp, sp, n, pos);
+        flags |= MT_SF_DELTA;
+        nfp = vs->nfp;
+        nfix = vs->nfix;
+        ref_hash = vs->ref_hash;
+        body = vs->pos;
+    } else {
+        /* No reference could be stored for this thread: a raw record instead. */
+        mt_stack_count(MT_SS_DELTA_FALLBACK);
+        pos = mt_stack_raw_body(s, pos, n);
     }
-    u64 rn = ref->nwords;
-    u64 ref_sp = ref->sp;
-    ref_hash = ref->hash;
-    if (rn > MT_STACK_WORDS || sp - ref_sp + (1ULL << 40) > (2ULL << 40)) {
-        /* unusable reference (sp moved by more than 1 TiB): a keyframe */
-        rn = 0;
-        ref_hash = 0;
-    }
-    /* One verifier state from here on, whatever the path. */
-    vs->pos = pos;
-    vs->nfp = nfp;
-    vs->nfix = nfix;
-    vs->rn = rn;
-    vs->ref_sp = ref_sp;
-    vs->ref_hash = ref_hash;
-    pos = vs->pos;
-    n = vs->nwords;
-    if (n > MT_STACK_WORDS)
-        return 0;
-    pos = mt_stack_encode(s, ref, vs->rn, vs->ref_sp, sp, n, pos);
-    flags |= MT_SF_DELTA;
-    nfp = vs->nfp;
-    nfix = vs->nfix;
-    ref_hash = vs->ref_hash;
-    u64 body = vs->pos;
 #else
-    u64 body = pos;
-#pragma unroll
-    for (int r = 0; r < MT_NREGS; r++)
-        s->out[(pos + r) & MT_OW_MASK] = s->cur.regs[r];
-    pos += MT_NREGS;
-    bpf_probe_read_kernel(&s->out[pos & MT_OW_MASK], n * 8, s->cur.words);
-    pos += n;
+    pos = mt_stack_raw_body(s, pos, n);
 #endif
 
     s->out[0] = h;
@@ -421,14 +431,16 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     if (mt_stack_seen.update(&h, &one))
         mt_stack_count(MT_SS_DEDUPE_FULL);
 #ifdef MT_STACK_DELTA
-    /* The record is out: it becomes the thread's reference. */
-    bpf_probe_read_kernel(ref->words, n * 8, s->cur.words);
+    if (ref) {
+        /* The record is out: it becomes the thread's reference. */
+        bpf_probe_read_kernel(ref->words, n * 8, s->cur.words);
 #pragma unroll
-    for (int r = 0; r < MT_NREGS; r++)
-        ref->regs[r] = s->cur.regs[r];
-    ref->sp = sp;
-    ref->nwords = n;
-    ref->hash = h;
+        for (int r = 0; r < MT_NREGS; r++)
+            ref->regs[r] = s->cur.regs[r];
+        ref->sp = sp;
+        ref->nwords = n;
+        ref->hash = h;
+    }
 #endif
     return h;
 }
