@@ -74,9 +74,9 @@ def capture(
     stack_budget: Annotated[int, typer.Option(
         "--stack-budget", envvar="MEMTRACK_STACK_BUDGET",
         help="Bytes of stack copied per allocation (512..32768).")] = 8192,
-    stack_compression: Annotated[bool, typer.Option(
-        "--stack-compression/--no-stack-compression", envvar="MEMTRACK_STACK_COMPRESSION",
-        help="Delta-encode stack records.")] = True,
+    stack_compression: Annotated[str, typer.Option(
+        "--stack-compression", envvar="MEMTRACK_STACK_COMPRESSION",
+        help="Delta-encode stack records: on or off (off writes raw records).")] = "on",
     rss: Annotated[bool, typer.Option("--rss/--no-rss", envvar="MEMTRACK_RSS",
                                       help="Record resident memory (kmem:rss_stat).")] = True,
     track_faults: Annotated[bool, typer.Option("--track-faults", envvar="MEMTRACK_TRACK_FAULTS",
@@ -111,10 +111,12 @@ def capture(
     from memtrack.capture.run import run_capture
     from memtrack.capture.tracker import CaptureError
 
-    if stacks not in ("on", "off"):
-        raise fail(f"--stacks {stacks}: expected on or off")
+    for flag, value in (("--stacks", stacks), ("--stack-compression", stack_compression)):
+        if value not in ("on", "off"):
+            raise fail(f"{flag} {value}: expected on or off")
     options = CaptureOptions(
-        stacks=stacks == "on", stack_budget=stack_budget, stack_compression=stack_compression,
+        stacks=stacks == "on", stack_budget=stack_budget,
+        stack_compression=stack_compression == "on",
         rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
         probe_placement=probe_placement, events_ring_pages=events_ring_pages,
         stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss)
