@@ -144,8 +144,13 @@ def process(
         ),
     ] = True,
     cache_dir: Annotated[
-        Path | None, typer.Option("--cache-dir", help="Symbolization cache directory.")
+        Path | None,
+        typer.Option("--cache-dir", envvar="MEMTRACK_CACHE_DIR",
+                     help="Per-build-id symbol cache [default: $XDG_CACHE_HOME/memtrack]."),
     ] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Parse every module's DWARF afresh.")
+    ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables."""
@@ -153,11 +158,13 @@ def process(
 
     from memtrack.process.pipeline import ProcessError
     from memtrack.process.pipeline import process as run_process
+    from memtrack.symbolize import default_cache_dir
 
     try:
         summary = run_process(
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
-            cache_dir=cache_dir, progress=False if quiet else None,
+            cache_dir=None if no_cache else (cache_dir or default_cache_dir()),
+            progress=False if quiet else None,
         )
     except (ArtifactError, ProcessError) as e:
         raise fail(str(e)) from None
