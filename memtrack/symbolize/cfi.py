@@ -34,6 +34,8 @@ import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
+from memtrack.symbolize.dwarf import sleb, uleb
+
 CACHE_VERSION = 2  # bump when the tables built from the same file change
 
 # DWARF register numbers (x86_64).
@@ -98,30 +100,6 @@ class CFITable:
         return {"cfa": cfa, "regs": regs}
 
 
-def _uleb(d: bytes, p: int) -> tuple[int, int]:
-    r = s = 0
-    while True:
-        b = d[p]
-        p += 1
-        r |= (b & 0x7F) << s
-        s += 7
-        if b < 0x80:
-            return r, p
-
-
-def _sleb(d: bytes, p: int) -> tuple[int, int]:
-    r = s = 0
-    while True:
-        b = d[p]
-        p += 1
-        r |= (b & 0x7F) << s
-        s += 7
-        if b < 0x80:
-            if b & 0x40:
-                r -= 1 << s
-            return r, p
-
-
 _FIXED = {0x00: ("<Q", 8), 0x02: ("<H", 2), 0x03: ("<I", 4), 0x04: ("<Q", 8),
           0x0A: ("<h", 2), 0x0B: ("<i", 4), 0x0C: ("<q", 8)}
 
@@ -130,9 +108,9 @@ def _read_encoded(d: bytes, p: int, enc: int, sec_addr: int) -> tuple[int, int]:
     """A pointer in .eh_frame encoding `enc`, at section offset p."""
     fmt = enc & 0x0F
     if fmt == 0x01:
-        v, q = _uleb(d, p)
+        v, q = uleb(d, p)
     elif fmt == 0x09:
-        v, q = _sleb(d, p)
+        v, q = sleb(d, p)
     elif fmt in _FIXED:
         f, n = _FIXED[fmt]
         (v,) = struct.unpack_from(f, d, p)
@@ -171,17 +149,17 @@ def _parse_cie(d: bytes, p: int, end: int, eh: bool, sec_addr: int) -> _CIE:
     if not eh and version >= 4:
         addr_size = d[p]
         p += 2
-    code_align, p = _uleb(d, p)
-    data_align, p = _sleb(d, p)
+    code_align, p = uleb(d, p)
+    data_align, p = sleb(d, p)
     if version == 1:
         ra_reg = d[p]
         p += 1
     else:
-        ra_reg, p = _uleb(d, p)
+        ra_reg, p = uleb(d, p)
     fde_enc = 0x00
     signal = False
     if aug.startswith("z"):
-        alen, p = _uleb(d, p)
+        alen, p = uleb(d, p)
         q = p
         for c in aug[1:]:
             if c == "R":
@@ -239,7 +217,7 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             loc += lo * ca
             continue
         if hi == 0x80:
-            v, p = _uleb(d, p)
+            v, p = uleb(d, p)
             regs[lo] = (Rule.OFFSET, v * da)
             continue
         if hi == 0xC0:
@@ -260,24 +238,24 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             loc += struct.unpack_from(f, d, p)[0] * ca
             p += k
         elif op == 0x05:
-            r, p = _uleb(d, p)
-            v, p = _uleb(d, p)
+            r, p = uleb(d, p)
+            v, p = uleb(d, p)
             regs[r] = (Rule.OFFSET, v * da)
         elif op == 0x06:
-            r, p = _uleb(d, p)
+            r, p = uleb(d, p)
             if r in initial_regs:
                 regs[r] = initial_regs[r]
             else:
                 regs.pop(r, None)
         elif op == 0x07:
-            r, p = _uleb(d, p)
+            r, p = uleb(d, p)
             regs[r] = (Rule.UNDEFINED, 0)
         elif op == 0x08:
-            r, p = _uleb(d, p)
+            r, p = uleb(d, p)
             regs[r] = (Rule.SAME, 0)
         elif op == 0x09:
-            r, p = _uleb(d, p)
-            r2, p = _uleb(d, p)
+            r, p = uleb(d, p)
+            r2, p = uleb(d, p)
             regs[r] = (Rule.REGISTER, r2)
         elif op == 0x0A:
             stack.append((cfa, dict(regs)))
@@ -288,44 +266,44 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             # The CFA rule is part of the remembered state (DWARF 5 6.4.2.4).
             cfa = saved_cfa
         elif op == 0x0C:
-            r, p = _uleb(d, p)
-            v, p = _uleb(d, p)
+            r, p = uleb(d, p)
+            v, p = uleb(d, p)
             cfa = ("reg", r, v)
         elif op == 0x0D:
-            r, p = _uleb(d, p)
+            r, p = uleb(d, p)
             cfa = ("reg", r, cfa[2] if cfa[0] == "reg" else 0)
         elif op == 0x0E:
-            v, p = _uleb(d, p)
+            v, p = uleb(d, p)
             cfa = ("reg", cfa[1] if cfa[0] == "reg" else RSP, v)
         elif op == 0x0F:
-            k, p = _uleb(d, p)
+            k, p = uleb(d, p)
             cfa = ("expr", d[p:p + k])
             p += k
         elif op in (0x10, 0x16):
-            r, p = _uleb(d, p)
-            k, p = _uleb(d, p)
+            r, p = uleb(d, p)
+            k, p = uleb(d, p)
             regs[r] = (Rule.EXPRESSION if op == 0x10 else Rule.VAL_EXPRESSION, d[p:p + k])
             p += k
         elif op == 0x11:
-            r, p = _uleb(d, p)
-            v, p = _sleb(d, p)
+            r, p = uleb(d, p)
+            v, p = sleb(d, p)
             regs[r] = (Rule.OFFSET, v * da)
         elif op == 0x12:
-            r, p = _uleb(d, p)
-            v, p = _sleb(d, p)
+            r, p = uleb(d, p)
+            v, p = sleb(d, p)
             cfa = ("reg", r, v * da)
         elif op == 0x13:
-            v, p = _sleb(d, p)
+            v, p = sleb(d, p)
             cfa = ("reg", cfa[1] if cfa[0] == "reg" else RSP, v * da)
         elif op in (0x14, 0x15):
-            r, p = _uleb(d, p)
-            v, p = _uleb(d, p) if op == 0x14 else _sleb(d, p)
+            r, p = uleb(d, p)
+            v, p = uleb(d, p) if op == 0x14 else sleb(d, p)
             regs[r] = (Rule.VAL_OFFSET, v * da)
         elif op == 0x2E:  # DW_CFA_GNU_args_size: no effect on the rules
-            _, p = _uleb(d, p)
+            _, p = uleb(d, p)
         elif op == 0x2F:  # DW_CFA_GNU_negative_offset_extended
-            r, p = _uleb(d, p)
-            v, p = _uleb(d, p)
+            r, p = uleb(d, p)
+            v, p = uleb(d, p)
             regs[r] = (Rule.OFFSET, -v * da)
         else:
             raise CFIError(f"unknown CFA instruction {op:#x}")
@@ -388,7 +366,7 @@ def _fdes(data: bytes, sec_addr: int, eh: bool
                 start, rng = struct.unpack_from(fmt, data, q)
                 q += 2 * cie.addr_size
             if cie.has_z:
-                alen, q = _uleb(data, q)
+                alen, q = uleb(data, q)
                 q += alen
             if rng == 0 or start == 0:
                 continue  # a discarded (zeroed) FDE of a garbage-collected function

@@ -13,6 +13,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from memtrack.symbolize.dwarf import sleb, uleb
+
 MASK = 0xFFFFFFFFFFFFFFFF
 
 
@@ -21,24 +23,17 @@ class DwarfExprError(Exception):
 
 
 def _uleb(d: bytes, p: int) -> tuple[int, int]:
-    r = s = 0
-    while True:
-        if p >= len(d):
-            raise DwarfExprError("truncated LEB128 operand")
-        b = d[p]
-        p += 1
-        r |= (b & 0x7F) << s
-        s += 7
-        if b < 0x80:
-            return r, p
+    try:
+        return uleb(d, p)
+    except IndexError:
+        raise DwarfExprError("truncated LEB128 operand") from None
 
 
 def _sleb(d: bytes, p: int) -> tuple[int, int]:
-    r, q = _uleb(d, p)
-    bits = 7 * (q - p)
-    if r & (1 << (bits - 1)):
-        r -= 1 << bits
-    return r, q
+    try:
+        return sleb(d, p)
+    except IndexError:
+        raise DwarfExprError("truncated LEB128 operand") from None
 
 
 def _signed(v: int) -> int:
