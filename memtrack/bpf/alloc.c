@@ -58,18 +58,7 @@ static __always_inline void mt_emit(u32 pid, u32 tid, u8 kind, u8 allocator, u64
         mt_loss(MT_L_EVENTS_RING_FULL);
         return;
     }
-    e->ts = bpf_ktime_get_ns();
-    e->pid = pid;
-    e->tid = tid;
-    e->kind = kind;
-    e->allocator = allocator;
-    e->_pad = 0;
-    e->_pad2 = 0;
-    e->flags = flags;
-    e->addr = addr;
-    e->old_addr = old_addr;
-    e->size = size;
-    e->stack_hash = stack_hash;
+    mt_fill_event(e, pid, tid, kind, allocator, flags, addr, old_addr, size, stack_hash);
     /* no wakeup: the session polls the ring every few milliseconds, and a wakeup
      * (irq_work) would cost more than the rest of the record */
     mt_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);

@@ -30,6 +30,23 @@ struct mt_event {
     u64 stack_hash;
 };
 
+static __always_inline void mt_fill_event(struct mt_event *e, u32 pid, u32 tid, u8 kind,
+                                          u8 allocator, u64 flags, u64 addr, u64 old_addr,
+                                          u64 size, u64 stack_hash) {
+    e->ts = bpf_ktime_get_ns();
+    e->pid = pid;
+    e->tid = tid;
+    e->kind = kind;
+    e->allocator = allocator;
+    e->_pad = 0;
+    e->_pad2 = 0;
+    e->flags = flags;
+    e->addr = addr;
+    e->old_addr = old_addr;
+    e->size = size;
+    e->stack_hash = stack_hash;
+}
+
 /* Processes (tgids) being tracked: the capture core adds the root pid before it
  * resumes it and every child at fork, and removes them at exit. Every part filters
  * its events with mt_is_tracked(). */

@@ -153,6 +153,17 @@ static __always_inline void mt_sys_enter(u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
     mt_sys.update(&tid, &a);
 }
 
+/* At a syscall's exit: move the arguments stashed at its entry into *out.
+ * Returns 0 when there are none (an untracked task, or entry before we attached). */
+static __always_inline int mt_sys_take(u32 tid, struct mt_sys_args *out) {
+    struct mt_sys_args *a = mt_sys.lookup(&tid);
+    if (!a)
+        return 0;
+    *out = *a;
+    mt_sys.delete(&tid);
+    return 1;
+}
+
 TRACEPOINT_PROBE(syscalls, sys_enter_mmap) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
@@ -170,11 +181,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap) {
 TRACEPOINT_PROBE(syscalls, sys_exit_mmap) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    struct mt_sys_args *a = mt_sys.lookup(&tid);
-    if (!a)
+    struct mt_sys_args s;
+    if (!mt_sys_take(tid, &s))
         return 0;
-    struct mt_sys_args s = *a;
-    mt_sys.delete(&tid);
     s64 ret = args->ret;
     if (ret < 0 && ret > -4096)
         return 0;
@@ -193,11 +202,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_munmap) {
 TRACEPOINT_PROBE(syscalls, sys_exit_munmap) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    struct mt_sys_args *a = mt_sys.lookup(&tid);
-    if (!a)
+    struct mt_sys_args s;
+    if (!mt_sys_take(tid, &s))
         return 0;
-    struct mt_sys_args s = *a;
-    mt_sys.delete(&tid);
     if (args->ret != 0 || !mt_is_enabled())
         return 0;
     mt_emit(pid, tid, MT_MUNMAP, MT_A_SYSCALL, 0, s.a0, 0, s.a1, 0);
@@ -212,10 +219,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_brk) {
 TRACEPOINT_PROBE(syscalls, sys_exit_brk) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    struct mt_sys_args *a = mt_sys.lookup(&tid);
-    if (!a)
+    struct mt_sys_args s;
+    if (!mt_sys_take(tid, &s))
         return 0;
-    mt_sys.delete(&tid);
     u64 now = (u64)args->ret;
     u64 *prev = mt_brk.lookup(&pid);
     u64 before = prev ? *prev : 0;

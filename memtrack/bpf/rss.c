@@ -121,18 +121,7 @@ static __always_inline int mt_rss_emit(u8 kind, u64 addr, u64 old_addr, u64 size
         mt_rss_count_loss(MT_LOST_RSS_EVENTS);
         return 0;
     }
-    e->ts = bpf_ktime_get_ns();
-    e->pid = id >> 32;
-    e->tid = id;
-    e->kind = kind;
-    e->allocator = MT_A_SYSCALL;
-    e->_pad = 0;
-    e->_pad2 = 0;
-    e->flags = flags;
-    e->addr = addr;
-    e->old_addr = old_addr;
-    e->size = size;
-    e->stack_hash = 0;
+    mt_fill_event(e, id >> 32, (u32)id, kind, MT_A_SYSCALL, flags, addr, old_addr, size, 0);
     mt_rss_events.ringbuf_submit(e, 0);
     return 0;
 }
