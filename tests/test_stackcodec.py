@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memtrack.process.decode import decode_table
+from memtrack.process.decode import decode_chunks, decode_table
 from memtrack.process.stackcodec import (
     FLAG_DELTA,
     FLAG_TRUNCATED,
@@ -302,3 +302,77 @@ def test_decoded_stacks_are_split_into_binary_chunks_and_multi_chunk_payloads_re
     stack = out.table.column("stack")
     assert stack.num_chunks == 4
     assert stack.to_pylist() == [c.tobytes() for c in copies]
+
+
+def mixed_records(rng: np.random.Generator) -> tuple[list[bytes], int]:
+    """One thread's long stream (keyframes mid-way, a hash mismatch, a lost record, so a
+    stale reference), another thread interleaved, raw records, and a keyframe with a
+    uretprobe fixup that a later delta references; and the copies' largest size."""
+    a1, _, _ = chain(rng, 30, tid=7)
+    a2, _, _ = chain(rng, 25, tid=7)  # a new keyframe chain of the same thread
+    a3, _, _ = chain(rng, 20, tid=7)
+    bad = bytearray(a1[12])
+    bad[-1] ^= 0x40  # decodes, hashes differently: 12..29 are dropped
+    main = a1[:12] + [bytes(bad)] + a1[13:] + a2[:9] + a2[10:] + a3  # a2[9] lost
+    other, _, _ = chain(rng, 20, tid=8, n=300)
+    raw, _, _ = chain(rng, 4, tid=9, delta=False)
+    words = rand_words(rng, 200)
+    regs = rand_words(rng, NUM_REGS)
+    slot = SP0 + 8 * 3
+    key = ring_record(words, SP0, regs, tid=5, pid=5, fixups=((slot, 0x401234),))
+    nxt = words.copy()
+    nxt[100] ^= np.uint64(1)
+    dlt = ring_record(nxt, SP0, regs, tid=5, pid=5,
+                      ref=StackRef(hash_bytes(words.tobytes()), SP0, words, regs))
+    out = main[:40] + [key] + main[40:50] + raw[:2] + main[50:] + [dlt] + raw[2:]
+    for i, rec in enumerate(other):
+        out.insert(3 * i + 1, rec)
+    return out, 512 * 8
+
+
+@pytest.mark.parametrize("records_per_run", [1, 2, 3, 7, 1000])
+def test_decode_chunks_equals_decoding_whole(records_per_run: int) -> None:
+    """Runs of a few records each (a thread's chain crossing dozens of runs) come out as
+    the whole table and the same counters."""
+    rng = np.random.default_rng(11)
+    recs, biggest = mixed_records(rng)
+    batch, _ = records_to_batch(recs)
+    stacks = pa.Table.from_batches([batch])
+    whole = decode_table(stacks)
+    assert whole.counters["decode_stale_ref"] == 1
+    assert whole.counters["decode_mismatch"] == 18 + 15  # a1[12..29], a2[10..24]
+    assert whole.counters["stack_keyframes"] == 5 and whole.counters["stack_raw"] == 4
+    fixed = whole.table.filter(pa.compute.equal(whole.table.column("tid"), 5))
+    assert fixed.num_rows == 2
+    assert np.frombuffer(fixed.column("stack")[0].as_py(), np.uint64)[3] == 0x401234
+    runs = list(decode_chunks(stacks, records_per_run * biggest))
+    sizes = np.split(stacks.column("copy_len").to_numpy(),
+                     np.cumsum([r.counters["stack_records"] for r in runs])[:-1])
+    assert all(s.sum() <= records_per_run * biggest or s.size == 1 for s in sizes)
+    assert len(runs) >= len(recs) // records_per_run
+    got = pa.concat_tables([r.table for r in runs])
+    assert got.equals(whole.table)
+    summed = {k: sum(r.counters[k] for r in runs) for k in whole.counters}
+    assert summed == whole.counters
+
+
+def test_decode_chunks_of_an_empty_table_and_bad_sizes() -> None:
+    runs = list(decode_chunks(STACKS.empty_table()))
+    assert [r.table.num_rows for r in runs] == [0]
+    assert runs[0].counters["stack_records"] == 0
+    with pytest.raises(ValueError, match="max_bytes must be positive"):
+        next(decode_chunks(STACKS.empty_table(), 0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_bytes=st.integers(1, 40000))
+def test_property_decode_chunks_equals_decoding_whole(seed: int, max_bytes: int) -> None:
+    rng = np.random.default_rng(seed)
+    recs, _ = mixed_records(rng)
+    drop = rng.integers(0, len(recs), size=3)  # losses anywhere: more stale references
+    recs = [r for i, r in enumerate(recs) if i not in set(drop.tolist())]
+    stacks = pa.Table.from_batches([records_to_batch(recs)[0]])
+    whole = decode_table(stacks)
+    runs = list(decode_chunks(stacks, max_bytes))
+    assert pa.concat_tables([r.table for r in runs]).equals(whole.table)
+    assert {k: sum(r.counters[k] for r in runs) for k in whole.counters} == whole.counters

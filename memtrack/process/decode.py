@@ -7,10 +7,16 @@ hashed (vectorized across records) and compared with the kernel's hash. A record
 kept when its hash matches, its reference was the thread's previous record, and every
 record before it back to its keyframe was kept; otherwise it is dropped and counted in
 `decode_mismatch`, and the thread recovers at its next keyframe.
+
+`decode_chunks` rebuilds a bounded number of bytes at a time (the records in file order,
+cut into runs of at most `max_bytes` of copies): each thread's last rebuilt record is
+carried into the next run as its deltas' reference, so the runs decode exactly as the
+whole table would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,9 +50,56 @@ class DecodedStacks:
     counters: dict[str, int] = field(default_factory=dict)
 
 
+DEFAULT_MAX_BYTES = 256 << 20  # rebuilt stack bytes per decode_chunks run
+
+
+@dataclass
+class _Carry:
+    """Each thread's last record so far (row order), the reference of its next delta."""
+
+    tid: np.ndarray  # uint32
+    hash: np.ndarray  # uint64, the kernel's hash of the record
+    sp: np.ndarray  # uint64
+    nwords: np.ndarray  # int64
+    regs: np.ndarray  # (threads, NUM_REGS) uint64
+    words: np.ndarray  # the rebuilt copies end to end, before the uretprobe fixups
+    good: np.ndarray  # bool: the record and its chain back to its keyframe were kept
+
+    @classmethod
+    def empty(cls) -> _Carry:
+        return cls(np.zeros(0, np.uint32), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
+                   np.zeros(0, np.int64), np.zeros((0, NUM_REGS), np.uint64),
+                   np.zeros(0, np.uint64), np.zeros(0, bool))
+
+
 def decode(artifact: Artifact) -> DecodedStacks:
     """Decode the stacks table of an artifact."""
     return decode_table(artifact.read("stacks", required=False).table)
+
+
+def decode_chunks(source: Artifact | pa.Table, max_bytes: int = DEFAULT_MAX_BYTES
+                  ) -> Iterator[DecodedStacks]:
+    """Decode an artifact's (or a STACKS table's) records in runs of consecutive records
+    whose copies add up to at most `max_bytes` (a run holds one record at least). The
+    runs' tables, concatenated, are decode_table's table and their counters sum to its
+    counters; only one run's rebuilt bytes are held at a time."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, not {max_bytes}")
+    stacks = source.read("stacks", required=False).table if isinstance(source, Artifact) \
+        else source
+    if stacks.num_rows == 0:
+        yield decode_table(stacks)
+        return
+    ends = np.cumsum(stacks.column("copy_len").to_numpy() // 8 * 8, dtype=np.int64)
+    carry = _Carry.empty()
+    a = 0
+    while a < ends.size:
+        first = int(ends[a - 1]) if a else 0
+        b = max(int(np.searchsorted(ends, first + max_bytes, side="right")), a + 1)
+        out, carry = _decode_rows(stacks.slice(a, b - a), carry)
+        yield out
+        del out  # not held while the next run is decoded
+        a = b
 
 
 def _binary_parts(arr: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -175,28 +228,46 @@ def _parse_deltas(rows: np.ndarray, P: np.ndarray, woff: np.ndarray, nwords: np.
 
 def decode_table(stacks: pa.Table) -> DecodedStacks:
     """Decode a STACKS table (as read from stacks.arrow)."""
+    return _decode_rows(stacks, _Carry.empty())[0]
+
+
+def _decode_rows(stacks: pa.Table, carry: _Carry) -> tuple[DecodedStacks, _Carry]:
+    """Decode the records of `stacks`, the first delta of each thread against the
+    thread's record in `carry`; returns the records' table and the next run's carry.
+
+    The carried records lead every array below as rows 0..k-1 (no payload, their copies
+    and registers already rebuilt, verified as `carry.good` says); they are left out of
+    the table and the counters."""
     n = stacks.num_rows
     counters = {"stack_records": n, "stack_keyframes": 0, "stack_deltas": 0, "stack_raw": 0,
                 "decode_mismatch": 0, "decode_stale_ref": 0, "decode_bad_payload": 0}
     if n == 0:
-        return DecodedStacks(DECODED.empty_table(), counters)
+        return DecodedStacks(DECODED.empty_table(), counters), carry
     col = {name: stacks.column(name).to_numpy() for name in
            ("hash", "ref_hash", "sp", "copy_len", "tid", "encoding")}
-    hashes, ref_hash, sp, tid = col["hash"], col["ref_hash"], col["sp"], col["tid"]
-    nwords = (col["copy_len"] // 8).astype(np.int64)
-    encoding = col["encoding"]
-    raw = encoding == StackEncoding.RAW
-    delta = encoding == StackEncoding.DELTA
+    k = carry.tid.size
+    hashes = np.concatenate([carry.hash, col["hash"]])
+    ref_hash = np.concatenate([np.zeros(k, np.uint64), col["ref_hash"]])
+    sp = np.concatenate([carry.sp, col["sp"]])
+    tid = np.concatenate([carry.tid, col["tid"]])
+    nwords = np.concatenate([carry.nwords, (col["copy_len"] // 8).astype(np.int64)])
+    lead = np.zeros(k, dtype=bool)
+    raw = np.concatenate([lead, col["encoding"] == StackEncoding.RAW])
+    delta = np.concatenate([lead, col["encoding"] == StackEncoding.DELTA])
+    total = k + n
     counters["stack_raw"] = int(raw.sum())
     counters["stack_keyframes"] = int((delta & (ref_hash == 0)).sum())
     counters["stack_deltas"] = int((delta & (ref_hash != 0)).sum())
 
     poff, pdata = _binary_parts(stacks.column("payload"))
     P, woff = _payload_words(poff, pdata)
-    starts = np.zeros(n, dtype=np.int64)
+    woff = np.concatenate([np.full(k, woff[0]), woff])  # carried rows: empty payloads
+    starts = np.zeros(total, dtype=np.int64)
     np.cumsum(nwords[:-1], out=starts[1:])
     flat = np.zeros(int(nwords.sum()), dtype=np.uint64)
-    regs = np.zeros((n, NUM_REGS), dtype=np.uint64)
+    flat[:carry.words.size] = carry.words
+    regs = np.zeros((total, NUM_REGS), dtype=np.uint64)
+    regs[:k] = carry.regs
     usable = raw | delta  # reference and payload are sound
 
     # Raw records: the payload is the copy; copied for all of them at once.
@@ -208,7 +279,7 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
     # .values keeps the slots of null (delta) rows, so row i is values[i * 17:(i + 1) * 17]
     raw_regs = regs_col.values.to_numpy(zero_copy_only=False)[
         regs_col.offset * NUM_REGS:(regs_col.offset + n) * NUM_REGS].reshape(n, NUM_REGS)
-    regs[raw_ok] = raw_regs[raw_ok]
+    regs[k:][raw_ok[k:]] = raw_regs[raw_ok[k:]]
 
     # Delta records: every body parsed at once, then XORed with the thread's previous
     # record, in file order per thread (each needs the one before it).
@@ -217,7 +288,7 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
     counters["decode_bad_payload"] += int((~parsed).sum())
     usable[drows[~parsed]] = False
     order = np.argsort(tid, kind="stable")
-    prev = np.full(n, -1, dtype=np.int64)
+    prev = np.full(total, -1, dtype=np.int64)
     same = tid[order[1:]] == tid[order[:-1]]
     prev[order[1:][same]] = order[:-1][same]
     chained = delta & (ref_hash != 0)
@@ -242,36 +313,48 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
     seg_start = ~chained[order]
     seg_start[1:] |= tid[order[1:]] != tid[order[:-1]]
     acc = np.bitwise_xor.accumulate(seq_regs, axis=0)
-    first = np.maximum.accumulate(np.where(seg_start, np.arange(n), 0))
+    first = np.maximum.accumulate(np.where(seg_start, np.arange(total), 0))
     before = np.where((first > 0)[:, None], acc[np.maximum(first - 1, 0)], 0)
     regs[order] = acc ^ before
 
-    ok = usable & (_hash_rows(flat, nwords) == hashes)
+    ok = usable.copy()
+    ok[k:] &= _hash_rows(flat[carry.words.size:], nwords[k:]) == hashes[k:]
+    ok[:k] = carry.good
     # A delta record is only as good as every record back to its keyframe.
-    idx = np.arange(n)
+    idx = np.arange(total)
     last_bad = np.maximum.accumulate(np.where(~ok[order], idx, -1))
-    keep = np.zeros(n, dtype=bool)
-    keep[order] = last_bad < first
+    kept = np.zeros(total, dtype=bool)
+    kept[order] = last_bad < first
+    keep = kept.copy()
+    keep[:k] = False
     counters["decode_mismatch"] = int(n - keep.sum())
 
-    _apply_fixups(stacks, flat, starts, sp, nwords)
-    rows = np.flatnonzero(keep)
-    data = flat if rows.size == n else flat[np.repeat(keep, nwords)]
-    stack_arr = _binary_chunks(data, nwords[rows] * 8)
+    # Each thread's last record, as rebuilt (before the fixups), for the next run.
+    last = np.sort(order[np.r_[tid[order[1:]] != tid[order[:-1]], True]])
+    in_last = np.zeros(total, dtype=bool)
+    in_last[last] = True
+    nxt = _Carry(tid[last], hashes[last], sp[last], nwords[last], regs[last],
+                 flat[np.repeat(in_last, nwords)], kept[last])
+
+    _apply_fixups(stacks, flat, starts[k:], sp[k:], nwords[k:])
+    rows = np.flatnonzero(keep[k:])
+    data = flat if rows.size == total else flat[np.repeat(keep, nwords)]
+    stack_arr = _binary_chunks(data, nwords[k:][rows] * 8)
     take = pa.array(rows)
     table = pa.table({
-        "hash": pa.array(hashes[rows]),
+        "hash": pa.array(hashes[k:][rows]),
         "pid": stacks.column("pid").take(take),
         "tid": stacks.column("tid").take(take),
         "ts": stacks.column("ts").take(take),
-        "sp": pa.array(sp[rows]),
+        "sp": pa.array(sp[k:][rows]),
         "copy_len": stacks.column("copy_len").take(take),
         "truncated": stacks.column("truncated").take(take),
-        "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs[rows].ravel()), NUM_REGS),
+        "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs[k:][rows].ravel()),
+                                                  NUM_REGS),
         "stack": stack_arr,
         "fp_chain": stacks.column("fp_chain").take(take),
     }, schema=DECODED)
-    return DecodedStacks(table, counters)
+    return DecodedStacks(table, counters), nxt
 
 
 def _apply_fixups(stacks: pa.Table, flat: np.ndarray, starts: np.ndarray, sp: np.ndarray,

@@ -1,9 +1,11 @@
-"""`memtrack process`: read → decode → pair → unwind → symbolize → load.
+"""`memtrack process`: read → pair → decode + unwind → symbolize → load.
 
 Each stage is called through its module's entry point (decode, unwind, symbolize are
 written by their own owners); this module only moves Arrow tables between them and
 assigns the run database's ids. The stack stages run only when the artifact holds stack
-records (a capture made with --no-stacks has none).
+records (a capture made with --no-stacks has none). Decode and unwind go run by run
+(decode_chunks): the rebuilt stack bytes, gigabytes on a long capture, are held one
+run at a time, and only the frames and stacks tables of each run are kept.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class _Stages:
 
     def __init__(self, summary: Summary, show: bool) -> None:
         self.summary = summary
+        self.tasks: dict[str, Any] = {}
         self.progress = Progress(
             TextColumn("{task.description:<10}"), BarColumn(), TimeElapsedColumn(),
             console=Console(stderr=True), disable=not show, transient=False,
@@ -104,11 +107,18 @@ class _Stages:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        task = self.progress.add_task(name, total=None)  # pulses while the stage runs
+        """A stage, or one more run of it (decode and unwind run once per run of stack
+        records): its time adds up, its progress line pulses until the last run ends."""
+        if name not in self.tasks:
+            self.tasks[name] = self.progress.add_task(name, total=None)
         t0 = time.perf_counter()
         yield
-        self.summary.timings[name] = time.perf_counter() - t0
-        self.progress.update(task, total=1, completed=1)
+        timings = self.summary.timings
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+    def done(self) -> None:
+        for task in self.tasks.values():
+            self.progress.update(task, total=1, completed=1)
 
     def run(self, name: str, fn: Callable[[], T]) -> T:
         with self.stage(name):
@@ -123,12 +133,15 @@ def process(
     host_modules: bool = True,
     cache_dir: Path | str | None = None,
     progress: bool | None = None,
+    chunk_bytes: int | None = None,
 ) -> Summary:
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
     host_modules: where the artifact lacks a module, use the host file at its mapped path
     when its build id matches. cache_dir: the symbolization cache (per build id).
     progress: a progress bar per stage; None = only when stderr is a terminal.
+    chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
+    DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
     """
     artifact_path, out_db = Path(artifact_path), Path(out_db)
     if not out_db.parent.is_dir():
@@ -151,7 +164,6 @@ def process(
             events = sort_events(events)
         summary.events = events.num_rows
 
-        decoded = st.run("decode", lambda: _decode(art, raw_stacks, summary.counters))
         m = art.manifest
         pairing = st.run("pair", lambda: pair(events, m.end_ns or None))
         summary.counters.update(pairing.counters)
@@ -162,7 +174,7 @@ def process(
 
             rss = rss_timeline(rss, events)
         store = _module_store(artifact_path, host_modules)
-        unwound = st.run("unwind", lambda: _unwind(decoded, mappings, store, summary))
+        unwound = _decode_unwind(raw_stacks, mappings, store, summary, st, chunk_bytes)
         modules = _modules(mappings, unwound[0], store, artifact_path)
         with st.stage("symbolize"):
             stacks, stack_frames, frames = _symbolize(
@@ -200,6 +212,7 @@ def process(
             lambda: load(out_db, tables, meta, Path(parquet_dir) if parquet_dir else None),
         )
         summary.metadata = st.run("metadata", lambda: _write_metadata(art, out_db))
+        st.done()
     return summary
 
 
@@ -211,15 +224,46 @@ def _valid_events(events: pa.Table, counters: dict[str, int]) -> pa.Table:
     return events.filter(ok) if bad else events
 
 
-def _decode(art: Artifact, raw_stacks: pa.Table, counters: dict[str, int]) -> pa.Table | None:
+def _decode_unwind(raw_stacks: pa.Table, mappings: pa.Table, store: Any, summary: Summary,
+                   st: _Stages, chunk_bytes: int | None) -> tuple[pa.Table, pa.Table]:
+    """Unwound frames and stacks of every stack record, decoded and unwound run by run.
+    A (hash, pid) unwound in an earlier run is not unwound again: unwind keeps the first
+    record of each, and the runs are in file order, so the tables are those of decoding
+    and unwinding the whole table at once."""
     if raw_stacks.num_rows == 0:
-        return None
-    from memtrack.process.decode import decode
+        return UNWOUND_FRAMES.empty_table(), UNWOUND_STACKS.empty_table()
+    from memtrack.process.decode import DEFAULT_MAX_BYTES, decode_chunks
 
-    decoded = decode(art)
-    for k, v in decoded.counters.items():
-        counters[k] = counters.get(k, 0) + int(v)
-    return decoded.table
+    runs = decode_chunks(raw_stacks, chunk_bytes or DEFAULT_MAX_BYTES)
+    frames, stacks = [], []
+    seen = np.zeros(0, dtype=_KEY)
+    while True:
+        with st.stage("decode"):
+            run = next(runs, None)
+        if run is None:
+            break
+        for k, v in run.counters.items():
+            summary.counters[k] = summary.counters.get(k, 0) + int(v)
+        with st.stage("unwind"):
+            keys = _keys(run.table.column("hash"), run.table.column("pid"))
+            new = ~np.isin(keys, seen)
+            table = run.table if new.all() else run.table.filter(pa.array(new))
+            del run
+            f, s = _unwind(table, mappings, store, summary)
+            del table
+            frames.append(f)
+            stacks.append(s)
+            seen = np.concatenate([seen, _keys(s.column("stack_hash"), s.column("pid"))])
+    return pa.concat_tables(frames), pa.concat_tables(stacks)
+
+
+_KEY = np.dtype((np.void, 16))  # (hash, pid) as one comparable value
+
+
+def _keys(hashes: pa.ChunkedArray, pids: pa.ChunkedArray) -> np.ndarray:
+    pair = np.stack([hashes.to_numpy().astype(np.uint64), pids.to_numpy().astype(np.uint64)],
+                    axis=1)
+    return np.ascontiguousarray(pair).view(_KEY).ravel()
 
 
 def _module_store(artifact_path: Path, host_modules: bool) -> Any:
@@ -236,8 +280,8 @@ def _unwind(decoded: pa.Table | None, mappings: pa.Table, store: Any, summary: S
 
     out = unwind(decoded, mappings, store)
     for k, v in out.counters.items():
-        summary.counters[f"unwind_{k}"] = int(v)
-    summary.warnings.extend(out.problems)
+        summary.counters[f"unwind_{k}"] = summary.counters.get(f"unwind_{k}", 0) + int(v)
+    summary.warnings.extend(p for p in dict.fromkeys(out.problems) if p not in summary.warnings)
     frames = out.frames.select(UNWOUND_FRAMES.names).cast(UNWOUND_FRAMES)
     stacks = out.stacks.select(UNWOUND_STACKS.names).cast(UNWOUND_STACKS)
     return frames, stacks
