@@ -10,14 +10,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 from test_process_synth import END_NS
-from unwind_support import VARIANTS, build_fixture, run_snaps
+from test_stackcodec import ring_record
+from unwind_support import VARIANTS, Snaps, build_fixture, run_snaps
 
 from memtrack.process import pipeline
+from memtrack.process.decode import decode_chunks
 from memtrack.process.export import costs, folded
 from memtrack.process.load import StageTables, load, meta_rows
 from memtrack.process.pair import pair, sort_events
+from memtrack.process.pipeline import process
 from memtrack.process.report import ReportOptions, report_data
+from memtrack.process.stackcodec import StackRef, hash_bytes, records_to_batch
 from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, EventKind
+from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.schema.ddl import open_run
 from memtrack.symbolize.modules import ModuleStore
 
@@ -102,3 +107,62 @@ def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
     assert fr.column("reason").to_pylist() == ["no-mapping"] * 3
     assert summary.unknown_frames == 3
     assert sf.column("module_id").to_pylist() == [None, 0, None]
+
+
+def chained_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]:
+    """The snapshots recorded `rounds` times over by one thread, as the kernel writes
+    them: a keyframe, then each record a delta against the one before (every 4th a raw
+    record), and one malloc event per record; returns the number of records."""
+    t = snaps.stacks
+    pid = t.column("pid")[0].as_py()
+    copies = [np.frombuffer(b, np.uint64) for b in t.column("stack").to_pylist()]
+    regs = [np.array(r, np.uint64) for r in t.column("regs").to_pylist()]
+    sps, fps = t.column("sp").to_pylist(), t.column("fp_chain").to_pylist()
+    records, hashes, ref = [], [], None
+    for i in range(rounds * len(copies)):
+        j = i % len(copies)
+        raw = i % 4 == 3
+        records.append(ring_record(copies[j], sps[j], regs[j], tid=pid, pid=pid, ref=ref,
+                                   delta=not raw, fp=tuple(fps[j]), ts=t.column("ts")[j]
+                                   .as_py()))
+        hashes.append(hash_bytes(copies[j].tobytes()))
+        ref = None if raw else StackRef(hashes[-1], sps[j], copies[j], regs[j])
+    n = len(records)
+    w = ArtifactWriter(path)
+    w.write("stacks", pa.Table.from_batches([records_to_batch(records)[0]]))
+    w.write("events", pa.table({
+        "ts": [100 * (i + 1) for i in range(n)], "pid": [pid] * n, "tid": [pid] * n,
+        "kind": [int(EventKind.MALLOC)] * n, "allocator": [1] * n, "flags": [0] * n,
+        "addr": [0x1000 * (i + 1) for i in range(n)], "old_addr": [0] * n,
+        "size": [16 + i for i in range(n)], "stack_hash": hashes}, schema=EVENTS))
+    w.write("mappings", snaps.mappings.cast(MAPPINGS))
+    w.manifest.root_pid = pid
+    w.manifest.end_ns = END_NS * n
+    w.close()
+    return path, n
+
+
+def test_process_in_tiny_runs_equals_the_default(tmp_path: Path) -> None:
+    """`process` decoding and unwinding one record at a time (a thread's delta chain and
+    its repeated stacks spread over every run) writes the same run database."""
+    exe = build_fixture(["unwind/chain.c"], VARIANTS["O2"], "chain-O2")
+    art, n = chained_artifact(run_snaps([str(exe)], tmp_path), tmp_path / "a.memtrack", 5)
+    assert len(list(decode_chunks(Artifact.open(art), 1))) == n == 15
+    whole = process(art, tmp_path / "whole.duckdb", progress=False)
+    tiny = process(art, tmp_path / "tiny.duckdb", progress=False, chunk_bytes=1)
+    assert whole.stacks == tiny.stacks == 3
+    assert whole.counters["decode_mismatch"] == 0
+    assert [whole.counters[k] for k in ("stack_keyframes", "stack_deltas", "stack_raw")] == [
+        4, 8, 3]
+    assert whole.counters["unwind_unwind_stacks"] == 3
+    assert whole.counters["events_stack_missing"] == 0
+    assert tiny.counters == whole.counters
+    assert tiny.frames_by_method == whole.frames_by_method == {"cfi": 21, "regs": 3}
+    a, b = open_run(tmp_path / "whole.duckdb"), open_run(tmp_path / "tiny.duckdb")
+    for table in ("events", "allocations", "stacks", "stack_frames", "frames", "modules"):
+        rows = a.execute(f"SELECT * FROM {table} ORDER BY ALL").fetchall()
+        assert rows, table
+        assert b.execute(f"SELECT * FROM {table} ORDER BY ALL").fetchall() == rows, table
+    lines = a.execute("SELECT list(function ORDER BY position) FROM stack_lines "
+                      "GROUP BY stack_id").fetchall()
+    assert [fns[1:] for (fns,) in lines] == [CHAIN] * 3
