@@ -125,3 +125,27 @@ def test_process_cli(tmp_path: Path) -> None:
     (art / "events.arrow").write_bytes(b"garbage")
     code, _, err = invoke("process", str(art), "-o", str(tmp_path / "x.duckdb"))
     assert code == 2 and "events.arrow" in err and err.count("\n") == 1
+
+
+def test_records_with_the_same_frames_are_one_backtrace(run_db: Path, tmp_path: Path) -> None:
+    """Stack records whose bytes differ but unwind to the same frames (different locals,
+    say) are one backtrace, with their values summed."""
+    db = tmp_path / "dup.duckdb"
+    db.write_bytes(run_db.read_bytes())
+    with duckdb.connect(str(db)) as con:
+        (sid, n) = con.execute("""
+            SELECT stack_id, count(*) FROM allocation_sites WHERE location = 'make_big'
+            GROUP BY stack_id""").fetchone()
+        assert n == 2
+        new = con.execute("SELECT max(stack_id) + 1 FROM stacks").fetchone()[0]
+        con.execute("INSERT INTO stacks SELECT ? AS stack_id, * EXCLUDE (stack_id) "
+                    "FROM stacks WHERE stack_id = ?", [new, sid])
+        con.execute("INSERT INTO stack_frames SELECT ? AS stack_id, * EXCLUDE (stack_id) "
+                    "FROM stack_frames WHERE stack_id = ?", [new, sid])
+        con.execute("""UPDATE allocations SET stack_id = ? WHERE alloc_id = (
+            SELECT min(alloc_id) FROM allocations WHERE stack_id = ?)""", [new, sid])
+    code, out, _ = invoke("report", str(db), "--format", "json")
+    assert code == 0
+    entry = next(e for e in json.loads(out)["sections"]["calls"] if e["location"] == "make_big")
+    assert entry["value"] == 2 and entry["stacks"] == 1
+    assert [bt["value"] for bt in entry["backtraces"]] == [2]

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from memtrack.process.load import StageTables, load, meta_rows
 from memtrack.process.pair import pair, sort_events
+from memtrack.process.report import counter_lines
 from memtrack.schema import FORMAT_VERSION, EventKind
 from memtrack.schema.artifact import Artifact
 
@@ -76,9 +77,7 @@ class Summary:
             methods = ", ".join(f"{k} {v}" for k, v in sorted(self.frames_by_method.items()))
             out.append(f"frames by method: {methods}; unknown frames: {self.unknown_frames}")
         out.append("stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
-        lost = {k: v for k, v in self.losses.items() if v}
-        if lost:
-            out.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
+        out.extend(counter_lines(self.losses))
         noted = {k: v for k, v in self.counters.items() if v and k in NOTABLE}
         if noted:
             out.append("process: " + ", ".join(f"{k} {v}" for k, v in noted.items()))

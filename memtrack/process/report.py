@@ -15,6 +15,8 @@ from typing import Any, TextIO
 
 import duckdb
 
+from memtrack.schema import is_loss
+
 # Section key -> (title, SQL giving (stack_id, value) rows per allocation, value noun)
 SECTIONS: dict[str, tuple[str, str, str]] = {
     "calls": ("MOST CALLS TO ALLOCATION FUNCTIONS",
@@ -32,6 +34,18 @@ class ReportOptions:
     pid: int | None = None
     top: int = 10  # locations per section
     backtraces: int = 3  # backtraces per location
+
+
+def counter_lines(losses: dict[str, int]) -> list[str]:
+    """Capture's non-zero counters: lost data first, then fidelity notes."""
+    lost = {k: v for k, v in losses.items() if v and is_loss(k)}
+    notes = {k: v for k, v in losses.items() if v and not is_loss(k)}
+    out = []
+    if lost:
+        out.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
+    if notes:
+        out.append("capture notes: " + ", ".join(f"{k} {v}" for k, v in notes.items()))
+    return out
 
 
 def _pids(opts: ReportOptions) -> str:
@@ -125,10 +139,20 @@ def section(con: duckdb.DuckDBPyConnection, key: str, opts: ReportOptions) -> li
     rows = con.execute(f"""
         WITH src AS ({src.format(pids=_pids(opts))}),
         per_stack AS (SELECT stack_id, sum(v) AS v FROM src GROUP BY stack_id),
+        -- stack records whose bytes differ (locals, spilled registers) often unwind to
+        -- the same frames: a backtrace is a distinct frame sequence, not a record
+        paths AS (
+            SELECT stack_id, hash(list(frame_id ORDER BY depth)) AS path
+            FROM stack_frames WHERE stack_id IN (SELECT stack_id FROM per_stack)
+            GROUP BY stack_id),
+        per_path AS (
+            SELECT min(s.stack_id) AS stack_id, sum(s.v) AS v
+            FROM per_stack s LEFT JOIN paths p USING (stack_id)
+            GROUP BY coalesce(p.path, hash(s.stack_id))),
         loc AS (
             SELECT coalesce(l.name, '[no stack]') AS location, l.file, l.line,
                    s.stack_id, s.v
-            FROM per_stack s LEFT JOIN stack_location l USING (stack_id))
+            FROM per_path s LEFT JOIN stack_location l USING (stack_id))
         SELECT location, arg_max(file, v), arg_max(line, v), sum(v)::BIGINT AS total,
                list(stack_id ORDER BY v DESC, stack_id)[1:{int(opts.backtraces)}],
                list(v::BIGINT ORDER BY v DESC, stack_id)[1:{int(opts.backtraces)}],
@@ -223,9 +247,7 @@ def format_text(data: dict) -> str:
         if len(data["processes"]) > len(procs):
             lines.append(f"  ({len(data['processes']) - len(procs)} more with fewer calls: "
                          "--format json lists them all)")
-    if data["losses"]:
-        lines.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in
-                                                    data["losses"].items()))
+    lines += counter_lines(data["losses"])
     for key, (title, _, noun) in SECTIONS.items():
         lines += ["", title]
         entries = data["sections"][key]
