@@ -18,7 +18,6 @@ file-backed mapping (unknown mapping).
 from __future__ import annotations
 
 import functools
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,8 +25,6 @@ from typing import Any, TextIO
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 
 from memtrack.process.addrspace import AddressSpaces
 from memtrack.schema import NUM_REGS
@@ -44,6 +41,7 @@ from memtrack.symbolize.cfi import (
 )
 from memtrack.symbolize.dwarfexpr import DwarfExprError, evaluate
 from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
+from memtrack.symbolize.symtab import ElfImage, ElfReadError
 
 METHODS = ("regs", "cfi", "fp", "fp-kernel")
 M_REGS, M_CFI, M_FP, M_KERNEL = range(4)
@@ -587,24 +585,23 @@ def _read_file(path: Path, offset: int, size: int) -> bytes:
 
 @functools.lru_cache(maxsize=64)
 def _func_starts(elf_path: Path, debug_path: Path | None) -> np.ndarray:
-    """Sorted start addresses of the FUNC symbols of a module (its debug file's too)."""
-    out: set[int] = set()
+    """Sorted start addresses of a module's functions (its debug file's too): the symbol
+    tables the symbolizer names frames from."""
+    starts = [np.zeros(0, np.uint64)]
     for path in (elf_path, debug_path):
         if path is None:
             continue
         try:
-            with open(path, "rb") as f:
-                elf = ELFFile(f)
-                for name in (".symtab", ".dynsym"):
-                    sec = elf.get_section_by_name(name)
-                    if sec is None or sec["sh_type"] == "SHT_NOBITS":
-                        continue
-                    for sym in sec.iter_symbols():
-                        if sym["st_info"]["type"] == "STT_FUNC" and sym["st_value"]:
-                            out.add(int(sym["st_value"]))
-        except (OSError, ELFError, struct.error, ValueError):
+            image = ElfImage(path)
+        except ElfReadError:
             continue
-    return np.array(sorted(out), dtype=np.int64)
+        try:
+            starts.append(image.symbol_table()[0].start)
+        except ElfReadError:
+            pass
+        finally:
+            image.close()
+    return np.unique(np.concatenate(starts)).astype(np.int64)
 
 
 _PROLOGUE_MAX = 256  # bytes from a function's start simulated for frame 0 without CFI
