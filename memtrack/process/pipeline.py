@@ -313,16 +313,19 @@ def _modules(mappings: pa.Table, frames: pa.Table, store: Any, artifact_path: Pa
 
 
 def _has_debuginfo(mod: Any) -> bool:
+    """Whether the symbolizer will find DWARF for the module (same test as it makes)."""
     if mod.debug_path is not None:
         return True
-    from elftools.common.exceptions import ELFError
-    from elftools.elf.elffile import ELFFile
+    from memtrack.symbolize.symtab import ElfImage, ElfReadError
 
     try:
-        with open(mod.elf_path, "rb") as f:
-            return ELFFile(f).get_section_by_name(".debug_info") is not None
-    except (OSError, ELFError):
+        image = ElfImage(Path(mod.elf_path))
+    except ElfReadError:
         return False
+    try:
+        return image.has(".debug_info")
+    finally:
+        image.close()
 
 
 def _symbolize(
