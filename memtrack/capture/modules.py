@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from memtrack.capture.procfs import PROC, MapLine, read_maps, read_memory
+from memtrack.capture.procfs import MapLine, map_file, read_maps, read_memory
 from memtrack.schema import MAPPINGS, VDSO_PATH
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.symbolize.buildid import build_id_of_bytes, find_debug_file, read_build_id
@@ -44,7 +44,7 @@ class ModuleRecorder:
     def build_id_of(self, pid: int, m: MapLine) -> str | None:
         key = (m.dev, m.inode)
         if key not in self._build_ids:
-            src = PROC / str(pid) / "map_files" / f"{m.start:x}-{m.end:x}"
+            src = map_file(pid, m)
             bid = read_build_id(src)
             if bid is None and os.path.exists(m.path):
                 bid = read_build_id(m.path)
@@ -77,7 +77,7 @@ class ModuleRecorder:
                 bid = self.build_id_of(pid, m)
                 if bid and "x" in m.perms and self.copy_modules and bid not in self._queued:
                     self._queued.add(bid)
-                    src = str(PROC / str(pid) / "map_files" / f"{m.start:x}-{m.end:x}")
+                    src = str(map_file(pid, m))
                     self._pending.append(_Copy(bid, m.path, [m.path, src]))
             build_ids.append(bid)
         n = len(maps)

@@ -33,6 +33,12 @@ def parse_maps(text: str) -> list[MapLine]:
     return out
 
 
+def map_file(pid: int, m: MapLine) -> Path:
+    """/proc/PID/map_files/ entry of a mapping: the mapped file itself, even when its
+    path was since deleted or replaced."""
+    return PROC / str(pid) / "map_files" / f"{m.start:x}-{m.end:x}"
+
+
 def read_maps(pid: int) -> list[MapLine] | None:
     try:
         return parse_maps((PROC / str(pid) / "maps").read_text())

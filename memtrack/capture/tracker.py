@@ -47,7 +47,7 @@ from memtrack.capture.bcc_compat import attach_uprobe
 from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC, CorePart, events_batch
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import BPF_DIR, CaptureOptions, CapturePart
-from memtrack.capture.procfs import PROC, read_identity, wait_stopped
+from memtrack.capture.procfs import map_file, read_identity, wait_stopped
 from memtrack.schema import LOSS_COUNTERS, PROCESSES, EventKind, is_loss
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.manifest import Clock, ExitStatus, Host
@@ -541,7 +541,7 @@ class Session:
                 maps = self.modules.snapshot(pid, now)
                 for m in maps or ():
                     if "x" in m.perms and m.path.startswith("/") and m.inode:
-                        src = str(PROC / str(pid) / "map_files" / f"{m.start:x}-{m.end:x}")
+                        src = str(map_file(pid, m))
                         self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m))
         for pid in stopped:
             try:
