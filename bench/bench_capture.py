@@ -95,7 +95,7 @@ def bench_probes(loop: Path, n: int) -> None:
             with Tracker(CaptureOptions(stacks=stacks, rss=False, modules=False)) as t, \
                     tempfile.TemporaryDirectory() as d:
                 captured_loop(t, [str(loop), "loop", str(n)], private_libc(d))
-                for name in ("mt_e_libc_malloc", "mt_ret", "mt_f_libc_free"):
+                for name in ("mt_alloc", "mt_ret", "mt_free"):
                     fn = t.bpf.funcs.get(name.encode())
                     if fn is None:
                         continue

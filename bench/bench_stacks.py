@@ -31,7 +31,7 @@ from memtrack.schema import NUM_REGS, Allocator, EventKind, StackEncoding  # noq
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
-PROBE = "mt_e_libc_malloc"
+PROBE = "mt_alloc"
 CONFIGS = [("off", None, False), ("raw 8K", 8192, False), ("delta 8K", 8192, True),
            ("raw 32K", 32768, False), ("delta 32K", 32768, True)]
 

@@ -25,11 +25,16 @@ M, C, R, A, F = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC,
 HEAP_KINDS = {*ALLOC_KINDS, EventKind.FREE}
 
 
-@pytest.fixture(scope="module")
-def tracker() -> Any:
+# Both ways allocator probes reach the kernel (memtrack.capture.links): one
+# uprobe_multi link per module and program where the kernel has them (6.6+), one
+# perf-event uprobe per function otherwise; each test runs with both.
+@pytest.fixture(scope="module", params=["uprobe_multi", "perf_event"])
+def tracker(request: pytest.FixtureRequest) -> Any:
     from memtrack.capture.tracker import Tracker
 
-    with Tracker(CaptureOptions(stacks=False, rss=False)) as t:
+    options = CaptureOptions(stacks=False, rss=False, extra={"uprobe_attach": request.param})
+    with Tracker(options) as t:
+        assert t.uprobes.mode == request.param
         yield t
 
 

@@ -13,7 +13,7 @@ from conftest import build
 
 from memtrack.capture.allocators import ElfError, classify, probes_for, read_elf
 from memtrack.capture.procfs import parse_maps
-from memtrack.schema import Allocator
+from memtrack.schema import Allocator, EventKind
 
 LIB = Path("/usr/lib/x86_64-linux-gnu")
 
@@ -36,9 +36,17 @@ def test_libc_probes_and_aliases() -> None:
     assert {"malloc", "calloc", "realloc", "free", "posix_memalign", "valloc"} <= set(probes)
     assert len({p.vaddr for p in probes.values()}) == len(probes)
     assert ("aligned_alloc" in probes) != ("memalign" in probes)
-    assert probes["malloc"].program == "mt_e_libc_malloc"
-    assert probes["free"].program == "mt_f_libc_free" and probes["free"].is_free
+    assert probes["malloc"].program == "mt_alloc"
+    assert probes["free"].program == "mt_free" and probes["free"].is_free
     assert probes["posix_memalign"].shape == "posixmemalign"
+    # the cookie tells alloc.c the kind, the family and where the arguments are
+    assert probes["malloc"].cookie == EventKind.MALLOC | Allocator.LIBC << 8 | 1 << 16
+    assert probes["calloc"].cookie == (EventKind.CALLOC | Allocator.LIBC << 8 | 1 << 16
+                                       | 2 << 18)
+    assert probes["realloc"].cookie == (EventKind.REALLOC | Allocator.LIBC << 8 | 2 << 16
+                                        | 1 << 20)
+    assert probes["posix_memalign"].cookie == 100 | Allocator.LIBC << 8 | 3 << 16 | 1 << 22
+    assert probes["free"].cookie == EventKind.FREE | Allocator.LIBC << 8
 
 
 @pytest.mark.bpf
@@ -137,24 +145,27 @@ def test_ring_reader_wraps_and_keeps_order() -> None:
         b.cleanup()
 
 
-def test_every_shape_has_a_program_and_an_argument_count() -> None:
+def test_every_shape_has_a_cookie_and_an_argument_count() -> None:
     import re
 
-    from memtrack.capture.allocators import (
-        CXX_NAMES,
-        JEMALLOC_NAMES,
-        LIBC_NAMES,
-        MIMALLOC_NAMES,
-        SHAPE_ARG_REGS,
-        TCMALLOC_NAMES,
-    )
+    from memtrack.capture import allocators as al
 
     src = (Path(__file__).resolve().parent.parent / "memtrack" / "bpf" / "alloc.c").read_text()
-    defined = set(re.findall(r"int mt_[ef]_##fam##_(\w+)\(", src))
-    shapes = {*LIBC_NAMES.values(), *CXX_NAMES.values(), *JEMALLOC_NAMES.values(),
-              *MIMALLOC_NAMES.values(), *TCMALLOC_NAMES.values()}
-    assert shapes <= defined
-    assert shapes <= set(SHAPE_ARG_REGS)
+    assert {"mt_alloc", "mt_ret", "mt_free"} <= set(re.findall(r"^int (mt_\w+)\(", src, re.M))
+    defines = {k: int(v) for k, v in re.findall(r"#define (MT_(?:CK|K)_\w+) (\d+)", src)}
+    assert defines == {
+        "MT_K_POSIX_MEMALIGN": al.KIND_POSIX_MEMALIGN, "MT_K_MALLOCX": al.KIND_MALLOCX,
+        "MT_CK_ALLOCATOR": al.CK_ALLOCATOR, "MT_CK_SIZE": al.CK_SIZE, "MT_CK_MUL": al.CK_MUL,
+        "MT_CK_OLD": al.CK_OLD, "MT_CK_OUTP": al.CK_OUTP, "MT_CK_FLAGS": al.CK_FLAGS}
+    shapes = {*al.LIBC_NAMES.values(), *al.CXX_NAMES.values(), *al.JEMALLOC_NAMES.values(),
+              *al.MIMALLOC_NAMES.values(), *al.TCMALLOC_NAMES.values()}
+    assert shapes <= set(al.SHAPES) and shapes <= set(al.SHAPE_ARG_REGS)
+    for name, shape in al.SHAPES.items():
+        assert name.startswith("free") == (shape.kind == EventKind.FREE), name
+        # every argument selector fits its two bits, every field its place
+        assert all(0 <= a <= 3 for a in (shape.size, shape.mul, shape.old, shape.outp,
+                                         shape.flags)), name
+        assert shape.cookie(Allocator.OTHER) >> al.CK_ALLOCATOR & 0xFF == Allocator.OTHER
 
 
 def test_truncated_copies_are_noted_not_lost() -> None:

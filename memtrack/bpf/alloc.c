@@ -1,11 +1,14 @@
 /* Allocator probes: entry uprobes and return uretprobes of every allocator family,
  * paired per thread, reported once per outer call.
  *
- * One program per (family, shape): the shape says which argument holds the size,
- * the old pointer or the out-pointer, and which event kind the call is. Userspace
- * (memtrack.capture.allocators) attaches `mt_e_<family>_<shape>` at a function's
- * entry, `mt_ret` at its return for allocating functions, and `mt_f_<family>_<shape>`
- * (entry only) for frees.
+ * Three programs serve every allocator function of every family: `mt_alloc` at the
+ * entry of allocating functions, `mt_ret` at their return, `mt_free` at the entry of
+ * frees. Each probe carries an attach cookie (bpf_get_attach_cookie) that says what
+ * the function is: the event kind, the allocator family, and which integer argument
+ * holds the size, its multiplier, the old pointer, the out-pointer and the flags
+ * (memtrack.capture.allocators.Shape builds it; the MT_CK_* layout below). One copy
+ * of the stack capture is compiled and verified, and userspace attaches all of a
+ * module's functions with one uprobe_multi link per program.
  *
  * Needs: MT_EVENTS_PAGES (events ring size in pages). Optional: MT_STACKS (stacks.h
  * is included before this file and defines mt_stack_capture). */
@@ -19,6 +22,17 @@
 /* Internal kinds beyond enum mt_kind: resolved at return. */
 #define MT_K_POSIX_MEMALIGN 100 /* the address is written to the out-pointer */
 #define MT_K_MALLOCX 101        /* jemalloc flags decide: aligned / zeroed / plain */
+
+/* Attach cookie layout (memtrack.capture.allocators.cookie): the kind in bits 0-7, the
+ * allocator in bits 8-15, then 2-bit argument selectors (0: none, 1-3: the first,
+ * second, third integer argument): the size, the size's multiplier (none: 1), the old
+ * pointer, the out-pointer, the flags. A free's pointer is always its first argument. */
+#define MT_CK_ALLOCATOR 8
+#define MT_CK_SIZE 16
+#define MT_CK_MUL 18
+#define MT_CK_OLD 20
+#define MT_CK_OUTP 22
+#define MT_CK_FLAGS 24
 
 /* Loss counters of the capture core (userspace sums the per-CPU slots). */
 #define MT_L_EVENTS_RING_FULL 0
@@ -112,7 +126,7 @@ static __always_inline void mt_retslot_pop(u32 tid) {
         r->depth -= 1;
 }
 
-static __always_inline int mt_entry(struct pt_regs *ctx, u8 kind, u8 allocator, u64 size,
+static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, u64 size,
                                     u64 old_addr, u64 outp, u64 flags) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
@@ -180,7 +194,7 @@ int mt_ret(struct pt_regs *ctx) {
     return 0;
 }
 
-static __always_inline int mt_free(struct pt_regs *ctx, u8 allocator, u64 ptr, u64 size) {
+static __always_inline int mt_free_enter(struct pt_regs *ctx, u8 allocator, u64 ptr, u64 size) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
     if (ptr == 0)
@@ -201,57 +215,29 @@ static __always_inline int mt_free(struct pt_regs *ctx, u8 allocator, u64 ptr, u
     return 0;
 }
 
-#define A1 PT_REGS_PARM1(ctx)
-#define A2 PT_REGS_PARM2(ctx)
-#define A3 PT_REGS_PARM3(ctx)
 
-/* Every shape of one allocator family. */
-#define MT_FAMILY(fam, id)                                                                   \
-    int mt_e_##fam##_malloc(struct pt_regs *ctx) {                                          \
-        return mt_entry(ctx, MT_MALLOC, id, A1, 0, 0, 0);                                    \
-    }                                                                                        \
-    int mt_e_##fam##_valloc(struct pt_regs *ctx) {                                          \
-        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A1, 0, 0, 0);                             \
-    }                                                                                        \
-    int mt_e_##fam##_calloc(struct pt_regs *ctx) {                                          \
-        return mt_entry(ctx, MT_CALLOC, id, A1 * A2, 0, 0, 0);                               \
-    }                                                                                        \
-    int mt_e_##fam##_zalloc(struct pt_regs *ctx) {                                          \
-        return mt_entry(ctx, MT_CALLOC, id, A1, 0, 0, 0);                                    \
-    }                                                                                        \
-    int mt_e_##fam##_mallocn(struct pt_regs *ctx) {                                         \
-        return mt_entry(ctx, MT_MALLOC, id, A1 * A2, 0, 0, 0);                               \
-    }                                                                                        \
-    int mt_e_##fam##_realloc(struct pt_regs *ctx) {                                         \
-        return mt_entry(ctx, MT_REALLOC, id, A2, A1, 0, 0);                                  \
-    }                                                                                        \
-    int mt_e_##fam##_reallocn(struct pt_regs *ctx) {                                        \
-        return mt_entry(ctx, MT_REALLOC, id, A2 * A3, A1, 0, 0);                             \
-    }                                                                                        \
-    int mt_e_##fam##_memalign(struct pt_regs *ctx) {                                        \
-        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A2, 0, 0, 0);                             \
-    }                                                                                        \
-    int mt_e_##fam##_alignedsz(struct pt_regs *ctx) {                                       \
-        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A1, 0, 0, 0);                             \
-    }                                                                                        \
-    int mt_e_##fam##_callocaligned(struct pt_regs *ctx) {                                   \
-        return mt_entry(ctx, MT_ALIGNED_ALLOC, id, A1 * A2, 0, 0, 0);                        \
-    }                                                                                        \
-    int mt_e_##fam##_posixmemalign(struct pt_regs *ctx) {                                   \
-        return mt_entry(ctx, MT_K_POSIX_MEMALIGN, id, A3, 0, A1, 0);                         \
-    }                                                                                        \
-    int mt_e_##fam##_mallocx(struct pt_regs *ctx) {                                         \
-        return mt_entry(ctx, MT_K_MALLOCX, id, A1, 0, 0, A2);                                \
-    }                                                                                        \
-    int mt_f_##fam##_free(struct pt_regs *ctx) { return mt_free(ctx, id, A1, 0); }           \
-    int mt_f_##fam##_freesized(struct pt_regs *ctx) { return mt_free(ctx, id, A1, A2); }     \
-    int mt_f_##fam##_freealignedsized(struct pt_regs *ctx) {                                \
-        return mt_free(ctx, id, A1, A3);                                                     \
-    }
+/* The argument a 2-bit selector of the cookie names (0: none = `none`). Read from a
+ * small table on the stack rather than through branches, so that the verifier walks
+ * the stack capture after it once, not once per combination of selectors. */
+static __always_inline u64 mt_arg(u64 *args, u64 cookie, int shift) {
+    return args[(cookie >> shift) & 3];
+}
 
-MT_FAMILY(libc, MT_A_LIBC)
-MT_FAMILY(cxx, MT_A_CXX)
-MT_FAMILY(jemalloc, MT_A_JEMALLOC)
-MT_FAMILY(mimalloc, MT_A_MIMALLOC)
-MT_FAMILY(tcmalloc, MT_A_TCMALLOC)
-MT_FAMILY(other, MT_A_OTHER)
+int mt_alloc(struct pt_regs *ctx) {
+    u64 ck = bpf_get_attach_cookie(ctx);
+    u64 args[4] = {0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx)};
+    u64 size = mt_arg(args, ck, MT_CK_SIZE);
+    args[0] = 1;
+    size *= mt_arg(args, ck, MT_CK_MUL);
+    args[0] = 0;
+    return mt_enter(ctx, ck & 0xff, (ck >> MT_CK_ALLOCATOR) & 0xff, size,
+                    mt_arg(args, ck, MT_CK_OLD), mt_arg(args, ck, MT_CK_OUTP),
+                    mt_arg(args, ck, MT_CK_FLAGS));
+}
+
+int mt_free(struct pt_regs *ctx) {
+    u64 ck = bpf_get_attach_cookie(ctx);
+    u64 args[4] = {0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx)};
+    return mt_free_enter(ctx, (ck >> MT_CK_ALLOCATOR) & 0xff, args[1],
+                         mt_arg(args, ck, MT_CK_SIZE));
+}

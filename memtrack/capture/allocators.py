@@ -5,7 +5,8 @@ symbol tables, so that allocators linked statically into an executable are found
 `mallocx`/`je_mallocx` = jemalloc (distro builds are unprefixed), `mi_malloc` =
 mimalloc, `tc_malloc` = tcmalloc, `malloc` with `__libc_start_main` = the C library,
 `malloc` otherwise = a program's own allocator, `operator new` alone = the C++
-runtime. Every probed function maps to a BPF program of alloc.c by its shape.
+runtime. Every probed function has a shape (what its arguments mean), carried to the
+BPF programs of alloc.c as the probe's attach cookie.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from memtrack.schema import Allocator
+from memtrack.schema import Allocator, EventKind
 
-# name -> shape; shapes ending in "free..." are entry-only frees (alloc.c mt_f_*),
-# the others allocating entries paired with mt_ret.
+# name -> shape (SHAPES); shapes ending in "free..." are entry-only frees (alloc.c
+# mt_free), the others allocating entries (mt_alloc) paired with their return (mt_ret).
 LIBC_NAMES = {
     "malloc": "malloc", "calloc": "calloc", "realloc": "realloc",
     "reallocarray": "reallocn", "aligned_alloc": "memalign", "memalign": "memalign",
@@ -76,18 +77,60 @@ TCMALLOC_NAMES = {
     "tc_deletearray_sized_aligned": "freesized",
 }  # fmt: skip
 
-# How many integer argument registers (rdi, rsi, rdx, ...) each shape's BPF program
-# reads at entry: the placement may skip instructions that overwrite the others.
-SHAPE_ARG_REGS = {
-    "malloc": 1, "valloc": 1, "zalloc": 1, "alignedsz": 1, "calloc": 2, "mallocn": 2,
-    "realloc": 2, "memalign": 2, "callocaligned": 2, "mallocx": 2, "reallocn": 3,
-    "posixmemalign": 3, "free": 1, "freesized": 2, "freealignedsized": 3,
-}  # fmt: skip
+# Internal kinds of bpf/alloc.c, resolved at return into an EventKind.
+KIND_POSIX_MEMALIGN = 100  # the address is written to the out-pointer
+KIND_MALLOCX = 101  # jemalloc's flags decide: aligned, zeroed or plain
 
-FAMILY_PREFIX = {
-    Allocator.LIBC: "libc", Allocator.CXX: "cxx", Allocator.JEMALLOC: "jemalloc",
-    Allocator.MIMALLOC: "mimalloc", Allocator.TCMALLOC: "tcmalloc", Allocator.OTHER: "other",
-}  # fmt: skip
+# bpf/alloc.c MT_CK_*: where each field sits in a probe's attach cookie.
+CK_ALLOCATOR, CK_SIZE, CK_MUL, CK_OLD, CK_OUTP, CK_FLAGS = 8, 16, 18, 20, 22, 24
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a probed function's arguments mean: the event kind and which integer
+    argument (1-3; 0 = none) holds the size, its multiplier, the old pointer, the
+    out-pointer and the flags. A free's pointer is always its first argument."""
+
+    kind: int
+    size: int = 0
+    mul: int = 0
+    old: int = 0
+    outp: int = 0
+    flags: int = 0
+
+    @property
+    def arg_regs(self) -> int:
+        """Integer argument registers the BPF program reads at entry: the placement
+        may skip instructions that overwrite the others."""
+        return max(self.size, self.mul, self.old, self.outp, self.flags,
+                   1 if self.kind == EventKind.FREE else 0)
+
+    def cookie(self, family: Allocator) -> int:
+        return (self.kind | int(family) << CK_ALLOCATOR | self.size << CK_SIZE
+                | self.mul << CK_MUL | self.old << CK_OLD | self.outp << CK_OUTP
+                | self.flags << CK_FLAGS)
+
+
+_K = EventKind
+SHAPES = {
+    "malloc": Shape(_K.MALLOC, size=1),
+    "valloc": Shape(_K.ALIGNED_ALLOC, size=1),
+    "calloc": Shape(_K.CALLOC, size=1, mul=2),
+    "zalloc": Shape(_K.CALLOC, size=1),
+    "mallocn": Shape(_K.MALLOC, size=1, mul=2),
+    "realloc": Shape(_K.REALLOC, size=2, old=1),
+    "reallocn": Shape(_K.REALLOC, size=2, mul=3, old=1),
+    "memalign": Shape(_K.ALIGNED_ALLOC, size=2),
+    "alignedsz": Shape(_K.ALIGNED_ALLOC, size=1),
+    "callocaligned": Shape(_K.ALIGNED_ALLOC, size=1, mul=2),
+    "posixmemalign": Shape(KIND_POSIX_MEMALIGN, size=3, outp=1),
+    "mallocx": Shape(KIND_MALLOCX, size=1, flags=2),
+    "free": Shape(_K.FREE),
+    "freesized": Shape(_K.FREE, size=2),
+    "freealignedsized": Shape(_K.FREE, size=3),
+}
+SHAPE_ARG_REGS = {name: shape.arg_regs for name, shape in SHAPES.items()}
+
 _FAMILY_NAMES = {
     Allocator.JEMALLOC: {**LIBC_NAMES, **CXX_NAMES, **JEMALLOC_NAMES},
     Allocator.MIMALLOC: {**LIBC_NAMES, **CXX_NAMES, **MIMALLOC_NAMES},
@@ -140,8 +183,13 @@ class Probe:
 
     @property
     def program(self) -> str:
-        kind = "f" if self.is_free else "e"
-        return f"mt_{kind}_{FAMILY_PREFIX[self.family]}_{self.shape}"
+        """The bpf/alloc.c program of its entry probe."""
+        return "mt_free" if self.is_free else "mt_alloc"
+
+    @property
+    def cookie(self) -> int:
+        """The attach cookie that tells the program what this function is."""
+        return SHAPES[self.shape].cookie(self.family)
 
 
 @dataclass

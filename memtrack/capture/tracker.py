@@ -43,8 +43,8 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.capture.allocators import ElfError, Probe, probes_for, read_elf
-from memtrack.capture.bcc_compat import attach_uprobe
 from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC, CorePart, events_batch
+from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import BPF_DIR, CaptureOptions, CapturePart
 from memtrack.capture.procfs import map_file, read_identity, wait_stopped
@@ -53,6 +53,9 @@ from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.manifest import Clock, ExitStatus, Host
 
 CLONE_THREAD = 0x10000
+# CaptureOptions.extra["uprobe_attach"]: how allocator probes reach the kernel
+# (memtrack.capture.links); "auto" takes uprobe_multi links where the kernel has them.
+UPROBE_ATTACH = {"auto": None, "uprobe_multi": True, "perf_event": False}
 CONTROL_ENV = "MEMTRACK_CONTROL"
 CONTROL_ACK_ENV = "MEMTRACK_CONTROL_ACK"
 BATCH_ROWS = 65536  # events per events.arrow batch, at most
@@ -136,6 +139,11 @@ class Tracker:
         self.bpf = BPF(text="\n".join(text), cflags=cflags)
         for part in self.parts:
             self.warnings += part.attach(self.bpf)
+        attach = self.options.extra.get("uprobe_attach", "auto")
+        if attach not in UPROBE_ATTACH:
+            raise CaptureError(f"uprobe attach {attach!r}: expected one of "
+                               f"{', '.join(UPROBE_ATTACH)}")
+        self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
         self.attached: set[tuple[int, int]] = set()  # (st_dev, st_ino) of classified files
         self.probes: list[dict[str, Any]] = []
         self.session: Session | None = None
@@ -187,7 +195,15 @@ class Tracker:
             close = getattr(part, "close", None)
             if close is not None:
                 close()
-        self.bpf.cleanup()
+
+        def close_own() -> None:
+            self.uprobes.close()
+            self.bpf.cleanup()
+
+        # uprobe_multi links go now, side by side, so that no allocator trap outlives
+        # us; what waits for grace periods one by one goes in the background.
+        release_in_background([*self.bpf.tracepoint_fds.values(), *self.uprobes.slow_links()],
+                              close_own)
         self.closed = True
 
     # -- probes ---------------------------------------------------------------------
@@ -221,12 +237,17 @@ class Tracker:
         if self.options.probe_placement == "auto":
             with open(open_path, "rb") as f:
                 code = f.read()
+        entries: list[tuple[int, int]] = []
+        frees: list[tuple[int, int]] = []
         for p in probes:
-            self._attach_probe(p, path, mapped_path, build_id, code)
+            offset = self._place_probe(p, mapped_path, build_id, code)
+            (frees if p.is_free else entries).append((p.file_offset + offset, p.cookie))
+        self.uprobes.attach(path, entries, frees)
         return len(probes)
 
-    def _attach_probe(self, p: Probe, path: str, mapped_path: str, build_id: str | None,
-                      code: bytes) -> None:
+    def _place_probe(self, p: Probe, mapped_path: str, build_id: str | None,
+                     code: bytes) -> int:
+        """The probe's offset in the function (recorded in self.probes)."""
         # The placement never moves rsp before the chosen offset, so [rsp] still holds
         # the return address there: a uretprobe at the same offset works and shares the
         # entry probe's breakpoint.
@@ -234,15 +255,13 @@ class Tracker:
         if code:
             offset, reason = _placement(code[p.file_offset:p.file_offset + p.size], p.vaddr,
                                         p.name, p.arg_regs)
-        attach_uprobe(self.bpf, p.program, path, p.file_offset + offset)
-        if not p.is_free:
-            attach_uprobe(self.bpf, "mt_ret", path, p.file_offset + offset, retprobe=True)
         self.probes.append({
             "path": mapped_path, "build_id": build_id, "function": p.name,
             "family": p.family.name.lower(), "program": p.program, "vaddr": p.vaddr,
             "file_offset": p.file_offset, "probe_offset": offset, "reason": reason,
             "retprobe": not p.is_free,
         })
+        return offset
 
     def loss_totals(self) -> dict[str, int]:
         out = dict.fromkeys(LOSS_COUNTERS, 0)
