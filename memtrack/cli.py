@@ -56,7 +56,8 @@ _CAPTURE_ENV = (
     "MEMTRACK_STACKS, MEMTRACK_STACK_BUDGET, MEMTRACK_STACK_COMPRESSION, MEMTRACK_RSS, "
     "MEMTRACK_TRACK_FAULTS, MEMTRACK_MODULES, MEMTRACK_START_DISABLED, "
     "MEMTRACK_CONTROL_FIFO, MEMTRACK_PROBE_PLACEMENT, MEMTRACK_EVENTS_RING_PAGES, "
-    "MEMTRACK_STACKS_RING_PAGES, MEMTRACK_FAIL_ON_LOSS, MEMTRACK_TIMEOUT. "
+    "MEMTRACK_STACKS_RING_PAGES, MEMTRACK_FAIL_ON_LOSS, MEMTRACK_TIMEOUT, "
+    "MEMTRACK_PROGRAM_CACHE. "
     "CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
     "(one line) to the first, read 'ok' from the second."
 )
@@ -105,6 +106,10 @@ def capture(
     timeout: Annotated[float | None, typer.Option(
         "--timeout", envvar="MEMTRACK_TIMEOUT",
         help="Kill CMD after this many seconds.")] = None,
+    program_cache: Annotated[str, typer.Option(
+        "--program-cache", envvar="MEMTRACK_PROGRAM_CACHE",
+        help="Where compiled BPF programs are kept (default $XDG_CACHE_HOME/memtrack/bpf), "
+             "or off.")] = "",
 ) -> None:
     """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
     from memtrack.capture.parts import CaptureOptions
@@ -119,7 +124,8 @@ def capture(
         stack_compression=stack_compression == "on",
         rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
         probe_placement=probe_placement, events_ring_pages=events_ring_pages,
-        stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss)
+        stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss,
+        program_cache=program_cache)
     try:
         status = run_capture(cmd, output, options, force=force, control=control_fifo,
                              timeout=timeout)

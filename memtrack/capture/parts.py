@@ -41,6 +41,7 @@ class CaptureOptions:
     events_ring_pages: int = 4096  # 16 MiB
     stacks_ring_pages: int = 8192  # 32 MiB
     fail_on_loss: bool = False
+    program_cache: str = ""  # where compiled programs are kept ("": the default, "off")
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TextIO
 
 from memtrack.capture.parts import CaptureOptions
-from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker
+from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker, find_command
 
 
 def check_options(options: CaptureOptions) -> None:
@@ -42,8 +42,11 @@ def run_capture(cmd: list[str], output: Path, options: CaptureOptions, *, force:
     """Capture `cmd` into `output`; returns the exit status for the shell (CMD's, or 1
     when --fail-on-loss finds a loss)."""
     check_options(options)
+    if not cmd:
+        raise CaptureError("no command given")
+    find_command(cmd[0])  # before anything is loaded: a typo fails at once
     live = err if err.isatty() else None
-    with Tracker(options) as tracker:
+    with Tracker(options, progress=err) as tracker:
         session = tracker.spawn(cmd, output, overwrite=force, control=control, live=live)
         result = session.wait(timeout=timeout)
     for line in summary(result, cmd):

@@ -48,6 +48,7 @@ from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import BPF_DIR, CaptureOptions, CapturePart
 from memtrack.capture.procfs import map_file, read_identity, wait_stopped
+from memtrack.capture.program import LoadError, ProgramCache, default_cache_dir, load_program
 from memtrack.schema import LOSS_COUNTERS, PROCESSES, EventKind, is_loss
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.manifest import Clock, ExitStatus, Host
@@ -92,6 +93,27 @@ class CaptureResult:
         return {k: v for k, v in self.losses.items() if v and not is_loss(k)}
 
 
+def find_command(name: str, env: dict[str, str] | None = None,
+                 cwd: str | Path | None = None) -> str:
+    """Where exec will find `name` (searched in the PATH of `env` like execvp when it has
+    no slash); CaptureError with exec's reason when it cannot be run."""
+    if "/" in name:
+        candidates = [os.path.join(cwd or ".", name)]
+    else:
+        path = (os.environ if env is None else env).get("PATH", os.defpath)
+        candidates = [os.path.join(cwd or ".", d or ".", name) for d in path.split(":")]
+    why = errno.ENOENT
+    for c in candidates:
+        if os.path.isdir(c):
+            why = errno.EISDIR if "/" in name else why
+        elif os.path.exists(c):
+            if os.access(c, os.X_OK):
+                return c
+            why = errno.EACCES
+    reason = os.strerror(why) if "/" in name or why != errno.ENOENT else "command not found"
+    raise CaptureError(f"cannot run {name}: {reason}")
+
+
 def default_parts(options: CaptureOptions) -> list[CapturePart]:
     """Stacks (when enabled), the core, RSS (when enabled), in program order."""
     parts: list[Any] = []
@@ -118,9 +140,9 @@ class Tracker:
     """Owns the BPF program (compiled once) and the uprobes attached so far."""
 
     def __init__(self, options: CaptureOptions | None = None,
-                 parts: list[CapturePart] | None = None) -> None:
-        from bcc import BPF
-
+                 parts: list[CapturePart] | None = None, *,
+                 progress: TextIO | None = None) -> None:
+        """`progress`: where to say that compiling the program takes a while."""
         self.options = options or CaptureOptions()
         if self.options.probe_placement not in ("auto", "entry"):
             raise CaptureError(f"probe placement {self.options.probe_placement!r}: "
@@ -136,7 +158,18 @@ class Tracker:
             text += [(BPF_DIR / s).read_text() for s in part.sources()]
             cflags += part.cflags()
         self.warnings: list[str] = []
-        self.bpf = BPF(text="\n".join(text), cflags=cflags)
+        cache = None
+        if self.options.program_cache != "off":
+            cache = ProgramCache(Path(self.options.program_cache) if self.options.program_cache
+                                 else default_cache_dir())
+            why = cache.usable()
+            if why is not None:
+                self.warnings.append(f"program cache not used: {why}")
+                cache = None
+        try:
+            self.bpf = load_program("\n".join(text), cflags, cache, progress=progress)
+        except LoadError as e:
+            raise CaptureError(str(e)) from None
         for part in self.parts:
             self.warnings += part.attach(self.bpf)
         attach = self.options.extra.get("uprobe_attach", "auto")
@@ -179,6 +212,7 @@ class Tracker:
                                "wait() for it before spawning another")
         if not cmd:
             raise CaptureError("no command given")
+        find_command(cmd[0], env, cwd)
         self.session = Session(self, list(cmd), Path(output), env=env, cwd=cwd,
                                overwrite=overwrite, user=user, control=control, live=live,
                                start_disabled=start_disabled)

@@ -1,0 +1,489 @@
+"""The capture's BPF program: bcc compiles it once, memtrack loads it.
+
+bcc builds a program by running clang over the C sources at every start: 0.4-0.8 s
+here on a quiet machine, several times that on a busy one (and every malloc clang
+makes traps while another capture's uprobes are attached). What bcc produces depends
+only on its inputs, so `load_program` keeps it: an `Image` holds each function's
+bytecode with its map references turned into relocations, and each map's
+specification; it is cached under `$XDG_CACHE_HOME/memtrack/bpf` (capture runs as
+root: `/root/.cache/...`) keyed by everything that shapes bcc's output (`cache_key`).
+
+Every load, cached or just compiled, goes through the same small loader (`Program`):
+it creates the maps, loads functions on demand, attaches the `tracepoint__*`
+functions as bcc would, and offers bcc's own table classes over its maps, so that
+`program[name]`, `program.funcs`, `load_func` and `attach_tracepoint` serve the
+capture parts as a `bcc.BPF` object did.
+
+A cache file is used only if this user owns it, nobody else can write it, and both
+its key and the digest of its content match: a cached program is never stale, and
+nobody else's.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import hashlib
+import json
+import os
+import re
+import stat
+import struct
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+CACHE_FORMAT = 1
+TRACEFS_EVENTS = Path("/sys/kernel/tracing/events")
+BPF_PSEUDO_MAP_FD = 1
+LD_IMM64 = 0x18
+SYS_BPF = 321
+BPF_MAP_CREATE = 0
+BPF_PROG_LOAD = 5
+BPF_OBJ_NAME_LEN = 16
+PROG_KPROBE, PROG_TRACEPOINT = 2, 5
+MAP_HASH, MAP_ARRAY, MAP_PERCPU_ARRAY, MAP_LRU_HASH, MAP_RINGBUF = 1, 2, 6, 9, 27
+LOG_SIZE = 1 << 24
+SLOW_S = 1.0  # a compile still running after this long is announced
+
+_TRACEPOINT_RE = re.compile(r"TRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)")
+
+
+class LoadError(Exception):
+    """The program could not be built or loaded; the message says why, in one line."""
+
+
+@dataclass
+class MapSpec:
+    name: str
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    key_desc: str  # bcc's JSON description of the C type (ctypes Key/Leaf come from it)
+    leaf_desc: str
+
+
+@dataclass
+class Image:
+    """What bcc produced: per function its bytecode (map references zeroed) and the
+    (instruction, map index) pairs to relocate; per map its specification."""
+
+    license: str
+    kern_version: int
+    maps: list[MapSpec]
+    functions: dict[str, bytes]
+    relocations: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def to_json(self, key: str) -> bytes:
+        body = {"license": self.license, "kern_version": self.kern_version,
+                "maps": [asdict(m) for m in self.maps],
+                "functions": {k: v.hex() for k, v in self.functions.items()},
+                "relocations": self.relocations}
+        payload = json.dumps(body, sort_keys=True)
+        digest = hashlib.sha256(payload.encode()).hexdigest()
+        return json.dumps({"format": CACHE_FORMAT, "key": key, "digest": digest,
+                           "body": payload}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, key: str) -> Image | None:
+        """The image, or None when the data is not a whole, matching cache entry."""
+        try:
+            outer = json.loads(data)
+            if outer.get("format") != CACHE_FORMAT or outer.get("key") != key:
+                return None
+            payload = outer["body"]
+            if hashlib.sha256(payload.encode()).hexdigest() != outer["digest"]:
+                return None
+            body = json.loads(payload)
+            return cls(body["license"], int(body["kern_version"]),
+                       [MapSpec(**m) for m in body["maps"]],
+                       {k: bytes.fromhex(v) for k, v in body["functions"].items()},
+                       {k: [(int(i), int(m)) for i, m in v]
+                        for k, v in body["relocations"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+# -- bcc: the compiler ------------------------------------------------------------------
+
+def _libbcc() -> Any:
+    """libbcc's module introspection calls that bcc's Python module does not declare
+    (a CDLL instance of our own, so that bcc's declarations stay as they are)."""
+    lib = ct.CDLL("libbcc.so.0", use_errno=True)
+    sz, vp, cp = ct.c_size_t, ct.c_void_p, ct.c_char_p
+    for name, res, args in (
+            ("bpf_num_tables", sz, [vp]), ("bpf_table_name", cp, [vp, sz]),
+            ("bpf_table_fd_id", ct.c_int, [vp, sz]), ("bpf_table_type_id", ct.c_int, [vp, sz]),
+            ("bpf_table_key_size_id", sz, [vp, sz]), ("bpf_table_leaf_size_id", sz, [vp, sz]),
+            ("bpf_table_max_entries_id", sz, [vp, sz]),
+            ("bpf_table_flags_id", ct.c_int, [vp, sz]),
+            ("bpf_table_key_desc_id", cp, [vp, sz]), ("bpf_table_leaf_desc_id", cp, [vp, sz]),
+            ("bpf_num_functions", sz, [vp]), ("bpf_function_name", cp, [vp, sz]),
+            ("bpf_function_start", vp, [vp, cp]), ("bpf_function_size", sz, [vp, cp]),
+            ("bpf_module_license", cp, [vp]), ("bpf_module_kern_version", ct.c_uint, [vp]),
+            ("bpf_attach_tracepoint", ct.c_int, [ct.c_int, cp, cp]),
+            ("bpf_close_perf_event_fd", ct.c_int, [ct.c_int])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+_LIB: Any = None
+
+
+def _lib() -> Any:
+    global _LIB
+    if _LIB is None:
+        _LIB = _libbcc()
+    return _LIB
+
+
+def compile_image(text: str, cflags: list[str]) -> Image:
+    """Run bcc over `text` and take what it produced (nothing is loaded or attached)."""
+    from bcc import BPF
+
+    class Compiler(BPF):  # type: ignore[misc]
+        def _trace_autoload(self) -> None:
+            pass  # bcc would load and attach tracepoint__* functions here
+
+    try:
+        b = Compiler(text=text, cflags=cflags)
+    except Exception as e:  # noqa: BLE001 - bcc raises plain Exception
+        raise LoadError(f"cannot compile the BPF program: {e}") from None
+    lib = _lib()
+    try:
+        m = b.module
+        maps, index = [], {}
+        for i in range(lib.bpf_num_tables(m)):
+            spec = MapSpec(lib.bpf_table_name(m, i).decode(), lib.bpf_table_type_id(m, i),
+                           lib.bpf_table_key_size_id(m, i), lib.bpf_table_leaf_size_id(m, i),
+                           lib.bpf_table_max_entries_id(m, i), lib.bpf_table_flags_id(m, i),
+                           lib.bpf_table_key_desc_id(m, i).decode(),
+                           lib.bpf_table_leaf_desc_id(m, i).decode())
+            index[lib.bpf_table_fd_id(m, i)] = len(maps)
+            maps.append(spec)
+        functions, relocations = {}, {}
+        for i in range(lib.bpf_num_functions(m)):
+            name = lib.bpf_function_name(m, i)
+            code = bytearray(ct.string_at(lib.bpf_function_start(m, name),
+                                          lib.bpf_function_size(m, name)))
+            relocs = []
+            for at in range(0, len(code) - 8, 8):
+                op, regs, _, imm = struct.unpack_from("<BBhi", code, at)
+                if op == LD_IMM64 and regs >> 4 == BPF_PSEUDO_MAP_FD:
+                    relocs.append((at // 8, index[imm]))
+                    struct.pack_into("<i", code, at + 4, 0)
+            functions[name.decode()] = bytes(code)
+            relocations[name.decode()] = relocs
+        return Image(lib.bpf_module_license(m).decode(), lib.bpf_module_kern_version(m),
+                     maps, functions, relocations)
+    finally:
+        b.cleanup()
+
+
+# -- the cache ----------------------------------------------------------------------------
+
+def _file_id(path: str | Path) -> list[Any]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [str(path), None]
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+
+def _toolchain() -> list[Any]:
+    """bcc and the clang/LLVM libraries it runs, as loaded in this process."""
+    import bcc
+
+    libs = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and re.search(r"/lib(bcc|bpf|clang|LLVM)[^/]*\.so", parts[5]):
+                libs.add(parts[5].strip())
+    return [getattr(bcc, "__version__", ""), sorted(_file_id(p) for p in libs)]
+
+
+def cache_key(text: str, cflags: list[str], tracefs: Path = TRACEFS_EVENTS) -> str:
+    """A digest of every input of bcc's output: the source and its flags, the kernel and
+    the headers bcc compiles against, the tracepoint formats bcc reads for
+    TRACEPOINT_PROBE arguments, bcc itself and its compiler libraries."""
+    u = os.uname()
+    build = Path("/lib/modules") / u.release / "build"
+    headers = [_file_id(build / p) for p in ("include/generated/autoconf.h",
+                                              "include/generated/uapi/linux/version.h")]
+    formats = []
+    for category, event in sorted(set(_TRACEPOINT_RE.findall(text))):
+        try:
+            formats.append((tracefs / category / event / "format").read_text())
+        except OSError:
+            formats.append(None)
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("BCC_"))
+    material = json.dumps([CACHE_FORMAT, text, cflags, u.release, u.version, u.machine,
+                           _file_id(build), headers, formats, env, _toolchain()])
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "memtrack" / "bpf"
+
+
+def _private(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+class ProgramCache:
+    """Images by key, one file each, in a directory only this user can write."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def usable(self) -> str | None:
+        """None, or why the directory cannot hold programs (created if missing)."""
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.lstat(self.dir)
+        except OSError as e:
+            return f"{self.dir}: {e.strerror}"
+        if not stat.S_ISDIR(st.st_mode) or not _private(st):
+            return f"{self.dir}: not a directory of this user's that only it can write"
+        return None
+
+    def get(self, key: str) -> Image | None:
+        try:
+            fd = os.open(self.dir / f"{key}.json", os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not _private(os.fstat(f.fileno())):
+                return None
+            data = f.read()
+        return Image.from_json(data, key)
+
+    def put(self, key: str, image: Image) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(image.to_json(key))
+            os.replace(tmp, self.dir / f"{key}.json")
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+
+# -- the loader ---------------------------------------------------------------------------
+
+_libc = ct.CDLL(None, use_errno=True)
+_libc.syscall.restype = ct.c_long
+
+
+def _bpf(cmd: int, attr: Any) -> int:
+    return int(_libc.syscall(SYS_BPF, cmd, attr, ct.sizeof(attr)))
+
+
+def _obj_name(name: str) -> bytes:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", name).encode()[:BPF_OBJ_NAME_LEN - 1]
+
+
+def _create_map(spec: MapSpec) -> int:
+    attr = (ct.c_uint8 * 72)()
+    struct.pack_into("<IIIII", attr, 0, spec.type, spec.key_size, spec.value_size,
+                     spec.max_entries, spec.flags)
+    ct.memmove(ct.addressof(attr) + 28, _obj_name(spec.name), len(_obj_name(spec.name)))
+    fd = _bpf(BPF_MAP_CREATE, attr)
+    if fd < 0:
+        e = ct.get_errno()
+        raise LoadError(f"cannot create BPF map {spec.name}: {os.strerror(e)}")
+    return fd
+
+
+def _table(program: Program, spec: MapSpec, fd: int) -> Any:
+    """bcc's table object over one of our maps. bcc builds these from its compiled module;
+    here the attributes that bcc 0.26's TableBase/PerCpuArray/RingBuf constructors set
+    come from the map's specification (the cache key includes bcc's version)."""
+    from bcc import BPF
+    from bcc import table as bt
+    from bcc.utils import get_possible_cpus
+
+    classes = {MAP_HASH: bt.HashTable, MAP_ARRAY: bt.Array, MAP_PERCPU_ARRAY: bt.PerCpuArray,
+               MAP_LRU_HASH: bt.LruHash, MAP_RINGBUF: bt.RingBuf}
+    cls = classes.get(spec.type)
+    if cls is None:
+        raise LoadError(f"BPF map {spec.name}: type {spec.type} is not one memtrack loads")
+    t = cls.__new__(cls)
+    t.bpf, t.map_id, t.map_fd, t._name, t._cbs = program, -1, fd, spec.name.encode(), {}
+    t.Key = BPF._decode_table_type(json.loads(spec.key_desc))
+    t.Leaf = BPF._decode_table_type(json.loads(spec.leaf_desc))
+    t.ttype, t.flags, t.max_entries = spec.type, spec.flags, spec.max_entries
+    if cls is bt.PerCpuArray:
+        t.reducer, t.sLeaf, t.total_cpu = None, t.Leaf, len(get_possible_cpus())
+        t.alignment = ct.sizeof(t.sLeaf) % 8
+        if t.alignment:
+            raise LoadError(f"BPF map {spec.name}: per-CPU values must be 8-byte multiples")
+        t.Leaf = t.sLeaf * t.total_cpu
+    elif cls is bt.RingBuf:
+        t._ringbuf, t._event_class = None, None
+    return t
+
+
+class Program:
+    """A loaded Image: maps created, functions loaded on demand, tracepoint__*
+    functions attached, tables as bcc offers them."""
+
+    def __init__(self, image: Image) -> None:
+        from bcc import BPF
+
+        self.image = image
+        self.funcs: dict[bytes, Any] = {}
+        self.tracepoint_fds: dict[bytes, int] = {}
+        self.tables: dict[str, Any] = {}
+        self._map_fds: list[int] = []
+        self._Function = BPF.Function
+        try:
+            for spec in image.maps:
+                self._map_fds.append(_create_map(spec))
+            for name in image.functions:
+                if name.startswith("tracepoint__"):
+                    tp = name[len("tracepoint__"):].replace("__", ":")
+                    self.attach_tracepoint(tp=tp, fn_name=name)
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def __getitem__(self, name: str | bytes) -> Any:
+        key = name.decode() if isinstance(name, bytes) else name
+        t = self.tables.get(key)
+        if t is None:
+            for i, spec in enumerate(self.image.maps):
+                if spec.name == key:
+                    t = self.tables[key] = _table(self, spec, self._map_fds[i])
+                    break
+            else:
+                raise KeyError(name)
+        return t
+
+    def load_func(self, func_name: str | bytes, prog_type: int, device: Any = None,
+                  attach_type: int = -1) -> Any:
+        """Load one function (once; a second call returns the first program)."""
+        name = func_name.decode() if isinstance(func_name, bytes) else func_name
+        bname = name.encode()
+        if bname in self.funcs:
+            return self.funcs[bname]
+        code = self.image.functions.get(name)
+        if code is None:
+            raise LoadError(f"unknown BPF program {name}")
+        insns = bytearray(code)
+        for at, m in self.image.relocations.get(name, []):
+            struct.pack_into("<i", insns, at * 8 + 4, self._map_fds[m])
+        fd = self._prog_load(name, prog_type, bytes(insns), attach_type, log=False)
+        if fd < 0:
+            fd = self._prog_load(name, prog_type, bytes(insns), attach_type, log=True)
+        fn = self._Function(self, bname, fd)
+        self.funcs[bname] = fn
+        return fn
+
+    def _prog_load(self, name: str, prog_type: int, insns: bytes, attach_type: int,
+                   log: bool) -> int:
+        buf = ct.create_string_buffer(insns, len(insns))
+        lic = ct.create_string_buffer(self.image.license.encode())
+        logbuf = ct.create_string_buffer(LOG_SIZE if log else 1)
+        attr = (ct.c_uint8 * 128)()
+        struct.pack_into("<IIQQIIQII", attr, 0, prog_type, len(insns) // 8,
+                         ct.addressof(buf), ct.addressof(lic), 1 if log else 0,
+                         LOG_SIZE if log else 0, ct.addressof(logbuf) if log else 0,
+                         self.image.kern_version, 0)
+        short = name[len("tracepoint__"):] if name.startswith("tracepoint__") else name
+        pname = _obj_name(short)
+        ct.memmove(ct.addressof(attr) + 48, pname, len(pname))
+        struct.pack_into("<I", attr, 68, max(attach_type, 0))
+        fd = _bpf(BPF_PROG_LOAD, attr)
+        if fd < 0 and log:
+            e = ct.get_errno()
+            if e == errno.EPERM:
+                raise LoadError("loading BPF programs needs root (CAP_BPF and CAP_PERFMON)")
+            tail = logbuf.value.decode(errors="replace").strip().splitlines()[-3:]
+            raise LoadError(f"Failed to load BPF program {name}: {os.strerror(e)}"
+                            + (f" ({' / '.join(tail)})" if tail else ""))
+        return fd
+
+    def attach_tracepoint(self, tp: str | bytes = b"", fn_name: str | bytes = b"") -> None:
+        """As bcc's: attach function `fn_name` to tracepoint "category:event"."""
+        tpb = tp.encode() if isinstance(tp, str) else tp
+        fn = self.load_func(fn_name, PROG_TRACEPOINT)
+        category, _, event = tpb.partition(b":")
+        fd = _lib().bpf_attach_tracepoint(fn.fd, category, event)
+        if fd < 0:
+            raise LoadError(f"Failed to attach BPF program {fn.name.decode()} to tracepoint "
+                            f"{tpb.decode()}")
+        self.tracepoint_fds[tpb] = fd
+
+    def detach_tracepoint(self, tp: str | bytes = b"") -> None:
+        tpb = tp.encode() if isinstance(tp, str) else tp
+        fd = self.tracepoint_fds.pop(tpb, None)
+        if fd is None:
+            raise LoadError(f"tracepoint {tpb.decode()} is not attached")
+        _lib().bpf_close_perf_event_fd(fd)
+
+    def cleanup(self) -> None:
+        """Detach the tracepoints, close every program and map."""
+        for tp in list(self.tracepoint_fds):
+            self.detach_tracepoint(tp)
+        for fn in self.funcs.values():
+            os.close(fn.fd)
+        self.funcs.clear()
+        for fd in self._map_fds:
+            os.close(fd)
+        self._map_fds = []
+        self.tables.clear()
+
+
+@contextmanager
+def _say_if_slow(stream: TextIO | None, line: str) -> Iterator[None]:
+    """Write `line` to `stream` if the block is still running after SLOW_S seconds."""
+    if stream is None:
+        yield
+        return
+
+    def say() -> None:
+        stream.write(line + "\n")
+        stream.flush()
+
+    timer = threading.Timer(SLOW_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def load_program(text: str, cflags: list[str], cache: ProgramCache | None, *,
+                 progress: TextIO | None = None) -> Program:
+    """The program for `text` and `cflags`: from the cache when it holds it, else
+    compiled by bcc (and cached). A compile that takes more than a second is announced
+    on `progress`."""
+    image = None
+    key = ""
+    if cache is not None:
+        key = cache_key(text, cflags)
+        image = cache.get(key)
+    if image is None:
+        later = "; later runs load them from the cache" if cache is not None else ""
+        with _say_if_slow(progress, f"memtrack: compiling the BPF programs{later}..."):
+            image = compile_image(text, cflags)
+        if cache is not None:
+            try:
+                cache.put(key, image)
+            except OSError:
+                pass  # a full disk costs the next run a compile, nothing else
+    return Program(image)

@@ -1,0 +1,207 @@
+"""The capture's program cache and loader (memtrack.capture.program), the early command
+check and the compile note: a cached program is exactly what bcc compiled, a damaged,
+foreign or mismatched cache entry is never loaded, and a capture from the cache
+records what a compiled one records."""
+
+from __future__ import annotations
+
+import ctypes as ct
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import build
+
+from memtrack.capture import program as pg
+from memtrack.capture.parts import CaptureOptions
+from memtrack.schema import EventKind
+
+SOURCE = r"""
+BPF_HASH(h, u32, u64, 16);
+BPF_ARRAY(a, u64, 4);
+BPF_PERCPU_ARRAY(pc, u64, 2);
+struct mt_pair { u32 x; u64 y[3]; };
+BPF_TABLE("lru_hash", u64, struct mt_pair, lru, 8);
+BPF_RINGBUF_OUTPUT(ring, 1);
+TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    if (pid != MT_PID) return 0;
+    u64 one = 1;
+    h.update(&pid, &one);
+    int k = 1;
+    u64 *v = a.lookup(&k);
+    if (v) *v += 7;
+    v = pc.lookup(&k);
+    if (v) *v += 1;
+    u64 *r = ring.ringbuf_reserve(sizeof(u64));
+    if (r) { *r = 42; ring.ringbuf_submit(r, 0); }
+    return 0;
+}
+"""
+
+
+def _flags() -> list[str]:
+    return [f"-DMT_PID={os.getpid()}"]
+
+
+@pytest.mark.bpf
+def test_cache_holds_exactly_what_bcc_compiled(tmp_path: Path) -> None:
+    image = pg.compile_image(SOURCE, _flags())
+    assert [m.name for m in image.maps] == ["a", "h", "lru", "pc", "ring"]
+    code = image.functions["tracepoint__syscalls__sys_enter_getppid"]
+    relocs = image.relocations["tracepoint__syscalls__sys_enter_getppid"]
+    assert sorted({m for _, m in relocs}) == [0, 1, 3, 4]  # every map the code uses
+    assert all(code[i * 8:i * 8 + 1] == b"\x18" and code[i * 8 + 4:i * 8 + 8] == bytes(4)
+               for i, _ in relocs)
+    cache = pg.ProgramCache(tmp_path / "bpf")
+    assert cache.usable() is None
+    key = pg.cache_key(SOURCE, _flags())
+    assert cache.get(key) is None
+    cache.put(key, image)
+    assert cache.get(key) == image
+    assert pg.Image.from_json(image.to_json(key), "0" * 64) is None  # another key's entry
+
+
+@pytest.mark.bpf
+def test_damaged_foreign_or_linked_entries_are_not_loaded(tmp_path: Path) -> None:
+    image = pg.compile_image(SOURCE, _flags())
+    cache = pg.ProgramCache(tmp_path / "bpf")
+    assert cache.usable() is None
+    key = pg.cache_key(SOURCE, _flags())
+    cache.put(key, image)
+    path = tmp_path / "bpf" / f"{key}.json"
+    data = path.read_bytes()
+    code = image.functions["tracepoint__syscalls__sys_enter_getppid"].hex().encode()
+    at = data.index(code) + 20  # one hex digit of an instruction
+    path.write_bytes(data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:])
+    assert cache.get(key) is None
+    path.write_bytes(data)
+    assert cache.get(key) == image
+    path.write_bytes(data[:len(data) // 2])  # a write cut short
+    assert cache.get(key) is None
+    path.write_bytes(data)
+    os.chmod(path, 0o664)  # someone else could have written it
+    assert cache.get(key) is None
+    os.chmod(path, 0o600)
+    os.chown(path, 65534, 65534)
+    assert cache.get(key) is None
+    path.unlink()
+    real = tmp_path / "elsewhere.json"
+    real.write_bytes(data)
+    os.chmod(real, 0o600)
+    path.symlink_to(real)
+    assert cache.get(key) is None
+    open_dir = pg.ProgramCache(tmp_path / "open")
+    (tmp_path / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    assert "only it can write" in (open_dir.usable() or "")
+
+
+def test_cache_key_follows_every_input(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    (events / "syscalls" / "sys_enter_getppid").mkdir(parents=True)
+    fmt = events / "syscalls" / "sys_enter_getppid" / "format"
+    fmt.write_text("field:int __syscall_nr; offset:8; size:4; signed:1;\n")
+    key = pg.cache_key(SOURCE, ["-DX=1"], tracefs=events)
+    assert pg.cache_key(SOURCE, ["-DX=1"], tracefs=events) == key
+    assert pg.cache_key(SOURCE, ["-DX=2"], tracefs=events) != key
+    assert pg.cache_key(SOURCE + "\n", ["-DX=1"], tracefs=events) != key
+    fmt.write_text("field:int __syscall_nr; offset:12; size:4; signed:1;\n")
+    assert pg.cache_key(SOURCE, ["-DX=1"], tracefs=events) != key
+
+
+@pytest.mark.bpf
+def test_loaded_program_works_like_bcc(tmp_path: Path) -> None:
+    from memtrack.capture.ringbuf import RingReader
+
+    p = pg.Program(pg.compile_image(SOURCE, _flags()))
+    try:
+        assert list(p.tracepoint_fds) == [b"syscalls:sys_enter_getppid"]
+        getppid = ct.CDLL(None).getppid
+        for _ in range(3):
+            getppid()
+        h, a, pc = p["h"], p["a"], p[b"pc"]
+        assert [k.value for k in h.keys()] == [os.getpid()]
+        assert h[h.Key(os.getpid())].value == 1
+        del h[h.Key(os.getpid())]
+        assert len(list(h.keys())) == 0
+        assert a[1].value == 21 and a[0].value == 0
+        a[a.Key(2)] = a.Leaf(5)
+        assert a[2].value == 5
+        assert sum(pc[pc.Key(1)]) == 3
+        lru = p["lru"]
+        lru[lru.Key(9)] = lru.Leaf(x=3, y=(ct.c_uint64 * 3)(4, 5, 6))
+        assert lru[lru.Key(9)].x == 3 and list(lru[lru.Key(9)].y) == [4, 5, 6]
+        ring = RingReader(p, "ring")
+        assert ring.read_fixed(ct.c_uint64).tolist() == [42, 42, 42]
+        ring.close()
+        with pytest.raises(KeyError):
+            p["nothing"]
+        with pytest.raises(pg.LoadError, match="unknown BPF program"):
+            p.load_func("nothing", pg.PROG_KPROBE)
+    finally:
+        p.cleanup()
+
+
+@pytest.mark.bpf
+def test_capture_from_the_cache_records_what_a_compiled_one_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrack.capture.tracker import Tracker
+    from memtrack.schema.artifact import Artifact
+
+    exe = build(["capture/allocs.c"])
+    options = CaptureOptions(program_cache=str(tmp_path / "bpf"))
+    runs = []
+    for attempt in ("compiled", "cached"):
+        with Tracker(options) as t:
+            result = t.spawn([str(exe), "misc"], tmp_path / f"{attempt}.memtrack",
+                             env={**os.environ}).wait(timeout=60)
+        assert result.status == 0 and result.nonzero_losses() == {}
+        events = Artifact.open(tmp_path / f"{attempt}.memtrack").read("events").table
+        runs.append([(e["kind"], e["size"]) for e in events.to_pylist()
+                     if e["kind"] <= EventKind.FREE])
+        if attempt == "compiled":
+            assert len(list((tmp_path / "bpf").glob("*.json"))) == 1
+
+            def no_compile(*_: Any) -> pg.Image:
+                raise AssertionError("compiled although the cache holds the program")
+
+            monkeypatch.setattr(pg, "compile_image", no_compile)
+    assert runs[0] == runs[1] and len(runs[0]) > 5
+
+
+@pytest.mark.bpf
+def test_a_slow_compile_is_announced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pg, "SLOW_S", 0.0)
+    out = io.StringIO()
+    pg.load_program(SOURCE, _flags(), None, progress=out).cleanup()
+    assert out.getvalue() == "memtrack: compiling the BPF programs...\n"
+
+
+def test_command_checked_before_anything_loads(tmp_path: Path) -> None:
+    from memtrack.capture.tracker import CaptureError, find_command
+
+    assert os.path.samefile(find_command("sh"), shutil.which("sh") or "")
+    with pytest.raises(CaptureError, match="cannot run ./nonexistent-prog: No such file"):
+        find_command("./nonexistent-prog")
+    with pytest.raises(CaptureError, match="cannot run nonexistent-prog: command not found"):
+        find_command("nonexistent-prog")
+    script = tmp_path / "s.sh"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(CaptureError, match="Permission denied"):
+        find_command(str(script))
+    with pytest.raises(CaptureError, match="Is a directory"):
+        find_command(str(tmp_path))
+    os.chmod(script, 0o755)
+    assert os.path.samefile(find_command("./s.sh", cwd=tmp_path), script)
+    r = subprocess.run([sys.executable, "-m", "memtrack.cli", "capture", "-o",
+                        str(tmp_path / "x"), "--program-cache", str(tmp_path / "bpf"), "--",
+                        "./nonexistent-prog"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "memtrack: cannot run ./nonexistent-prog: No such file or directory"
+    assert not (tmp_path / "bpf").exists() and not (tmp_path / "x").exists()
