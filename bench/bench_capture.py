@@ -11,6 +11,12 @@
 3. Artifact write: 1 M realistic events written to events.arrow (time, bytes/event).
 4. Overhead per allocation on a malloc/free loop (instrumented minus bare), next to
    the cost of a bare uprobe hit on an emulated instruction.
+5. The ways into a uprobe this kernel offers, on one private function: a perf-event
+   uprobe and a uprobe_multi link on an emulated `push` (int3), a sleepable program,
+   a probe on a 5-byte nop (which the kernel turns into a call: no int3), and an entry
+   probe with a uretprobe (the return through the uretprobe syscall); wall time per
+   call beside the program's own run time, and the first instructions of every
+   allocator function memtrack probes (none is a nop5).
 """
 
 from __future__ import annotations
@@ -265,11 +271,109 @@ def bench_overhead(loop: Path, n: int) -> None:
     shutil.rmtree(libdir)
 
 
+TRAP_PROGRAM = r"""
+#include <uapi/linux/ptrace.h>
+BPF_PERCPU_ARRAY(acc, u64, 1);
+static __always_inline int hit(struct pt_regs *ctx) {
+    int k = 0;
+    u64 *v = acc.lookup(&k);
+    if (v)
+        *v += ctx->di ^ bpf_get_attach_cookie(ctx);
+    return 0;
+}
+int on_perf(struct pt_regs *ctx) { return hit(ctx); }
+int on_multi(struct pt_regs *ctx) { return hit(ctx); }
+int on_multi_ret(struct pt_regs *ctx) { return hit(ctx); }
+int on_sleepable(struct pt_regs *ctx) { return hit(ctx); }
+"""
+BPF_F_SLEEPABLE = 16
+
+
+def bench_traps(n: int) -> None:
+    """What each way into a uprobe costs on this kernel, on one private function."""
+    import capstone as cs
+
+    from memtrack.capture import links
+    from memtrack.capture.allocators import probes_for, read_elf
+    from memtrack.capture.program import PROG_KPROBE, Program, compile_image
+
+    print("5. Trap paths this kernel offers (wall per call, probed - bare; BPF time per run)")
+    kinds = build(["placement/kinds.S"], shared=True, name="libkinds")
+    loop = build(["placement/loop.c"], flags=("-O2",),
+                 libs=("-Wl,--no-as-needed", str(kinds), f"-Wl,-rpath,{kinds.parent}"))
+    info = read_elf(kinds, {"k_push_rbx", "k_nop5"})
+    offs = {k: info.vaddr_to_offset(info.functions[k][0]) for k in ("k_push_rbx", "k_nop5")}
+    prog = Program(compile_image(TRAP_PROGRAM, []))
+    multi = links.BPF_TRACE_UPROBE_MULTI
+    try:
+        fds = {"perf": prog.load_func("on_perf", PROG_KPROBE).fd,
+               "multi": prog.load_func("on_multi", PROG_KPROBE, attach_type=multi).fd,
+               "ret": prog.load_func("on_multi_ret", PROG_KPROBE, attach_type=multi).fd}
+        try:
+            fds["sleepable"] = prog.load_func("on_sleepable", PROG_KPROBE, attach_type=multi,
+                                              prog_flags=BPF_F_SLEEPABLE).fd
+        except Exception as e:  # noqa: BLE001 - reported, not hidden
+            print(f"   sleepable uprobe programs refused here: {e}")
+        cases = [
+            ("push, perf-event uprobe (int3, emulated)", "k_push_rbx", [("perf", False)]),
+            ("push, uprobe_multi link", "k_push_rbx", [("multi", False)]),
+            ("push, uprobe_multi, sleepable program", "k_push_rbx", [("sleepable", False)]),
+            ("nop5, uprobe_multi (optimized: no int3)", "k_nop5", [("multi", False)]),
+            ("push + uretprobe (uretprobe syscall)", "k_push_rbx",
+             [("multi", False), ("ret", True)]),
+        ]
+        def per_call(fn: str) -> float:
+            """ns per call of `fn` in placement/loop.c (stdin closed: no waits)."""
+            return min(float(subprocess.run([str(loop), fn, str(n)], stdin=subprocess.DEVNULL,
+                                            capture_output=True, text=True, check=True
+                                            ).stdout.split()[0]) for _ in range(3))
+
+        bare = {k: per_call(k) for k in offs}
+        for label, fn, probes in cases:
+            if any(p not in fds for p, _ in probes):
+                continue
+            attached = []
+            for p, ret in probes:
+                if p == "perf":
+                    attached.append(links.perf_uprobe_link(fds[p], str(kinds), offs[fn], 1))
+                else:
+                    attached.append(links.uprobe_multi_link(fds[p], str(kinds), [offs[fn]], [1],
+                                                            retprobe=ret))
+            before = [prog_stats(fds[p]) for p, _ in probes]
+            wall_ns = per_call(fn)
+            after = [prog_stats(fds[p]) for p, _ in probes]
+            links.close_all(attached)
+            runs = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+            bpf_ns = sum(a[0] - b[0] for a, b in zip(after, before, strict=True)) / max(runs, 1)
+            print(f"   {label:44s} {wall_ns - bare[fn]:7.0f} ns/call   BPF "
+                  f"{bpf_ns:5.0f} ns/run   {runs / (3 * n):.1f} runs/call")
+    finally:
+        prog.cleanup()
+    md = cs.Cs(cs.CS_ARCH_X86, cs.CS_MODE_64)
+    starts: dict[str, int] = {}
+    for lib in ("libc.so.6", "libstdc++.so.6", "libjemalloc.so.2", "libmimalloc.so.2",
+                "libtcmalloc_minimal.so.4"):
+        path = Path("/usr/lib/x86_64-linux-gnu") / lib
+        if not path.exists():
+            continue
+        data = path.read_bytes()
+        for p in probes_for(read_elf(path)):
+            insn = next(md.disasm(data[p.file_offset:p.file_offset + 16], p.vaddr), None)
+            if insn is None:
+                continue
+            first = "nop5" if insn.mnemonic.startswith("nop") and insn.size == 5 else \
+                insn.mnemonic
+            starts[first] = starts.get(first, 0) + 1
+    print("   allocator entries start with: " + ", ".join(
+        f"{k} {v}" for k, v in sorted(starts.items(), key=lambda kv: -kv[1])) +
+        f" (nop5: {starts.get('nop5', 0)}): they take the int3 path")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--allocs", type=int, default=200_000)
-    ap.add_argument("--only", choices=("probes", "drain", "write", "overhead"))
+    ap.add_argument("--only", choices=("probes", "drain", "write", "overhead", "traps"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_capture: needs root (BPF)")
@@ -282,6 +386,8 @@ def main() -> None:
         bench_write()
     if args.only in (None, "overhead"):
         bench_overhead(loop, args.allocs)
+    if args.only in (None, "traps"):
+        bench_traps(args.allocs)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,20 @@
 and memray, all measured in this run.
 
     sudo .venv/bin/python bench/bench_overhead.py [--repeat 3] [--loop 1000000]
+                                                  [--only cli|session]
 
-Workloads: a malloc/free loop (fixtures/placement/allocloop.cc), a tree of 2^18 - 1
-malloc'd nodes with half of them freed (fixtures/placement/tree.c), a `python -c` loop
-building 200 k dicts and lists, and `sort` of a 20 MB text file generated here (one
-sort thread: on a shared 2-core machine a multi-threaded baseline mostly measures the
-neighbours).
+1. End to end through the command line (the figure a user sees): `memtrack capture -o
+X -- CMD` from the shell, start-up, program load, attach, drain, module copies and
+detach included, next to `heaptrack CMD`, on `python3` running a 1 M-iteration
+dict/list loop, with PYTHONMALLOC=malloc (every object a malloc/free pair: about 13 M
+allocator calls) and with Python's own small-object allocator; memtrack's slowdown is
+printed as a multiple of heaptrack's, with its event count and losses.
+
+2. Inside one Tracker (the traced part alone, a second figure). Workloads: a
+malloc/free loop (fixtures/placement/allocloop.cc), a tree of 2^18 - 1 malloc'd nodes
+with half of them freed (fixtures/placement/tree.c), a `python -c` loop building 200 k
+dicts and lists, and `sort` of a 20 MB text file generated here (one sort thread: on a
+shared 2-core machine a multi-threaded baseline mostly measures the neighbours).
 Tools: memtrack capture with stacks off and with stacks on (default options otherwise:
 RSS and module copies included), `heaptrack`, and `memray run --native` on the Python
 workload. Each figure is the fastest of --repeat runs (the machine is shared: the least
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +54,16 @@ from memtrack.capture.parts import CaptureOptions  # noqa: E402
 
 PY_LOOP = ("x = [{'i': i, 's': str(i)} for i in range(200000)]\n"
            "y = [[i, i + 1, i + 2] for i in range(200000)]\n")
+PY_LOOP_1M = ("keep = []\n"
+              "for i in range(1000000):\n"
+              "    d = {'a': i, 'b': [i, i + 1]}\n"
+              "    l = [d, str(i)]\n"
+              "    if i % 1000 == 0:\n"
+              "        keep.append(l)\n"
+              "print(len(keep))\n")
+SYSTEM_PYTHON = "/usr/bin/python3"
+MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
+AIM_OFF, AIM_ON = 2.0, 3.0  # memtrack's slowdown / heaptrack's, issue 13
 
 
 def make_sort_input(path: Path, size: int = 20 << 20) -> None:
@@ -148,14 +167,85 @@ class Memtrack:
         shutil.rmtree(self.out, ignore_errors=True)
 
 
+def memtrack_cli(cmd: list[str], out: Path, stacks: bool, env: dict[str, str]
+                 ) -> tuple[float, int, dict[str, int]]:
+    """One `memtrack capture` from the shell: (wall, events, losses) from its summary."""
+    t0 = time.monotonic()
+    proc = subprocess.run([*MEMTRACK, "capture", "-o", str(out), "--force", "--stacks",
+                           "on" if stacks else "off", "--", *cmd], env=env,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    elapsed = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"memtrack capture exited with {proc.returncode}: "
+                           f"{proc.stderr.strip()[-300:]}")
+    m = re.search(r"; ([\d,]+) events in", proc.stderr)
+    lost = {k: int(v.replace(",", "")) for k, v in
+            re.findall(r"LOST (\w+) = ([\d,]+)", proc.stderr)}
+    shutil.rmtree(out, ignore_errors=True)
+    return elapsed, int(m[1].replace(",", "")) if m else -1, lost
+
+
+def run_cli_bench(repeat: int, tmp: Path) -> None:
+    """Section 1: end to end through the command line."""
+    py = SYSTEM_PYTHON if os.path.exists(SYSTEM_PYTHON) else sys.executable
+    heaptrack = shutil.which("heaptrack")
+    allocloop = build(["placement/allocloop.cc"], flags=("-O2", "-fno-builtin"))
+    quiet = Quiet([str(allocloop), "malloc", "200000"])
+    workloads = {"python3 1M loop, PYTHONMALLOC=malloc": {"PYTHONMALLOC": "malloc"},
+                 "python3 1M loop, pymalloc": {}}
+    print("1. End to end through the command line: wall of the whole command / bare wall "
+          f"(fastest of {repeat})")
+    print(f"   {'workload':38s} {'bare':>7s} {'heaptrack':>9s} {'memtrack':>9s} "
+          f"{'memtrack':>9s} | {'/ heaptrack':>11s} {'/ heaptrack':>11s} | events, losses")
+    print(f"   {'':38s} {'':7s} {'':9s} {'off':>9s} {'on':>9s} | {'off':>11s} {'on':>11s} |")
+    for name, extra in workloads.items():
+        env = {**os.environ, **extra}
+        cmd = [py, "-c", PY_LOOP_1M]
+
+        def quiet_wall(c: list[str], e: dict[str, str] = env) -> float:
+            quiet.wait()
+            t0 = time.monotonic()
+            subprocess.run(c, env=e, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, check=True)
+            return time.monotonic() - t0
+
+        bare = fastest_of(repeat, lambda c=cmd: quiet_wall(c))
+        ht = fastest_of(repeat, lambda c=cmd: quiet_wall(
+            [heaptrack, "-o", str(tmp / "ht" / "run"), *c])) if heaptrack else None
+        shutil.rmtree(tmp / "ht", ignore_errors=True)
+        mt: dict[bool, tuple[float, int, dict[str, int]]] = {}
+        for stacks in (False, True):
+            runs = []
+            for _ in range(repeat):
+                quiet.wait()
+                runs.append(memtrack_cli(cmd, tmp / "cli.memtrack", stacks, env))
+            mt[stacks] = min(runs, key=lambda r: r[0])
+        bare = min(bare, fastest_of(repeat, lambda c=cmd: quiet_wall(c)))
+        h = ht / bare if ht else None
+        off, on = mt[False][0] / bare, mt[True][0] / bare
+        notes = "; ".join(f"{'on' if s else 'off'} {ev:,} events"
+                          + (f" LOST {lost}" if lost else ", none lost")
+                          for s, (_, ev, lost) in mt.items())
+        print(f"   {name:38s} {bare:6.2f}s {cell(h, 9)} {cell(off, 9)} {cell(on, 9)} | "
+              f"{cell(off / h if h else None, 11)} {cell(on / h if h else None, 11)} | {notes}")
+    print(f"   aim (issue 13): stacks off within {AIM_OFF:.0f}x and stacks on within "
+          f"{AIM_ON:.0f}x of heaptrack's slowdown; quiet check waited {quiet.waited:.0f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure (fastest)")
     ap.add_argument("--loop", type=int, default=1_000_000, help="malloc/free loop iterations")
+    ap.add_argument("--only", choices=("cli", "session"), help="one section only")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     try:
-        run_bench(args.repeat, args.loop, tmp)
+        if args.only in (None, "cli"):
+            run_cli_bench(args.repeat, tmp)
+        if args.only in (None, "session"):
+            print("\n2. Inside one Tracker (the traced part alone)")
+            run_bench(args.repeat, args.loop, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -373,8 +373,9 @@ class Program:
         return t
 
     def load_func(self, func_name: str | bytes, prog_type: int, device: Any = None,
-                  attach_type: int = -1) -> Any:
-        """Load one function (once; a second call returns the first program)."""
+                  attach_type: int = -1, prog_flags: int = 0) -> Any:
+        """Load one function (once; a second call returns the first program).
+        `prog_flags`: BPF_F_* load flags (BPF_F_SLEEPABLE = 16), beyond bcc's."""
         name = func_name.decode() if isinstance(func_name, bytes) else func_name
         bname = name.encode()
         if bname in self.funcs:
@@ -385,15 +386,16 @@ class Program:
         insns = bytearray(code)
         for at, m in self.image.relocations.get(name, []):
             struct.pack_into("<i", insns, at * 8 + 4, self._map_fds[m])
-        fd = self._prog_load(name, prog_type, bytes(insns), attach_type, log=False)
+        fd = self._prog_load(name, prog_type, bytes(insns), attach_type, prog_flags, log=False)
         if fd < 0:
-            fd = self._prog_load(name, prog_type, bytes(insns), attach_type, log=True)
+            fd = self._prog_load(name, prog_type, bytes(insns), attach_type, prog_flags,
+                                 log=True)
         fn = self._Function(self, bname, fd)
         self.funcs[bname] = fn
         return fn
 
     def _prog_load(self, name: str, prog_type: int, insns: bytes, attach_type: int,
-                   log: bool) -> int:
+                   prog_flags: int, log: bool) -> int:
         buf = ct.create_string_buffer(insns, len(insns))
         lic = ct.create_string_buffer(self.image.license.encode())
         logbuf = ct.create_string_buffer(LOG_SIZE if log else 1)
@@ -401,7 +403,7 @@ class Program:
         struct.pack_into("<IIQQIIQII", attr, 0, prog_type, len(insns) // 8,
                          ct.addressof(buf), ct.addressof(lic), 1 if log else 0,
                          LOG_SIZE if log else 0, ct.addressof(logbuf) if log else 0,
-                         self.image.kern_version, 0)
+                         self.image.kern_version, prog_flags)
         short = name[len("tracepoint__"):] if name.startswith("tracepoint__") else name
         pname = _obj_name(short)
         ct.memmove(ct.addressof(attr) + 48, pname, len(pname))
