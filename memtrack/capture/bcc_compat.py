@@ -84,3 +84,21 @@ def load_probe_test() -> str:
     finally:
         b.cleanup()
 
+
+
+def uprobe_attach_mode() -> str:
+    """How this kernel takes the allocator probes (memtrack.capture.links): load a
+    program that reads its attach cookie, then ask for uprobe_multi links."""
+    from bcc import BPF
+
+    from memtrack.capture.links import BPF_TRACE_UPROBE_MULTI, uprobe_multi_supported
+
+    b = BPF(text="int on_hit(struct pt_regs *ctx) { return bpf_get_attach_cookie(ctx) != 0; }")
+    try:
+        fn = b.load_func(b"on_hit", BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+        if uprobe_multi_supported(fn.fd):
+            return "uprobe_multi links: one per module and program"
+        return ("perf-event uprobes with attach cookies (no uprobe_multi before Linux 6.6): "
+                "one per function, released in the background")
+    finally:
+        b.cleanup()

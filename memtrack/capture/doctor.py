@@ -153,6 +153,18 @@ def check_ringbuf_and_uprobe() -> Check:
     return Check("load test (ringbuf + uprobe)", True, detail)
 
 
+def check_uprobe_attach() -> Check:
+    """Attach cookies (Linux 5.15+) are required; uprobe_multi links (6.6+) are faster."""
+    from memtrack.capture.bcc_compat import uprobe_attach_mode
+
+    try:
+        mode = uprobe_attach_mode()
+    except Exception as e:  # noqa: BLE001 - the message is the diagnosis
+        return Check("allocator probe attach", False, str(e).splitlines()[0][:160],
+                     "Linux 5.15 or later (bpf_get_attach_cookie)")
+    return Check("allocator probe attach", True, mode)
+
+
 def run_doctor(console: Console | None = None) -> int:
     console = console or Console(highlight=False)
     cfg = _kernel_config()
@@ -160,7 +172,7 @@ def run_doctor(console: Console | None = None) -> int:
                            check_uprobes(), *check_tracepoints(), check_lockdown(cfg),
                            check_kernel_hooks(cfg)]
     if all(c.ok for c in checks[:5]):
-        checks.append(check_ringbuf_and_uprobe())
+        checks += [check_ringbuf_and_uprobe(), check_uprobe_attach()]
     t = Table(title=f"memtrack doctor — {platform.node()} {platform.release()}", show_edge=False)
     for col in ("check", "status", "detail", "fix"):
         t.add_column(col)
