@@ -33,6 +33,7 @@ BPF_PERF_EVENT = 41
 BPF_TRACE_UPROBE_MULTI = 48
 BPF_F_UPROBE_MULTI_RETURN = 1
 PERF_FLAG_FD_CLOEXEC = 8
+PROG_KPROBE = 2  # BPF_PROG_TYPE_KPROBE: uprobe programs too
 PERF_ATTR_SIZE_VER5 = 112
 UPROBE_PMU = Path("/sys/bus/event_source/devices/uprobe")
 
@@ -172,17 +173,15 @@ class UprobeLinks:
     PROGRAMS = ("mt_alloc", "mt_ret", "mt_free")
 
     def __init__(self, bpf: Any, *, multi: bool | None = None) -> None:
-        from bcc import BPF
-
         if multi is None:
-            probe = bpf.load_func(b"mt_free", BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+            probe = bpf.load_func(b"mt_free", PROG_KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
             multi = uprobe_multi_supported(probe.fd)
             if not multi:  # bcc caches programs by name: load it again for perf events
                 os.close(probe.fd)
                 del bpf.funcs[b"mt_free"]
         self.multi = multi
         attach_type = BPF_TRACE_UPROBE_MULTI if multi else -1
-        self.fds = {name: bpf.load_func(name.encode(), BPF.KPROBE, attach_type=attach_type).fd
+        self.fds = {name: bpf.load_func(name.encode(), PROG_KPROBE, attach_type=attach_type).fd
                     for name in self.PROGRAMS}
         self.links: list[int] = []
 

@@ -10,9 +10,10 @@ root: `/root/.cache/...`) keyed by everything that shapes bcc's output (`cache_k
 
 Every load, cached or just compiled, goes through the same small loader (`Program`):
 it creates the maps, loads functions on demand, attaches the `tracepoint__*`
-functions as bcc would, and offers bcc's own table classes over its maps, so that
-`program[name]`, `program.funcs`, `load_func` and `attach_tracepoint` serve the
-capture parts as a `bcc.BPF` object did.
+functions as bcc would, and offers tables with bcc's table API over its maps
+(memtrack.capture.tables), so that `program[name]`, `program.funcs`, `load_func` and
+`attach_tracepoint` serve the capture parts as a `bcc.BPF` object did. A cache hit
+loads neither bcc nor its clang and LLVM.
 
 A cache file is used only if this user owns it, nobody else can write it, and both
 its key and the digest of its content match: a cached program is never stale, and
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import ctypes as ct
 import errno
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -37,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from memtrack.capture.tables import Table, attach_tracepoint, ctype_of, detach_tracepoint
+
 CACHE_FORMAT = 1
 TRACEFS_EVENTS = Path("/sys/kernel/tracing/events")
 BPF_PSEUDO_MAP_FD = 1
@@ -46,7 +51,6 @@ BPF_MAP_CREATE = 0
 BPF_PROG_LOAD = 5
 BPF_OBJ_NAME_LEN = 16
 PROG_KPROBE, PROG_TRACEPOINT = 2, 5
-MAP_HASH, MAP_ARRAY, MAP_PERCPU_ARRAY, MAP_LRU_HASH, MAP_RINGBUF = 1, 2, 6, 9, 27
 LOG_SIZE = 1 << 24
 SLOW_S = 1.0  # a compile still running after this long is announced
 
@@ -112,6 +116,7 @@ class Image:
 
 # -- bcc: the compiler ------------------------------------------------------------------
 
+@functools.cache
 def _libbcc() -> Any:
     """libbcc's module introspection calls that bcc's Python module does not declare
     (a CDLL instance of our own, so that bcc's declarations stay as they are)."""
@@ -126,22 +131,10 @@ def _libbcc() -> Any:
             ("bpf_table_key_desc_id", cp, [vp, sz]), ("bpf_table_leaf_desc_id", cp, [vp, sz]),
             ("bpf_num_functions", sz, [vp]), ("bpf_function_name", cp, [vp, sz]),
             ("bpf_function_start", vp, [vp, cp]), ("bpf_function_size", sz, [vp, cp]),
-            ("bpf_module_license", cp, [vp]), ("bpf_module_kern_version", ct.c_uint, [vp]),
-            ("bpf_attach_tracepoint", ct.c_int, [ct.c_int, cp, cp]),
-            ("bpf_close_perf_event_fd", ct.c_int, [ct.c_int])):
+            ("bpf_module_license", cp, [vp]), ("bpf_module_kern_version", ct.c_uint, [vp])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib
-
-
-_LIB: Any = None
-
-
-def _lib() -> Any:
-    global _LIB
-    if _LIB is None:
-        _LIB = _libbcc()
-    return _LIB
 
 
 def compile_image(text: str, cflags: list[str]) -> Image:
@@ -156,7 +149,7 @@ def compile_image(text: str, cflags: list[str]) -> Image:
         b = Compiler(text=text, cflags=cflags)
     except Exception as e:  # noqa: BLE001 - bcc raises plain Exception
         raise LoadError(f"cannot compile the BPF program: {e}") from None
-    lib = _lib()
+    lib = _libbcc()
     try:
         m = b.module
         maps, index = [], {}
@@ -198,22 +191,22 @@ def _file_id(path: str | Path) -> list[Any]:
 
 
 def _toolchain() -> list[Any]:
-    """bcc and the clang/LLVM libraries it runs, as loaded in this process."""
-    import bcc
-
-    libs = set()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and re.search(r"/lib(bcc|bpf|clang|LLVM)[^/]*\.so", parts[5]):
-                libs.add(parts[5].strip())
-    return [getattr(bcc, "__version__", ""), sorted(_file_id(p) for p in libs)]
+    """bcc's Python module and library, found without loading them (libbcc brings clang
+    and LLVM along: loading it is most of what a cache hit saves)."""
+    spec = importlib.util.find_spec("bcc")
+    pkg = Path(spec.origin).parent if spec and spec.origin else None
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += ["/usr/local/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"]
+    return [[_file_id(pkg / f) for f in ("__init__.py", "version.py")] if pkg else None,
+            [_file_id(Path(d) / "libbcc.so.0") for d in dirs
+             if (Path(d) / "libbcc.so.0").exists()]]
 
 
 def cache_key(text: str, cflags: list[str], tracefs: Path = TRACEFS_EVENTS) -> str:
     """A digest of every input of bcc's output: the source and its flags, the kernel and
     the headers bcc compiles against, the tracepoint formats bcc reads for
-    TRACEPOINT_PROBE arguments, bcc itself and its compiler libraries."""
+    TRACEPOINT_PROBE arguments, and bcc itself (a newer clang or LLVM under the same
+    bcc still compiled the same source correctly: not part of the key)."""
     u = os.uname()
     build = Path("/lib/modules") / u.release / "build"
     headers = [_file_id(build / p) for p in ("include/generated/autoconf.h",
@@ -307,33 +300,13 @@ def _create_map(spec: MapSpec) -> int:
     return fd
 
 
-def _table(program: Program, spec: MapSpec, fd: int) -> Any:
-    """bcc's table object over one of our maps. bcc builds these from its compiled module;
-    here the attributes that bcc 0.26's TableBase/PerCpuArray/RingBuf constructors set
-    come from the map's specification (the cache key includes bcc's version)."""
-    from bcc import BPF
-    from bcc import table as bt
-    from bcc.utils import get_possible_cpus
+@dataclass
+class Function:
+    """A loaded program: what bcc calls a Function (its `fd` is what users take)."""
 
-    classes = {MAP_HASH: bt.HashTable, MAP_ARRAY: bt.Array, MAP_PERCPU_ARRAY: bt.PerCpuArray,
-               MAP_LRU_HASH: bt.LruHash, MAP_RINGBUF: bt.RingBuf}
-    cls = classes.get(spec.type)
-    if cls is None:
-        raise LoadError(f"BPF map {spec.name}: type {spec.type} is not one memtrack loads")
-    t = cls.__new__(cls)
-    t.bpf, t.map_id, t.map_fd, t._name, t._cbs = program, -1, fd, spec.name.encode(), {}
-    t.Key = BPF._decode_table_type(json.loads(spec.key_desc))
-    t.Leaf = BPF._decode_table_type(json.loads(spec.leaf_desc))
-    t.ttype, t.flags, t.max_entries = spec.type, spec.flags, spec.max_entries
-    if cls is bt.PerCpuArray:
-        t.reducer, t.sLeaf, t.total_cpu = None, t.Leaf, len(get_possible_cpus())
-        t.alignment = ct.sizeof(t.sLeaf) % 8
-        if t.alignment:
-            raise LoadError(f"BPF map {spec.name}: per-CPU values must be 8-byte multiples")
-        t.Leaf = t.sLeaf * t.total_cpu
-    elif cls is bt.RingBuf:
-        t._ringbuf, t._event_class = None, None
-    return t
+    bpf: Any
+    name: bytes
+    fd: int
 
 
 class Program:
@@ -341,14 +314,11 @@ class Program:
     functions attached, tables as bcc offers them."""
 
     def __init__(self, image: Image) -> None:
-        from bcc import BPF
-
         self.image = image
-        self.funcs: dict[bytes, Any] = {}
+        self.funcs: dict[bytes, Function] = {}
         self.tracepoint_fds: dict[bytes, int] = {}
-        self.tables: dict[str, Any] = {}
+        self.tables: dict[str, Table] = {}
         self._map_fds: list[int] = []
-        self._Function = BPF.Function
         try:
             for spec in image.maps:
                 self._map_fds.append(_create_map(spec))
@@ -360,20 +330,26 @@ class Program:
             self.cleanup()
             raise
 
-    def __getitem__(self, name: str | bytes) -> Any:
+    def __getitem__(self, name: str | bytes) -> Table:
         key = name.decode() if isinstance(name, bytes) else name
         t = self.tables.get(key)
         if t is None:
             for i, spec in enumerate(self.image.maps):
                 if spec.name == key:
-                    t = self.tables[key] = _table(self, spec, self._map_fds[i])
+                    try:
+                        t = Table(spec.name, self._map_fds[i], spec.type, spec.max_entries,
+                                  spec.flags, ctype_of(json.loads(spec.key_desc)),
+                                  ctype_of(json.loads(spec.leaf_desc)))
+                    except ValueError as e:
+                        raise LoadError(str(e)) from None
+                    self.tables[key] = t
                     break
             else:
                 raise KeyError(name)
         return t
 
     def load_func(self, func_name: str | bytes, prog_type: int, device: Any = None,
-                  attach_type: int = -1, prog_flags: int = 0) -> Any:
+                  attach_type: int = -1, prog_flags: int = 0) -> Function:
         """Load one function (once; a second call returns the first program).
         `prog_flags`: BPF_F_* load flags (BPF_F_SLEEPABLE = 16), beyond bcc's."""
         name = func_name.decode() if isinstance(func_name, bytes) else func_name
@@ -390,7 +366,7 @@ class Program:
         if fd < 0:
             fd = self._prog_load(name, prog_type, bytes(insns), attach_type, prog_flags,
                                  log=True)
-        fn = self._Function(self, bname, fd)
+        fn = Function(self, bname, fd)
         self.funcs[bname] = fn
         return fn
 
@@ -422,11 +398,12 @@ class Program:
         """As bcc's: attach function `fn_name` to tracepoint "category:event"."""
         tpb = tp.encode() if isinstance(tp, str) else tp
         fn = self.load_func(fn_name, PROG_TRACEPOINT)
-        category, _, event = tpb.partition(b":")
-        fd = _lib().bpf_attach_tracepoint(fn.fd, category, event)
-        if fd < 0:
+        category, _, event = tpb.decode().partition(":")
+        try:
+            fd = attach_tracepoint(fn.fd, category, event)
+        except OSError as e:
             raise LoadError(f"Failed to attach BPF program {fn.name.decode()} to tracepoint "
-                            f"{tpb.decode()}")
+                            f"{tpb.decode()} ({e.strerror})") from None
         self.tracepoint_fds[tpb] = fd
 
     def detach_tracepoint(self, tp: str | bytes = b"") -> None:
@@ -434,7 +411,7 @@ class Program:
         fd = self.tracepoint_fds.pop(tpb, None)
         if fd is None:
             raise LoadError(f"tracepoint {tpb.decode()} is not attached")
-        _lib().bpf_close_perf_event_fd(fd)
+        detach_tracepoint(fd)
 
     def cleanup(self) -> None:
         """Detach the tracepoints, close every program and map."""
