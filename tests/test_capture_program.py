@@ -176,11 +176,23 @@ def test_capture_from_the_cache_records_what_a_compiled_one_does(
 
 
 @pytest.mark.bpf
-def test_a_slow_compile_is_announced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pg, "SLOW_S", 0.0)
+def test_slow_loading_is_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
     out = io.StringIO()
-    pg.load_program(SOURCE, _flags(), None, progress=out).cleanup()
-    assert out.getvalue() == "memtrack: compiling the BPF programs...\n"
+    with pg.SlowNote(out, "loading the BPF programs"):
+        pass
+    assert out.getvalue() == ""
+    monkeypatch.setattr(pg, "SLOW_S", 0.05)
+    cache = pg.ProgramCache(tmp_path / "bpf")
+    assert cache.usable() is None
+    for expected in ("compiling the BPF programs; later runs load them from the cache",
+                     "loading the BPF programs"):
+        out = io.StringIO()
+        with pg.SlowNote(out, "loading the BPF programs") as note:
+            pg.load_program(SOURCE, _flags(), cache, note=note).cleanup()
+            time.sleep(0.2)
+        assert out.getvalue() == f"memtrack: {expected}...\n"
 
 
 def test_command_checked_before_anything_loads(tmp_path: Path) -> None:

@@ -34,8 +34,6 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -52,7 +50,7 @@ BPF_PROG_LOAD = 5
 BPF_OBJ_NAME_LEN = 16
 PROG_KPROBE, PROG_TRACEPOINT = 2, 5
 LOG_SIZE = 1 << 24
-SLOW_S = 1.0  # a compile still running after this long is announced
+SLOW_S = 1.0  # loading still under way after this long is announced
 
 _TRACEPOINT_RE = re.compile(r"TRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)")
 
@@ -426,40 +424,46 @@ class Program:
         self.tables.clear()
 
 
-@contextmanager
-def _say_if_slow(stream: TextIO | None, line: str) -> Iterator[None]:
-    """Write `line` to `stream` if the block is still running after SLOW_S seconds."""
-    if stream is None:
-        yield
-        return
+class SlowNote:
+    """A context that writes "memtrack: <what>..." to `stream` if it is still running
+    after SLOW_S seconds; `what` may change on the way."""
 
-    def say() -> None:
-        stream.write(line + "\n")
-        stream.flush()
+    def __init__(self, stream: TextIO | None, what: str) -> None:
+        self.stream = stream
+        self.what = what
+        self._timer: threading.Timer | None = None
 
-    timer = threading.Timer(SLOW_S, say)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
+    def _say(self) -> None:
+        assert self.stream is not None
+        self.stream.write(f"memtrack: {self.what}...\n")
+        self.stream.flush()
+
+    def __enter__(self) -> SlowNote:
+        if self.stream is not None:
+            self._timer = threading.Timer(SLOW_S, self._say)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def load_program(text: str, cflags: list[str], cache: ProgramCache | None, *,
-                 progress: TextIO | None = None) -> Program:
+                 note: SlowNote | None = None) -> Program:
     """The program for `text` and `cflags`: from the cache when it holds it, else
-    compiled by bcc (and cached). A compile that takes more than a second is announced
-    on `progress`."""
+    compiled by bcc (and cached; `note` then says so if it takes a while)."""
     image = None
     key = ""
     if cache is not None:
         key = cache_key(text, cflags)
         image = cache.get(key)
     if image is None:
-        later = "; later runs load them from the cache" if cache is not None else ""
-        with _say_if_slow(progress, f"memtrack: compiling the BPF programs{later}..."):
-            image = compile_image(text, cflags)
+        if note is not None:
+            note.what = "compiling the BPF programs" + (
+                "; later runs load them from the cache" if cache is not None else "")
+        image = compile_image(text, cflags)
         if cache is not None:
             try:
                 cache.put(key, image)

@@ -48,7 +48,13 @@ from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import BPF_DIR, CaptureOptions, CapturePart
 from memtrack.capture.procfs import map_file, read_identity, wait_stopped
-from memtrack.capture.program import LoadError, ProgramCache, default_cache_dir, load_program
+from memtrack.capture.program import (
+    LoadError,
+    ProgramCache,
+    SlowNote,
+    default_cache_dir,
+    load_program,
+)
 from memtrack.schema import LOSS_COUNTERS, PROCESSES, EventKind, is_loss
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.manifest import Clock, ExitStatus, Host
@@ -142,7 +148,7 @@ class Tracker:
     def __init__(self, options: CaptureOptions | None = None,
                  parts: list[CapturePart] | None = None, *,
                  progress: TextIO | None = None) -> None:
-        """`progress`: where to say that compiling the program takes a while."""
+        """`progress`: where to say so when loading the program takes a while."""
         self.options = options or CaptureOptions()
         if self.options.probe_placement not in ("auto", "entry"):
             raise CaptureError(f"probe placement {self.options.probe_placement!r}: "
@@ -166,17 +172,18 @@ class Tracker:
             if why is not None:
                 self.warnings.append(f"program cache not used: {why}")
                 cache = None
-        try:
-            self.bpf = load_program("\n".join(text), cflags, cache, progress=progress)
-        except LoadError as e:
-            raise CaptureError(str(e)) from None
-        for part in self.parts:
-            self.warnings += part.attach(self.bpf)
-        attach = self.options.extra.get("uprobe_attach", "auto")
-        if attach not in UPROBE_ATTACH:
-            raise CaptureError(f"uprobe attach {attach!r}: expected one of "
-                               f"{', '.join(UPROBE_ATTACH)}")
-        self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
+        with SlowNote(progress, "loading the BPF programs") as note:
+            try:
+                self.bpf = load_program("\n".join(text), cflags, cache, note=note)
+            except LoadError as e:
+                raise CaptureError(str(e)) from None
+            for part in self.parts:
+                self.warnings += part.attach(self.bpf)
+            attach = self.options.extra.get("uprobe_attach", "auto")
+            if attach not in UPROBE_ATTACH:
+                raise CaptureError(f"uprobe attach {attach!r}: expected one of "
+                                   f"{', '.join(UPROBE_ATTACH)}")
+            self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
         self.attached: set[tuple[int, int]] = set()  # (st_dev, st_ino) of classified files
         self.probes: list[dict[str, Any]] = []
         self.session: Session | None = None
