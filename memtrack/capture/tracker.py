@@ -172,18 +172,24 @@ class Tracker:
             if why is not None:
                 self.warnings.append(f"program cache not used: {why}")
                 cache = None
+        attach = self.options.extra.get("uprobe_attach", "auto")
+        if attach not in UPROBE_ATTACH:
+            raise CaptureError(f"uprobe attach {attach!r}: expected one of "
+                               f"{', '.join(UPROBE_ATTACH)}")
         with SlowNote(progress, "loading the BPF programs") as note:
             try:
                 self.bpf = load_program("\n".join(text), cflags, cache, note=note)
             except LoadError as e:
                 raise CaptureError(str(e)) from None
-            for part in self.parts:
-                self.warnings += part.attach(self.bpf)
-            attach = self.options.extra.get("uprobe_attach", "auto")
-            if attach not in UPROBE_ATTACH:
-                raise CaptureError(f"uprobe attach {attach!r}: expected one of "
-                                   f"{', '.join(UPROBE_ATTACH)}")
-            self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
+            try:
+                for part in self.parts:
+                    self.warnings += part.attach(self.bpf)
+                self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
+            except BaseException as e:
+                self.bpf.cleanup()
+                if isinstance(e, LoadError):  # the verifier refused a program
+                    raise CaptureError(str(e)) from None
+                raise
         self.attached: set[tuple[int, int]] = set()  # (st_dev, st_ino) of classified files
         self.probes: list[dict[str, Any]] = []
         self.session: Session | None = None
