@@ -28,6 +28,24 @@ class _Copy:
     path: str  # where it was mapped
     sources: list[str]  # files to copy from, first readable wins
     data: bytes | None = None  # the vDSO image
+    mapped: tuple[int, int] | None = None  # (st_dev, st_ino) of the file whose id was read
+
+
+def _identity(m: MapLine) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a mapping's file, from its "major:minor" and inode."""
+    major, _, minor = m.dev.partition(":")
+    try:
+        return os.makedev(int(major, 16), int(minor, 16)), m.inode
+    except ValueError:
+        return None
+
+
+def _is_file(path: str, identity: tuple[int, int] | None) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return identity is not None and (st.st_dev, st.st_ino) == identity
 
 
 class ModuleRecorder:
@@ -78,7 +96,7 @@ class ModuleRecorder:
                 if bid and "x" in m.perms and self.copy_modules and bid not in self._queued:
                     self._queued.add(bid)
                     src = str(map_file(pid, m))
-                    self._pending.append(_Copy(bid, m.path, [m.path, src]))
+                    self._pending.append(_Copy(bid, m.path, [m.path, src], mapped=_identity(m)))
             build_ids.append(bid)
         n = len(maps)
         self.writer.write("mappings", pa.RecordBatch.from_pydict({
@@ -106,7 +124,8 @@ class ModuleRecorder:
                     self.writer.add_module(c.build_id, c.path, Path(tmp.name))
                 continue
             for src in c.sources:
-                if read_build_id(src) != c.build_id:
+                # the mapped file itself needs no second look at its build id
+                if not _is_file(src, c.mapped) and read_build_id(src) != c.build_id:
                     continue
                 try:
                     self.writer.add_module(c.build_id, c.path, Path(src),
