@@ -183,7 +183,16 @@ def test_slow_loading_is_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with pg.SlowNote(out, "loading the BPF programs"):
         pass
     assert out.getvalue() == ""
-    monkeypatch.setattr(pg, "SLOW_S", 0.05)
+    # The note fires half a second in: during the (slowed) compile, well after the
+    # cache lookup; then during a load from the cache.
+    monkeypatch.setattr(pg, "SLOW_S", 0.5)
+    compile_image = pg.compile_image
+
+    def slow_compile(text: str, cflags: list[str]) -> pg.Image:
+        time.sleep(1.0)
+        return compile_image(text, cflags)
+
+    monkeypatch.setattr(pg, "compile_image", slow_compile)
     cache = pg.ProgramCache(tmp_path / "bpf")
     assert cache.usable() is None
     for expected in ("compiling the BPF programs; later runs load them from the cache",
@@ -191,7 +200,7 @@ def test_slow_loading_is_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         out = io.StringIO()
         with pg.SlowNote(out, "loading the BPF programs") as note:
             pg.load_program(SOURCE, _flags(), cache, note=note).cleanup()
-            time.sleep(0.2)
+            time.sleep(1.0)
         assert out.getvalue() == f"memtrack: {expected}...\n"
 
 
