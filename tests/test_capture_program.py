@@ -65,6 +65,13 @@ def test_cache_holds_exactly_what_bcc_compiled(tmp_path: Path) -> None:
     cache.put(key, image)
     assert cache.get(key) == image
     assert pg.Image.from_json(image.to_json(key), "0" * 64) is None  # another key's entry
+    # only the most recently used entries stay
+    small = pg.ProgramCache(tmp_path / "bpf", keep=2)
+    for other in ("a" * 64, "b" * 64):
+        os.utime(tmp_path / "bpf" / f"{key}.json", ns=(1, 1))
+        assert small.get(key) == image  # used: now the newest
+        small.put(other, image)
+    assert sorted(p.stem for p in (tmp_path / "bpf").glob("*.json")) == sorted([key, "b" * 64])
 
 
 @pytest.mark.bpf

@@ -231,10 +231,12 @@ def _private(st: os.stat_result) -> bool:
 
 
 class ProgramCache:
-    """Images by key, one file each, in a directory only this user can write."""
+    """Images by key, one file each, in a directory only this user can write; the
+    `keep` most recently used ones stay (every change of source or options makes one)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, keep: int = 64) -> None:
         self.dir = directory
+        self.keep = keep
 
     def usable(self) -> str | None:
         """None, or why the directory cannot hold programs (created if missing)."""
@@ -256,7 +258,10 @@ class ProgramCache:
             if not _private(os.fstat(f.fileno())):
                 return None
             data = f.read()
-        return Image.from_json(data, key)
+            image = Image.from_json(data, key)
+            if image is not None:
+                os.utime(f.fileno())  # recently used: kept by put's pruning
+        return image
 
     def put(self, key: str, image: Image) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
@@ -270,6 +275,20 @@ class ProgramCache:
             except OSError:
                 pass
             raise
+        self._prune()
+
+    def _prune(self) -> None:
+        entries = []
+        for p in self.dir.glob("*.json"):
+            try:
+                entries.append((p.stat().st_mtime_ns, p))
+            except OSError:
+                continue
+        for _, p in sorted(entries, reverse=True)[self.keep:]:
+            try:
+                p.unlink()
+            except OSError:
+                pass
 
 
 # -- the loader ---------------------------------------------------------------------------
