@@ -176,7 +176,7 @@ class UprobeLinks:
         if multi is None:
             probe = bpf.load_func(b"mt_free", PROG_KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
             multi = uprobe_multi_supported(probe.fd)
-            if not multi:  # bcc caches programs by name: load it again for perf events
+            if not multi:  # load_func keeps programs by name: load it again for perf events
                 os.close(probe.fd)
                 del bpf.funcs[b"mt_free"]
         self.multi = multi
@@ -212,5 +212,11 @@ class UprobeLinks:
         return [] if self.multi else list(self.links)
 
     def close(self) -> None:
+        """Close our links: side by side (uprobe_multi), or one by one where
+        release_in_background holds the last references (perf events)."""
         links, self.links = self.links, []
-        close_all(links)
+        if self.multi:
+            close_all(links)
+        else:
+            for fd in links:
+                os.close(fd)
