@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from conftest import build
-from test_capture import F, M, run
+from support.capture import F, M, run
 
 from memtrack.capture.parts import CaptureOptions
 

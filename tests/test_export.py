@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_process_synth import LEAKS, SIZES, write_run
+from support.synth import LEAKS, SIZES, write_run
 from typer.testing import CliRunner
 
 from memtrack.cli import app

@@ -1,5 +1,5 @@
 """The pipeline's stack half on real unwinding and symbolization: stacks that a fixture
-snapshots itself (tests/unwind_support.py: what a malloc uprobe sees, decode-shaped)
+snapshots itself (tests/support/snaps.py: what a malloc uprobe sees, decode-shaped)
 go through unwind, module and frame ids, symbolize and load, and come out as the
 report's sites and backtraces and the exports' frames."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from test_process_synth import END_NS
-from test_stackcodec import ring_record
-from unwind_support import VARIANTS, Snaps, build_fixture, run_snaps
+from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
+from support.stackrecords import ring_record
+from support.synth import END_NS
 
 from memtrack.process import pipeline
 from memtrack.process.decode import decode_chunks

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from test_process_synth import LEAKS, PEAK, SIZES, TEMPORARY, write_artifact, write_run
+from support.synth import LEAKS, PEAK, SIZES, TEMPORARY, write_artifact, write_run
 from typer.testing import CliRunner
 
 from memtrack.cli import app

@@ -11,44 +11,17 @@ from __future__ import annotations
 import ctypes as ct
 import os
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import build
+from support.rss import MiB, close, parse_marks
 
 from memtrack.capture.parts import BPF_DIR, CaptureOptions
 from memtrack.capture.rss import RssPart
 from memtrack.process.rss import peaks_by_pid, reconstruct_anon, rss_peaks, rss_timeline
 from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact, ArtifactWriter
-
-MiB = 1 << 20
-KiB = 1 << 10
-
-
-@dataclass
-class Mark:
-    name: str
-    pid: int
-    vmrss: int
-    anon: int
-    file: int
-    shmem: int
-    thp: int  # AnonHugePages
-
-
-def parse_marks(out: str) -> dict[str, Mark]:
-    marks = {}
-    for line in out.splitlines():
-        if not line.startswith("mark "):
-            continue
-        _, name, *kv = line.split()
-        v = {k: int(x) for k, x in (p.split("=") for p in kv)}
-        marks[name] = Mark(name, v["pid"], v["VmRSS"] * KiB, v["RssAnon"] * KiB,
-                           v["RssFile"] * KiB, v["RssShmem"] * KiB, v["AnonHugePages"] * KiB)
-    return marks
-
 
 # The capture core follows forks; this harness only needs the children tracked.
 FOLLOW_FORKS = """
@@ -93,10 +66,6 @@ def harness_capture(args: list[str], out: Path, *, track_faults: bool) -> tuple[
     art = Artifact.open(out)
     assert art.manifest.nonzero_losses() == {}
     return art, parse_marks(text_out)
-
-
-def close(got: int, want: int, rel: float) -> bool:
-    return abs(got - want) <= rel * want
 
 
 def anon_at(tl, pid: int, ts: int) -> int:

@@ -4,14 +4,14 @@ Tracker: each fixture's peaks against what it read from /proc/self/status itself
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
 import pytest
 from conftest import build
-from test_rss_capture import Mark, close, parse_marks
+from support.capture import spawn
+from support.rss import Mark, MiB, close, parse_marks
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.info import collect_info
@@ -27,7 +27,6 @@ from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact
 
 pytestmark = pytest.mark.bpf
-MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +47,7 @@ class Run:
     def __init__(self, tracker: Any, tmp_path: Path, cmd: list[str]) -> None:
         out = tmp_path / "stdout"
         self.path = tmp_path / "run.memtrack"
-        with open(out, "w") as f:
-            saved = os.dup(1)
-            os.dup2(f.fileno(), 1)
-            try:
-                session = tracker.spawn(cmd, self.path)
-            finally:
-                os.dup2(saved, 1)
-                os.close(saved)
-            self.result = session.wait(timeout=60)
+        self.result = spawn(tracker, cmd, self.path, out)
         assert self.result.status == 0
         assert self.result.nonzero_losses() == {}
         self.stdout = out.read_text()

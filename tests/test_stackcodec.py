@@ -7,11 +7,10 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.stackrecords import SP0, chain, rand_words, ring_record
 
 from memtrack.process.decode import decode_chunks, decode_table
 from memtrack.process.stackcodec import (
-    FLAG_DELTA,
-    FLAG_TRUNCATED,
     FNV_OFFSET,
     FNV_PRIME,
     StackFormatError,
@@ -25,7 +24,6 @@ from memtrack.process.stackcodec import (
 from memtrack.schema import NUM_REGS, STACKS, StackEncoding
 
 M64 = (1 << 64) - 1
-SP0 = 0x7FFD_0000_1000
 
 
 def ref_hash(words: list[int]) -> int:
@@ -38,10 +36,6 @@ def ref_hash(words: list[int]) -> int:
         h = ((h ^ lane) * FNV_PRIME) & M64
     h = ((h ^ (8 * len(words))) * FNV_PRIME) & M64
     return h or 1
-
-
-def rand_words(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, 2**64, size=n, dtype=np.uint64, endpoint=False)
 
 
 def test_hash_matches_the_definition_for_every_length_mod_4() -> None:
@@ -132,43 +126,6 @@ def test_property_encode_decode_is_identity(n: int, ref_n: int, shift: int, seed
     got, got_regs = decode_delta(encode_delta(words, sp, regs, ref), sp, n, ref)
     assert np.array_equal(got, words)
     assert np.array_equal(got_regs, regs)
-
-
-# --- ring records, as bpf/stacks.h writes them ------------------------------------------
-
-def ring_record(words: np.ndarray, sp: int, regs: np.ndarray, *, tid: int = 7, pid: int = 7,
-                ref: StackRef | None = None, delta: bool = True, truncated: bool = False,
-                fp: tuple[int, ...] = (0x401000, 0x401100),
-                fixups: tuple[tuple[int, int], ...] = (), ts: int = 1) -> bytes:
-    h = hash_bytes(words.tobytes())
-    body = encode_delta(words, sp, regs, ref) if delta else regs.tobytes() + words.tobytes()
-    flags = (FLAG_DELTA if delta else 0) | (FLAG_TRUNCATED if truncated else 0)
-    hdr = [h, ref.hash if ref is not None else 0, ts, pid | tid << 32, sp,
-           words.size * 8 | len(fp) << 32 | len(fixups) << 48 | flags << 56, len(body)]
-    extra = [v for pair in fixups for v in pair]
-    return np.array(hdr + list(fp) + extra, dtype=np.uint64).tobytes() + body
-
-
-def chain(rng: np.random.Generator, count: int, *, tid: int = 7, n: int = 512,
-          delta: bool = True) -> tuple[list[bytes], list[np.ndarray], list[int]]:
-    """A thread's records: sp wandering, a few words changing each time."""
-    records, copies, sps = [], [], []
-    ref = None
-    words = rand_words(rng, n + 64)
-    regs = rand_words(rng, NUM_REGS)
-    for i in range(count):
-        sp = SP0 + 8 * int(rng.integers(0, 64))
-        cur = words[(sp - SP0) // 8:(sp - SP0) // 8 + n].copy()
-        cur[int(rng.integers(0, n))] ^= np.uint64(i + 1)
-        words[(sp - SP0) // 8:(sp - SP0) // 8 + n] = cur
-        regs = regs.copy()
-        regs[16] = np.uint64(0x401000 + i)
-        records.append(ring_record(cur, sp, regs, tid=tid, pid=tid, ref=ref, delta=delta, ts=i))
-        copies.append(cur)
-        sps.append(sp)
-        if delta:
-            ref = StackRef(hash_bytes(cur.tobytes()), sp, cur, regs)
-    return records, copies, sps
 
 
 def test_ring_records_parse_into_the_stacks_schema() -> None:

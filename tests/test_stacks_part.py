@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_stackcodec import chain
+from support.stackrecords import chain
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.capture.stacks import StacksPart, check_budget

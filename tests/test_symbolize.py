@@ -246,9 +246,9 @@ def test_unwritable_cache_is_reported_not_fatal(tmp_path: Path) -> None:
 
 
 def test_vdso_from_artifact_gets_dynsym_names(tmp_path: Path) -> None:
-    from test_symbolize_modules import _vdso_bytes
+    from support.procfs import vdso_bytes
 
-    data = _vdso_bytes()
+    data = vdso_bytes()
     src = tmp_path / "vdso.bin"
     src.write_bytes(data)
     bid = read_build_id(src)

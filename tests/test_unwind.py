@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from elftools.elf.elffile import ELFFile
-from unwind_support import (
+from support.snaps import (
     VARIANTS,
     Snaps,
     build_fixture,

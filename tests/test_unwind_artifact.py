@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from unwind_support import VARIANTS, Snaps, build_fixture, run_snaps
+from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
 
 from memtrack.process.decode import decode
 from memtrack.process.stackcodec import hash_bytes

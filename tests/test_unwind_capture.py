@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from unwind_support import VARIANTS, build_fixture
+from support.snaps import VARIANTS, build_fixture
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.decode import decode

@@ -1,5 +1,5 @@
-"""Synthetic artifacts and run databases with known allocations (no tests here: the data
-the process, report and export tests share). Every figure they check derives from this."""
+"""Synthetic artifacts and run databases with known allocations: the data the process,
+report and export tests share. Every figure they check derives from this."""
 
 from __future__ import annotations
 
