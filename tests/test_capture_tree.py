@@ -16,11 +16,11 @@ from conftest import FIXTURES, build
 from support.capture import F, M, check_no_loss, run
 
 from memtrack.schema import Allocator, EventKind
+from memtrack.schema.enums import CLONE_THREAD
 from memtrack.symbolize.buildid import read_build_id
 
 pytestmark = pytest.mark.bpf
 
-CLONE_THREAD = 0x10000
 
 
 def kinds(r: Any, kind: int) -> list[dict[str, Any]]:

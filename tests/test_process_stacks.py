@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
-from support.stackrecords import ring_record
+from support.stackrecords import StackRef, ring_record
 from support.synth import END_NS
 
+from memtrack.capture.stackring import records_to_batch
 from memtrack.process import pipeline
 from memtrack.process.decode import decode_chunks
 from memtrack.process.export import costs, folded
@@ -20,10 +21,10 @@ from memtrack.process.load import StageTables, load, meta_rows
 from memtrack.process.pair import pair, sort_events
 from memtrack.process.pipeline import process
 from memtrack.process.report import ReportOptions, report_data
-from memtrack.process.stackcodec import StackRef, hash_bytes, records_to_batch
 from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.schema.ddl import open_run
+from memtrack.schema.stackrecord import hash_bytes
 from memtrack.symbolize.modules import ModuleStore
 
 CHAIN = ["c", "b", "a", "main", "__libc_start_call_main", "__libc_start_main", "_start"]

@@ -9,12 +9,6 @@ import pyarrow as pa
 
 from memtrack.process.metadata import memory_metadata, write_memory_metadata
 from memtrack.process.rss import (
-    MADV_DONTNEED,
-    MADV_FREE,
-    MADV_HUGEPAGE,
-    MAP_ANONYMOUS,
-    MAP_POPULATE,
-    RssCause,
     peaks_by_pid,
     reconstruct_anon,
     rss_peaks,
@@ -22,10 +16,19 @@ from memtrack.process.rss import (
 )
 from memtrack.schema import EVENTS, FAULTS, MAPPINGS, PROCESSES, RSS, EventKind, RssMember
 from memtrack.schema.artifact import Artifact, ArtifactWriter
+from memtrack.schema.enums import (
+    MADV_DONTNEED,
+    MADV_FREE,
+    MADV_HUGEPAGE,
+    MAP_ANONYMOUS,
+    MAP_POPULATE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    RssCause,
+)
 
 P = 4096
 ANON, FILE, SHMEM = RssMember.ANON, RssMember.FILE, RssMember.SHMEM
-MAP_PRIVATE, MAP_SHARED = 0x02, 0x01
 PROT_RW = 0x3 << 32
 NONE = 2**64 - 1
 

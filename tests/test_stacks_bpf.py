@@ -24,8 +24,8 @@ from memtrack.capture.bcc_compat import attach_uprobe
 from memtrack.capture.parts import BPF_DIR, CaptureOptions
 from memtrack.capture.stacks import RING, StacksPart
 from memtrack.process.decode import decode_table
-from memtrack.process.stackcodec import hash_bytes
 from memtrack.schema import STACKS, StackEncoding
+from memtrack.schema.stackrecord import hash_bytes
 
 pytestmark = pytest.mark.bpf
 

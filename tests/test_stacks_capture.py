@@ -19,9 +19,9 @@ from conftest import build
 from memtrack.capture.parts import CaptureOptions
 from memtrack.info import collect_info
 from memtrack.process.decode import decode
-from memtrack.process.stackcodec import hash_bytes
 from memtrack.schema import EventKind, StackEncoding
 from memtrack.schema.artifact import Artifact
+from memtrack.schema.stackrecord import hash_bytes
 
 pytestmark = pytest.mark.bpf
 

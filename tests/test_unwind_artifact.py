@@ -13,10 +13,10 @@ import pytest
 from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
 
 from memtrack.process.decode import decode
-from memtrack.process.stackcodec import hash_bytes
 from memtrack.process.unwind import unwind
 from memtrack.schema import StackEncoding
 from memtrack.schema.artifact import Artifact, ArtifactWriter
+from memtrack.schema.stackrecord import hash_bytes
 from memtrack.symbolize.modules import ModuleStore
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.stackcodec import stack_hash
 from memtrack.schema import NUM_REGS, StackEncoding
 from memtrack.schema.artifact import Artifact
+from memtrack.schema.stackrecord import stack_hash
 
 DECODED = pa.schema(
     [

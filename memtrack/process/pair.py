@@ -19,12 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema import EventKind
+from memtrack.schema.enums import CLONE_THREAD, EXIT_PROCESS, EndReason, EventKind
 
-CLONE_THREAD = 0x10000
-
-# end_reason codes, in the order of schema.ddl.END_REASONS
-END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = range(6)
+END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
 
 ALLOCATIONS = pa.schema(
     [
@@ -96,7 +93,7 @@ def pair(events: pa.Table, end_ts: int | None = None) -> Pairing:
     # Process-instance boundaries: (pid, event index, kind of boundary).
     is_fork = (kind == EventKind.FORK) & ((col["flags"] & CLONE_THREAD) == 0)
     is_exec = kind == EventKind.EXEC
-    is_exit = (kind == EventKind.EXIT) & ((col["flags"] & 1) == 1)
+    is_exit = (kind == EventKind.EXIT) & ((col["flags"] & EXIT_PROCESS) != 0)
     b_pid = np.concatenate([col["addr"][is_fork].astype(np.int64), pid[is_exec], pid[is_exit]])
     b_eid = np.concatenate([eid[is_fork], eid[is_exec], eid[is_exit]])
     b_reason = np.concatenate([

@@ -21,51 +21,42 @@ names the caveats that apply to each process.
 
 from __future__ import annotations
 
-import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact
+from memtrack.schema.enums import (
+    CLONE_THREAD,
+    EXIT_PROCESS,
+    FAULT_PRESENT,
+    FAULT_WRITE,
+    MADV_COLLAPSE,
+    MADV_DONTNEED,
+    MADV_DONTNEED_LOCKED,
+    MADV_FREE,
+    MADV_HUGEPAGE,
+    MADV_MERGEABLE,
+    MADV_NOHUGEPAGE,
+    MADV_PAGEOUT,
+    MADV_POPULATE_WRITE,
+    MADV_REMOVE,
+    MAP_ANONYMOUS,
+    MAP_POPULATE,
+    MAP_SHARED,
+    MAP_SHARED_VALIDATE,
+    MAP_TYPE,
+    MREMAP_DONTUNMAP,
+    PROT_WRITE,
+    EventKind,
+    RssCause,
+    RssMember,
+)
 
-CLONE_THREAD = 0x10000
-MAP_SHARED = 0x01
-MAP_SHARED_VALIDATE = 0x03
-MAP_TYPE = 0x0F
-MAP_ANONYMOUS = 0x20
-MAP_POPULATE = 0x8000
-PROT_WRITE = 0x2
-MREMAP_DONTUNMAP = 4
-FAULT_PRESENT = 0x1  # x86 page-fault error code bits
-FAULT_WRITE = 0x2
 THP_ORDER = 9  # 2 MiB of 4 KiB pages
-
-# madvise advice values (uapi/asm-generic/mman-common.h)
-MADV_FREE = 8
-MADV_REMOVE = 9
-MADV_DONTNEED = 4
-MADV_MERGEABLE = 12
-MADV_HUGEPAGE = 14
-MADV_NOHUGEPAGE = 15
-MADV_PAGEOUT = 21
-MADV_POPULATE_WRITE = 23
-MADV_DONTNEED_LOCKED = 24
-MADV_COLLAPSE = 25
 _DROPS = (MADV_DONTNEED, MADV_DONTNEED_LOCKED, MADV_REMOVE)
-
-
-class RssCause(enum.IntEnum):
-    """`cause` of a timeline row."""
-
-    UPDATE = 0  # the process's own rss_stat update
-    EXTERNAL = 1  # an update from another context, allowed only to lower
-    FORK = 2  # seeded from the parent at fork
-    EXEC = 3  # reset by exec
-    EXIT = 4  # reset by the process's exit
-
 
 TIMELINE = pa.schema(
     [
@@ -101,7 +92,7 @@ def _lifecycle(events: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table]:
     forks = pa.table({"ts": ts[fk], "parent": pid[fk], "child": addr[fk].astype(np.uint32)})
     ex = kind == EventKind.EXEC
     execs = pa.table({"ts": ts[ex], "pid": pid[ex]})
-    xt = (kind == EventKind.EXIT) & ((flags & 1) == 1)
+    xt = (kind == EventKind.EXIT) & ((flags & EXIT_PROCESS) != 0)
     exits = pa.table({"ts": ts[xt], "pid": pid[xt]})
     return forks, execs, exits
 
@@ -554,7 +545,7 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, *,
                 if kind == EventKind.FORK and not flags & CLONE_THREAD:
                     inherited[int(addr) & 0xFFFFFFFF].append((t, space))
                     space = space.copy()
-                if kind == EventKind.EXIT and flags & 1:
+                if kind == EventKind.EXIT and flags & EXIT_PROCESS:
                     space.resident = space.resident[:0]
             if len(space.resident) != before or kind in (EventKind.EXEC, EventKind.EXIT):
                 rows.add(np.array([t], np.uint64), np.array([len(space.resident)]))

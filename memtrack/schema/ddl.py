@@ -11,7 +11,7 @@ from pathlib import Path
 
 import duckdb
 
-from memtrack.schema import Allocator, EventKind, RssMember
+from memtrack.schema.enums import Allocator, EndReason, EventKind, RssCause, RssMember, names
 
 SCHEMA_VERSION = 2
 
@@ -24,17 +24,11 @@ def _enum(values: list[str]) -> str:
     return "ENUM(" + ", ".join(f"'{v}'" for v in values) + ")"
 
 
-EVENT_KINDS = [k.name.lower() for k in EventKind]
-ALLOCATORS = [a.name.lower() for a in Allocator]
-RSS_MEMBERS = [m.name.lower() for m in RssMember]
-# How an allocation's lifetime ended: freed (free/delete), realloc'd away, the address
-# handed out again with no free seen ("reused": a free was not recorded), its process
-# exec'd or exited, or the capture ended with it alive.
-END_REASONS = ["free", "realloc", "reused", "exec", "exit", "end"]
-# Why an rss row holds its value (memtrack.process.rss.RssCause): the process's own
-# update, a lowering update from another context, seeded from the parent at fork, reset
-# by exec or exit.
-RSS_CAUSES = ["update", "external", "fork", "exec", "exit"]
+EVENT_KINDS = names(EventKind)
+ALLOCATORS = names(Allocator)
+RSS_MEMBERS = names(RssMember)
+END_REASONS = names(EndReason)
+RSS_CAUSES = names(RssCause)
 
 TYPES = f"""
 CREATE TYPE event_kind AS {_enum(EVENT_KINDS)};

@@ -1,20 +1,73 @@
 """Stack records as bpf/stacks.h writes them into its ring, built in Python: the input
-of the codec, decode and capture-part tests."""
+of the stack-record, decode and capture-part tests. `encode_delta` is the kernel's delta
+encoder written out plainly, one copy at a time (format: memtrack.schema.stackrecord).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from memtrack.process.stackcodec import (
-    FLAG_DELTA,
-    FLAG_TRUNCATED,
-    StackRef,
-    encode_delta,
-    hash_bytes,
-)
 from memtrack.schema import NUM_REGS
+from memtrack.schema.stackrecord import FLAG_DELTA, FLAG_TRUNCATED, GROUP_WORDS, hash_bytes
+
+_U64 = np.dtype("<u8")
+_BIT17 = np.arange(NUM_REGS, dtype=np.uint64)
+_BIT64 = np.arange(64, dtype=np.uint64)
 
 SP0 = 0x7FFD_0000_1000
+
+
+@dataclass
+class StackRef:
+    """A thread's last emitted copy: what the next delta record is encoded against."""
+
+    hash: int
+    sp: int
+    words: np.ndarray  # uint64
+    regs: np.ndarray  # uint64[17]
+
+
+def _aligned_ref(ref: StackRef | None, sp: int, nwords: int) -> np.ndarray:
+    """The reference words paired with copy words 0..nwords-1 (zero outside the reference)."""
+    out = np.zeros(nwords, dtype=np.uint64)
+    if ref is None:
+        return out
+    diff = sp - ref.sp
+    if diff % 8:
+        return out
+    shift = diff // 8
+    lo = max(0, -shift)
+    hi = min(nwords, ref.words.size - shift)
+    if lo < hi:
+        out[lo:hi] = ref.words[lo + shift:hi + shift]
+    return out
+
+
+def encode_delta(words: np.ndarray, sp: int, regs: np.ndarray, ref: StackRef | None) -> bytes:
+    """The delta body the kernel writes for this copy against `ref` (None: keyframe)."""
+    words = np.asarray(words, dtype=np.uint64)
+    regs = np.asarray(regs, dtype=np.uint64)
+    rx = regs ^ (ref.regs if ref is not None else np.zeros(NUM_REGS, np.uint64))
+    rnz = rx != 0
+    reg_mask = int((np.uint64(1) << _BIT17[rnz]).sum())
+    x = words ^ _aligned_ref(ref, sp, words.size)
+    ngroups = -(-words.size // GROUP_WORDS)
+    padded = np.zeros(ngroups * GROUP_WORDS, dtype=np.uint64)
+    padded[:words.size] = x
+    nz = (padded != 0).reshape(ngroups, GROUP_WORDS)
+    bitmaps = np.packbits(nz, axis=1, bitorder="little").view(_U64).ravel()
+    present = bitmaps != 0
+    group_mask = int((np.uint64(1) << _BIT64[:ngroups][present]).sum())
+    parts = [
+        np.array([reg_mask], dtype=_U64),
+        rx[rnz].astype(_U64),
+        np.array([group_mask], dtype=_U64),
+        bitmaps[present].astype(_U64),
+        padded[padded != 0].astype(_U64),
+    ]
+    return np.concatenate(parts).tobytes()
 
 
 def rand_words(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -15,7 +15,6 @@ from memtrack.schema.artifact import ArtifactWriter
 
 K = EventKind
 LIBC = int(Allocator.LIBC)
-CLONE_THREAD = 0x10000
 END_NS = 3000
 
 # (ts, pid, tid, kind, flags, addr, old_addr, size, stack_hash)

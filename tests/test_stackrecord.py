@@ -1,4 +1,4 @@
-"""Stack record codec: hash, delta encode/decode, ring record parsing, chain decoding."""
+"""Stack records: the hash, delta bodies, ring record parsing and chain decoding."""
 
 from __future__ import annotations
 
@@ -7,21 +7,12 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.stackrecords import SP0, chain, rand_words, ring_record
+from support.stackrecords import SP0, StackRef, chain, rand_words, ring_record
 
+from memtrack.capture.stackring import records_to_batch
 from memtrack.process.decode import decode_chunks, decode_table
-from memtrack.process.stackcodec import (
-    FNV_OFFSET,
-    FNV_PRIME,
-    StackFormatError,
-    StackRef,
-    decode_delta,
-    encode_delta,
-    hash_bytes,
-    records_to_batch,
-    stack_hash,
-)
 from memtrack.schema import NUM_REGS, STACKS, StackEncoding
+from memtrack.schema.stackrecord import FNV_OFFSET, FNV_PRIME, hash_bytes, stack_hash
 
 M64 = (1 << 64) - 1
 
@@ -52,18 +43,39 @@ def test_hash_matches_the_definition_for_every_length_mod_4() -> None:
     assert hash_bytes(b"\0" * 16) != hash_bytes(b"\0" * 24)
 
 
+def decoded(records: list[bytes]) -> tuple[pa.Table, pa.Table, dict[str, int]]:
+    """(the records as stacks.arrow rows, decode_table's rows, its counters)."""
+    batch, bad = records_to_batch(records)
+    assert bad == 0
+    stacks = pa.Table.from_batches([batch])
+    out = decode_table(stacks)
+    return stacks, out.table, out.counters
+
+
+def rebuilt(table: pa.Table, row: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """(copy words, registers) of a decoded row."""
+    r = table.slice(row % table.num_rows, 1).to_pylist()[0]
+    return np.frombuffer(r["stack"], np.uint64), np.array(r["regs"], np.uint64)
+
+
 def test_keyframe_round_trip() -> None:
     rng = np.random.default_rng(2)
     words = rand_words(rng, 1000)
     words[100:300] = 0  # whole zero groups are left out of the body
     regs = rand_words(rng, NUM_REGS)
     regs[3] = 0
-    body = encode_delta(words, SP0, regs, None)
-    got, got_regs = decode_delta(body, SP0, words.size, None)
+    stacks, table, _ = decoded([ring_record(words, SP0, regs)])
+    got, got_regs = rebuilt(table)
     assert np.array_equal(got, words)
     assert np.array_equal(got_regs, regs)
+    body = stacks.column("payload")[0].as_py()
     # reg mask + 16 regs + group mask + 16 bitmaps (groups 2-3 are all zero) + words
     assert len(body) == 8 * (1 + 16 + 1 + 14 + 800)
+
+
+def keyframe_of(ref: StackRef) -> bytes:
+    """The record that makes `ref` the thread's reference."""
+    return ring_record(ref.words, ref.sp, ref.regs)
 
 
 @pytest.mark.parametrize("shift_words", [0, 1, -1, 7, -300, 999, -999, 1000, -1000, 5000])
@@ -82,23 +94,29 @@ def test_delta_against_a_reference_at_another_sp(shift_words: int) -> None:
         words[lo] ^= np.uint64(0xDEAD)
     regs = ref.regs.copy()
     regs[16] += np.uint64(5)
-    body = encode_delta(words, sp, regs, ref)
-    got, got_regs = decode_delta(body, sp, words.size, ref)
+    stacks, table, counters = decoded([keyframe_of(ref), ring_record(words, sp, regs, ref=ref)])
+    assert counters["stack_deltas"] == 1 and counters["decode_mismatch"] == 0
+    got, got_regs = rebuilt(table)
     assert np.array_equal(got, words)
     assert np.array_equal(got_regs, regs)
-    if hi - lo >= 900:
-        assert len(body) < 8 * 200  # the overlap costs nothing but the changed word
+    if hi - lo >= 900:  # the overlap costs nothing but the changed word
+        assert len(stacks.column("payload")[1].as_py()) < 8 * 200
 
 
-def test_malformed_bodies_raise_format_errors() -> None:
+def test_malformed_bodies_are_dropped_and_counted() -> None:
     words = np.arange(1, 65, dtype=np.uint64)
-    body = encode_delta(words, SP0, np.zeros(NUM_REGS, np.uint64), None)
-    with pytest.raises(StackFormatError):
-        decode_delta(body[:-8], SP0, 64, None)
-    with pytest.raises(StackFormatError):
-        decode_delta(body, SP0, 32, None)  # bitmap bits beyond the copy
-    with pytest.raises(StackFormatError):
-        decode_delta(b"\xff" * 8, SP0, 64, None)
+    stacks, _, _ = decoded([ring_record(words, SP0, np.zeros(NUM_REGS, np.uint64))])
+    body = stacks.column("payload")[0].as_py()
+    for payload, copy_len in ((body[:-8], 64 * 8),
+                              (body, 32 * 8),  # bitmap bits beyond the copy
+                              (b"\xff" * 8, 64 * 8)):
+        bad = stacks.set_column(stacks.schema.get_field_index("payload"), "payload",
+                                pa.array([payload], pa.binary()))
+        bad = bad.set_column(bad.schema.get_field_index("copy_len"), "copy_len",
+                             pa.array([copy_len], pa.uint32()))
+        out = decode_table(bad)
+        assert out.counters["decode_bad_payload"] == 1
+        assert out.table.num_rows == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -113,7 +131,8 @@ def test_property_encode_decode_is_identity(n: int, ref_n: int, shift: int, seed
                                             density: float) -> None:
     rng = np.random.default_rng(seed)
     ref_words = rand_words(rng, ref_n)
-    ref = None if ref_n == 0 else StackRef(0, SP0, ref_words, rand_words(rng, NUM_REGS))
+    ref = None if ref_n == 0 else StackRef(hash_bytes(ref_words.tobytes()), SP0, ref_words,
+                                           rand_words(rng, NUM_REGS))
     sp = SP0 + 8 * shift
     base = np.zeros(n, dtype=np.uint64)
     if ref is not None:
@@ -123,7 +142,11 @@ def test_property_encode_decode_is_identity(n: int, ref_n: int, shift: int, seed
     change = rng.random(n) < density
     words = np.where(change, rand_words(rng, n), base)
     regs = rand_words(rng, NUM_REGS)
-    got, got_regs = decode_delta(encode_delta(words, sp, regs, ref), sp, n, ref)
+    records = ([] if ref is None else [keyframe_of(ref)]) + [ring_record(words, sp, regs,
+                                                                         ref=ref)]
+    _, table, counters = decoded(records)
+    assert counters["decode_mismatch"] == 0
+    got, got_regs = rebuilt(table)
     assert np.array_equal(got, words)
     assert np.array_equal(got_regs, regs)
 
