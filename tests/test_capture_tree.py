@@ -15,9 +15,9 @@ import pytest
 from conftest import FIXTURES, build
 from support.capture import F, M, check_no_loss, run
 
+from memtrack.elf import read_build_id
 from memtrack.schema import Allocator, EventKind
 from memtrack.schema.enums import CLONE_THREAD
-from memtrack.symbolize.buildid import read_build_id
 
 pytestmark = pytest.mark.bpf
 

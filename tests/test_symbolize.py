@@ -15,12 +15,11 @@ from conftest import build
 from typer.testing import CliRunner
 
 from memtrack.cli import app
+from memtrack.elf import ElfImage, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.symbolize import FRAMES_SCHEMA, ModuleStore, Symbolizer, symbolize
-from memtrack.symbolize.buildid import read_build_id
 from memtrack.symbolize.demangle import demangle
 from memtrack.symbolize.dwarf import Dwarf
-from memtrack.symbolize.symtab import ElfImage
 
 
 def syms_lib() -> Path:
@@ -231,7 +230,9 @@ def test_cache_second_run_parses_no_dwarf(tmp_path: Path, monkeypatch: pytest.Mo
         raise AssertionError("DWARF parsed on a warm run")
 
     monkeypatch.setattr(Dwarf, "__init__", no_dwarf)
-    monkeypatch.setattr(ElfImage, "__init__", no_dwarf)
+    # every ELF file is read through ElfImage: neither its sections nor its symbols
+    monkeypatch.setattr(ElfImage, "section_bytes", no_dwarf)
+    monkeypatch.setattr(ElfImage, "symbol_table", no_dwarf)
     second, _ = run(exe, addrs, store=ModuleStore(None), cache_dir=cache)
     assert second == first
 

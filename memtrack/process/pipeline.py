@@ -305,27 +305,11 @@ def _modules(mappings: pa.Table, frames: pa.Table, store: Any, artifact_path: Pa
         rows["build_id"].append(bid)
         rows["path"].append(path)
         rows["elf_path"].append(str(mod.elf_path) if mod else None)
-        rows["has_debuginfo"].append(bool(mod and _has_debuginfo(mod)))
+        rows["has_debuginfo"].append(bool(mod and mod.dwarf_path is not None))
         rows["in_artifact"].append(bool(mod and art_dir in Path(mod.elf_path).resolve().parents))
     return pa.table(rows, schema=pa.schema([
         ("module_id", pa.int32()), ("build_id", pa.string()), ("path", pa.string()),
         ("elf_path", pa.string()), ("has_debuginfo", pa.bool_()), ("in_artifact", pa.bool_())]))
-
-
-def _has_debuginfo(mod: Any) -> bool:
-    """Whether the symbolizer will find DWARF for the module (same test as it makes)."""
-    if mod.debug_path is not None:
-        return True
-    from memtrack.symbolize.symtab import ElfImage, ElfReadError
-
-    try:
-        image = ElfImage(Path(mod.elf_path))
-    except ElfReadError:
-        return False
-    try:
-        return image.has(".debug_info")
-    finally:
-        image.close()
 
 
 def _symbolize(

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.elf import ElfImage, ElfReadError
 from memtrack.process.addrspace import AddressSpaces
 from memtrack.schema import NUM_REGS
 from memtrack.symbolize.cfi import (
@@ -41,7 +42,6 @@ from memtrack.symbolize.cfi import (
 )
 from memtrack.symbolize.dwarfexpr import DwarfExprError, evaluate
 from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
-from memtrack.symbolize.symtab import ElfImage, ElfReadError
 
 METHODS = ("regs", "cfi", "fp", "fp-kernel")
 M_REGS, M_CFI, M_FP, M_KERNEL = range(4)

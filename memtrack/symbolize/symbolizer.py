@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.elf import ElfImage, ElfReadError, SymbolTable
 from memtrack.symbolize.cache import ModuleCache
 from memtrack.symbolize.demangle import demangle
 from memtrack.symbolize.dwarf import CuTables, Dwarf, DwarfError
 from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
-from memtrack.symbolize.symtab import ElfImage, ElfReadError, SymbolTable
 
 FRAMES_SCHEMA = pa.schema(
     [
@@ -144,11 +144,9 @@ class ModuleSymbolizer:
                 continue
             if src:
                 setattr(self, attr, table)
-        # DWARF: from the debug file, else the module itself
-        for img in ([dbg] if dbg else []) + [elf]:
-            if img.has(".debug_info"):
-                self._dwarf_image = img
-                break
+        # DWARF: from the file Module.dwarf_path names (the debug file, else the module)
+        self._dwarf_image = next((img for img in (dbg, elf) if img is not None
+                                  and img.path == self.module.dwarf_path), None)
         if self._dwarf_image is not None:
             try:
                 self._dwarf = Dwarf(self._dwarf_image.dwarf_sections(), elf.exec_ranges())
@@ -179,10 +177,11 @@ class ModuleSymbolizer:
             try:
                 elf = ElfImage(self.module.elf_path)
                 self._images.append(elf)
-                dbg = ElfImage(self.module.debug_path) if self.module.debug_path else None
-                if dbg is not None:
-                    self._images.append(dbg)
-                img = dbg if dbg is not None and dbg.has(".debug_info") else elf
+                dwarf_path = self.module.dwarf_path
+                img = elf
+                if dwarf_path is not None and dwarf_path != elf.path:
+                    img = ElfImage(dwarf_path)
+                    self._images.append(img)
                 self._dwarf = Dwarf(img.dwarf_sections(), elf.exec_ranges())
             except (*_DWARF_ERRORS, ElfReadError) as e:
                 self.problems.append(f"{self.module.elf_path}: DWARF unreadable ({e})")

@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 from conftest import build
 
+from memtrack.elf import read_build_id
 from memtrack.process.unwind import UnwoundStacks, unwind
 from memtrack.schema import MAPPINGS, NUM_REGS
 from memtrack.symbolize import symbolize
-from memtrack.symbolize.buildid import read_build_id
 from memtrack.symbolize.modules import ModuleStore
 
 DECODED = pa.schema([
