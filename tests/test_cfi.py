@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from memtrack.symbolize.cfi import (
+from memtrack.dwarf.cfi import (
     CFA_EXPR,
     CFA_NONE,
     COMPLEX,
@@ -24,7 +24,7 @@ from memtrack.symbolize.cfi import (
     build_table,
     load_table,
 )
-from memtrack.symbolize.dwarfexpr import DwarfExprError, evaluate
+from memtrack.dwarf.expr import DwarfExprError, evaluate
 from memtrack.symbolize.modules import ModuleStore
 
 LIBS = {
@@ -193,7 +193,7 @@ def test_cache_round_trip(tmp_path: Path) -> None:
     load_table("cafe" * 5, libc, cache=tmp_path)
     files = list(tmp_path.iterdir())
     assert len(files) == 1
-    from memtrack.symbolize import cfi
+    from memtrack.dwarf import cfi
 
     cfi._memo.clear()
     b = load_table("cafe" * 5, libc, cache=tmp_path)

@@ -15,11 +15,11 @@ from conftest import build
 from typer.testing import CliRunner
 
 from memtrack.cli import app
+from memtrack.dwarf.lines import Dwarf
 from memtrack.elf import ElfImage, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.symbolize import FRAMES_SCHEMA, ModuleStore, Symbolizer, symbolize
 from memtrack.symbolize.demangle import demangle
-from memtrack.symbolize.dwarf import Dwarf
 
 
 def syms_lib() -> Path:

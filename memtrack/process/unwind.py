@@ -26,10 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.elf import ElfImage, ElfReadError
-from memtrack.process.addrspace import AddressSpaces
-from memtrack.schema import NUM_REGS
-from memtrack.symbolize.cfi import (
+from memtrack.dwarf.cfi import (
     COMPLEX,
     RBP,
     RIP,
@@ -40,7 +37,10 @@ from memtrack.symbolize.cfi import (
     Rule,
     load_table,
 )
-from memtrack.symbolize.dwarfexpr import DwarfExprError, evaluate
+from memtrack.dwarf.expr import DwarfExprError, evaluate
+from memtrack.elf import ElfImage, ElfReadError
+from memtrack.process.addrspace import AddressSpaces
+from memtrack.schema import NUM_REGS
 from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
 
 METHODS = ("regs", "cfi", "fp", "fp-kernel")

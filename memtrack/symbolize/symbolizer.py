@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.dwarf.lines import CuTables, Dwarf, DwarfError
 from memtrack.elf import ElfImage, ElfReadError, SymbolTable
 from memtrack.symbolize.cache import ModuleCache
 from memtrack.symbolize.demangle import demangle
-from memtrack.symbolize.dwarf import CuTables, Dwarf, DwarfError
 from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
 
 FRAMES_SCHEMA = pa.schema(

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memtrack.dwarf.leb128 import cstr, sleb, uleb
+
 # Tags
 TAG_COMPILE_UNIT = 0x11
 TAG_PARTIAL_UNIT = 0x3C
@@ -95,41 +97,6 @@ _ADDRX_FORMS = frozenset((FORM_ADDRX, FORM_ADDRX1, FORM_ADDRX2, FORM_ADDRX3, FOR
 
 class DwarfError(Exception):
     """Malformed or unsupported DWARF (worded for one line)."""
-
-
-def uleb(data: bytes, off: int) -> tuple[int, int]:
-    b = data[off]
-    if b < 0x80:
-        return b, off + 1
-    result = b & 0x7F
-    shift = 7
-    off += 1
-    while True:
-        b = data[off]
-        off += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, off
-        shift += 7
-
-
-def sleb(data: bytes, off: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        b = data[off]
-        off += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            if b & 0x40:
-                result -= 1 << shift
-            return result, off
-
-
-def cstr(data: bytes, off: int) -> str:
-    end = data.index(b"\0", off)
-    return data[off:end].decode("utf-8", "replace")
 
 
 @dataclass

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 
-from memtrack.symbolize.dwarf import sleb, uleb
+from memtrack.dwarf.leb128 import sleb, uleb
+from memtrack.elf import ElfImage, ElfReadError
 
 CACHE_VERSION = 2  # bump when the tables built from the same file change
 
@@ -494,17 +493,16 @@ def build_table(elf_path: Path | str, debug_path: Path | str | None = None) -> C
         if path is None:
             continue
         try:
-            with open(path, "rb") as f:
-                elf = ELFFile(f)
+            with ElfImage(path) as img:
                 for name in names:
-                    sec = elf.get_section_by_name(name)
-                    if sec is None or sec["sh_type"] == "SHT_NOBITS":
+                    sec = img.section(name)
+                    if sec is None:
                         continue
-                    got, probs = _fdes(sec.data(), sec["sh_addr"], name == ".eh_frame")
+                    got, probs = _fdes(sec[0], sec[1], name == ".eh_frame")
                     fdes += got
                     problems += [f"{path} {name}: {p}" for p in probs]
-        except (OSError, ELFError, struct.error, ValueError) as e:
-            problems.append(f"{path}: not a readable ELF file ({e})")
+        except ElfReadError as e:
+            problems.append(str(e))
     return _encode(fdes, problems)
 
 
