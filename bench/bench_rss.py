@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from memtrack.capture.parts import CaptureOptions  # noqa: E402
-from memtrack.process.rss import reconstruct_anon, rss_timeline  # noqa: E402
+from memtrack.process.anon_replay import reconstruct_anon  # noqa: E402
+from memtrack.process.lifecycle import lifecycle  # noqa: E402
+from memtrack.process.rss import effective_rss  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
 
@@ -126,14 +128,15 @@ def main() -> None:
     maps = art.read("mappings").table
     t_read = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rss_timeline(rss, ev)
+    life = lifecycle(ev)
+    effective_rss(rss, life)
     t_tl = time.perf_counter() - t0
     t0 = time.perf_counter()
-    reconstruct_anon(faults, ev, maps, page_size=art.manifest.host.page_size)
+    reconstruct_anon(faults, ev, maps, life, page_size=art.manifest.host.page_size)
     t_rp = time.perf_counter() - t0
     print(f"processing: {rss.num_rows:,} rss rows, {faults.num_rows:,} faults")
     print(f"  read tables        {t_read * 1e3:8.1f} ms   x1.00")
-    print(f"  rss_timeline       {t_tl * 1e3:8.1f} ms   x{t_tl / t_read:.2f} of reading "
+    print(f"  lifecycle + rss    {t_tl * 1e3:8.1f} ms   x{t_tl / t_read:.2f} of reading "
           f"({rss.num_rows / t_tl / 1e6:.2f} M rows/s)")
     print(f"  reconstruct_anon   {t_rp * 1e3:8.1f} ms   x{t_rp / t_read:.2f} of reading "
           f"({faults.num_rows / t_rp / 1e6:.2f} M faults/s)")

@@ -297,7 +297,7 @@ def unwind_record(
 ) -> None:
     """Unwind one stack record and print its frames with method (regs, cfi, fp, fp-kernel)
     and symbol."""
-    from memtrack.process.unwind import show_record
+    from memtrack.commands.unwind import show_record
 
     try:
         raise typer.Exit(show_record(artifact, record, sys.stdout, host_modules=host_modules))

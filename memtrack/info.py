@@ -49,11 +49,12 @@ def collect_info(path: Path) -> dict[str, Any]:
 def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[str, Any]]:
     """Per process: its name and peak resident bytes (total and by member) with the time
     of the total's peak in seconds from the capture's start."""
-    from memtrack.process.rss import peaks_by_pid, rss_peaks, rss_timeline
+    from memtrack.process.lifecycle import lifecycle
+    from memtrack.process.rss import effective_rss, peaks_by_pid, rss_peaks
 
     if not rss.num_rows:
         return []
-    peaks = peaks_by_pid(rss_peaks(rss_timeline(rss, events)))
+    peaks = peaks_by_pid(rss_peaks(effective_rss(rss, lifecycle(events))))
     procs = processes.sort_by([("ts", "ascending")])
     names = dict(zip(procs["pid"].to_pylist(), procs["comm"].to_pylist(), strict=True))
     start = art.manifest.start_ns

@@ -19,7 +19,8 @@ from support.rss import MiB, close, parse_marks
 
 from memtrack.capture.parts import BPF_DIR, CaptureOptions
 from memtrack.capture.rss import RssPart
-from memtrack.process.rss import peaks_by_pid, reconstruct_anon, rss_peaks, rss_timeline
+from memtrack.process.read import read_artifact
+from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
 from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 
@@ -81,13 +82,9 @@ def own_updates(tl, pid: int, member: RssMember) -> list[dict]:
 
 
 def analyse(art: Artifact):
-    ev = art.read("events").table
-    rss = art.read("rss").table
-    tl = rss_timeline(rss, ev)
-    peaks = peaks_by_pid(rss_peaks(tl))
-    replay = reconstruct_anon(art.read("faults").table, ev, art.read("mappings").table,
-                              page_size=art.manifest.host.page_size or 4096, rss=rss)
-    return ev, tl, peaks, replay
+    tables = read_artifact(art)
+    res = resident(tables, art.manifest)
+    return tables.events, res.rss, peaks_by_pid(rss_peaks(res.rss)), res.replay
 
 
 @pytest.mark.bpf

@@ -16,13 +16,8 @@ from support.rss import Mark, MiB, close, parse_marks
 from memtrack.capture.parts import CaptureOptions
 from memtrack.info import collect_info
 from memtrack.process.metadata import write_memory_metadata
-from memtrack.process.rss import (
-    artifact_thp_mode,
-    peaks_by_pid,
-    reconstruct_anon,
-    rss_peaks,
-    rss_timeline,
-)
+from memtrack.process.read import read_artifact
+from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
 from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact
 
@@ -53,14 +48,13 @@ class Run:
         self.stdout = out.read_text()
         self.marks: dict[str, Mark] = parse_marks(self.stdout)
         self.art = Artifact.open(self.path)
-        self.events = self.art.read("events").table
-        self.rss = self.art.read("rss").table
-        self.timeline = rss_timeline(self.rss, self.events)
+        tables = read_artifact(self.art)
+        self.events = tables.events
+        res = resident(tables, self.art.manifest)
+        self.timeline = res.rss
         self.peaks = peaks_by_pid(rss_peaks(self.timeline))
-        m = self.art.manifest
-        self.replay = reconstruct_anon(
-            self.art.read("faults").table, self.events, self.art.read("mappings").table,
-            page_size=m.host.page_size, thp=artifact_thp_mode(self.art), rss=self.rss)
+        assert res.replay is not None
+        self.replay = res.replay
 
     def kind(self, kind: EventKind) -> list[dict]:
         return self.events.filter(pc.equal(self.events["kind"], int(kind))).to_pylist()

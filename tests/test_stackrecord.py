@@ -182,7 +182,8 @@ def test_decode_rebuilds_interleaved_thread_chains() -> None:
     assert out.counters["stack_raw"] == 3
     t = out.table
     assert t.num_rows == 83
-    by_hash = dict(zip(t.column("hash").to_pylist(), t.column("stack").to_pylist(), strict=True))
+    by_hash = dict(zip(t.column("stack_hash").to_pylist(), t.column("stack").to_pylist(),
+                       strict=True))
     for c in ca + cb + cr:
         assert by_hash[hash_bytes(c.tobytes())] == c.tobytes()
     assert t.column("regs")[0].as_py()[16] == 0x401000
@@ -197,7 +198,7 @@ def test_stale_reference_is_dropped_until_the_next_keyframe() -> None:
     out = decode_table(pa.Table.from_batches([batch]))
     assert out.counters["decode_stale_ref"] == 1
     assert out.counters["decode_mismatch"] == 3  # record 3 and the two chained on it
-    kept = set(out.table.column("hash").to_pylist())
+    kept = set(out.table.column("stack_hash").to_pylist())
     want = {hash_bytes(c.tobytes()) for c in copies[:2] + copies2}
     assert kept == want
 
@@ -210,7 +211,7 @@ def test_hash_mismatch_is_dropped_and_counted() -> None:
     batch, _ = records_to_batch([recs[0], bytes(bad), recs[2], recs[3]])
     out = decode_table(pa.Table.from_batches([batch]))
     assert out.counters["decode_mismatch"] == 3
-    assert out.table.column("hash").to_pylist() == [hash_bytes(copies[0].tobytes())]
+    assert out.table.column("stack_hash").to_pylist() == [hash_bytes(copies[0].tobytes())]
 
 
 def test_truncated_copy_and_uretprobe_fixups_survive_decoding() -> None:
@@ -223,7 +224,7 @@ def test_truncated_copy_and_uretprobe_fixups_survive_decoding() -> None:
     assert batch.column("truncated").to_pylist() == [True]
     assert batch.column("ret_fixups").to_pylist() == [[{"slot": slot, "value": int(words[5])}]]
     out = decode_table(pa.Table.from_batches([batch]))
-    assert out.table.column("truncated").to_pylist() == [True]
+    assert out.table.column("copy_truncated").to_pylist() == [True]
     assert out.table.column("copy_len").to_pylist() == [256 * 8]
     assert out.table.column("stack")[0].as_py() == words.tobytes()
 
@@ -264,7 +265,7 @@ def test_property_decode_table_rebuilds_random_chains(seed: int, threads: int,
     got = out.table.to_pylist()
     assert len(got) == len(records)
     for rec in got:
-        assert (rec["stack"], rec["regs"]) == want[rec["hash"]]
+        assert (rec["stack"], rec["regs"]) == want[rec["stack_hash"]]
 
 
 def test_decoded_stacks_are_split_into_binary_chunks_and_multi_chunk_payloads_read(

@@ -18,7 +18,8 @@ from memtrack.cli import app
 from memtrack.dwarf.lines import Dwarf
 from memtrack.elf import ElfImage, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
-from memtrack.symbolize import FRAMES_SCHEMA, ModuleStore, Symbolizer, symbolize
+from memtrack.schema.stages import SYMBOLIZED_FRAMES
+from memtrack.symbolize import ModuleStore, Symbolizer, symbolize
 from memtrack.symbolize.demangle import demangle
 
 
@@ -48,7 +49,7 @@ def run(path: Path, addrs: list[int], store: ModuleStore | None = None,
     s = Symbolizer(store, cache_dir)
     t = s.symbolize(pa.array([mod.build_id] * len(addrs)), np.array(addrs, dtype=np.uint64))
     s.close()
-    assert t.schema.equals(FRAMES_SCHEMA)
+    assert t.schema.equals(SYMBOLIZED_FRAMES)
     rows: list[list[dict]] = [[] for _ in addrs]
     for r in t.to_pylist():
         rows[r["row"]].append(r)

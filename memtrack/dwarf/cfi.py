@@ -16,16 +16,15 @@ sections). The result is one row per change point, sorted by ELF virtual address
   another register) and so the unwinder's rare path.
 - `complex_rules[extra[i]]`: the full rule set of a complex row, expressions as bytes.
 
-Tables are cached per build id under $XDG_CACHE_HOME/memtrack/cfi/.
+`CFITable.arrays` / `CFITable.from_arrays` turn a table into flat arrays and back (the
+unwinder caches them per build id, memtrack.process.unwind.tables).
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,6 @@ import numpy as np
 
 from memtrack.dwarf.leb128 import sleb, uleb
 from memtrack.elf import ElfImage, ElfReadError
-
-CACHE_VERSION = 2  # bump when the tables built from the same file change
 
 # DWARF register numbers (x86_64).
 RBX, RBP, RSP, R12, R13, R14, R15, RIP = 3, 6, 7, 12, 13, 14, 15, 16
@@ -88,6 +85,20 @@ class CFITable:
         i[ok & (self.cfa_reg[np.maximum(i, 0)] == CFA_NONE)] = -1
         i[~ok] = -1
         return i
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The table as named flat arrays (complex rules and problems as JSON strings)."""
+        return {"pc": self.pc, "cfa_reg": self.cfa_reg, "cfa_off": self.cfa_off,
+                "rule": self.rule, "off": self.off, "flags": self.flags, "extra": self.extra,
+                "complex": np.array(_encode_complex(self.complex_rules)),
+                "problems": np.array(json.dumps(self.problems))}
+
+    @classmethod
+    def from_arrays(cls, z: Any) -> CFITable:
+        """The table `arrays` gave (any mapping of those names, an npz file too)."""
+        return cls(z["pc"], z["cfa_reg"], z["cfa_off"], z["rule"], z["off"], z["flags"],
+                   z["extra"], _decode_complex(json.loads(str(z["complex"]))),
+                   json.loads(str(z["problems"])))
 
     def row(self, i: int) -> dict[str, Any]:
         """The full rule set of row i: {"cfa": [...], "regs": {dwarf_reg: [kind, arg]}}."""
@@ -504,45 +515,3 @@ def build_table(elf_path: Path | str, debug_path: Path | str | None = None) -> C
         except ElfReadError as e:
             problems.append(str(e))
     return _encode(fdes, problems)
-
-
-def cache_dir() -> Path:
-    """cfi/ under the symbolizer's cache directory ($XDG_CACHE_HOME/memtrack)."""
-    from memtrack.symbolize.cache import default_cache_dir
-
-    return default_cache_dir() / "cfi"
-
-
-_memo: dict[str, CFITable] = {}
-
-
-def load_table(build_id: str | None, elf_path: Path | str,
-               debug_path: Path | str | None = None, cache: Path | None = None) -> CFITable:
-    """The CFI table of a module, from memory, the on-disk cache (by build id) or built."""
-    if build_id and build_id in _memo:
-        return _memo[build_id]
-    cdir = cache or cache_dir()
-    cfile = cdir / f"{build_id}.v{CACHE_VERSION}.npz" if build_id else None
-    if cfile is not None and cfile.is_file():
-        try:
-            with np.load(cfile, allow_pickle=False) as z:
-                t = CFITable(z["pc"], z["cfa_reg"], z["cfa_off"], z["rule"], z["off"],
-                             z["flags"], z["extra"],
-                             _decode_complex(json.loads(str(z["complex"]))),
-                             json.loads(str(z["problems"])))
-            _memo[str(build_id)] = t
-            return t
-        except (OSError, ValueError, KeyError):
-            cfile.unlink(missing_ok=True)
-    t = build_table(elf_path, debug_path)
-    if cfile is not None:
-        cdir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cdir, prefix=".cfi.", suffix=".npz")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, pc=t.pc, cfa_reg=t.cfa_reg, cfa_off=t.cfa_off, rule=t.rule,
-                     off=t.off, flags=t.flags, extra=t.extra,
-                     complex=np.array(_encode_complex(t.complex_rules)),
-                     problems=np.array(json.dumps(t.problems)))
-        os.replace(tmp, cfile)
-        _memo[str(build_id)] = t
-    return t

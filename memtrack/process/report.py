@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import duckdb
 
-from memtrack.schema import is_loss
+from memtrack.schema import loss_lines
 
 # Section key -> (title, SQL giving (stack_id, value) rows per allocation, value noun)
 SECTIONS: dict[str, tuple[str, str, str]] = {
@@ -34,18 +34,6 @@ class ReportOptions:
     pid: int | None = None
     top: int = 10  # locations per section
     backtraces: int = 3  # backtraces per location
-
-
-def counter_lines(losses: dict[str, int]) -> list[str]:
-    """Capture's non-zero counters: lost data first, then fidelity notes."""
-    lost = {k: v for k, v in losses.items() if v and is_loss(k)}
-    notes = {k: v for k, v in losses.items() if v and not is_loss(k)}
-    out = []
-    if lost:
-        out.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
-    if notes:
-        out.append("capture notes: " + ", ".join(f"{k} {v}" for k, v in notes.items()))
-    return out
 
 
 def _pids(opts: ReportOptions) -> str:
@@ -247,7 +235,7 @@ def format_text(data: dict) -> str:
         if len(data["processes"]) > len(procs):
             lines.append(f"  ({len(data['processes']) - len(procs)} more with fewer calls: "
                          "--format json lists them all)")
-    lines += counter_lines(data["losses"])
+    lines += loss_lines(data["losses"])
     for key, (title, _, noun) in SECTIONS.items():
         lines += ["", title]
         entries = data["sections"][key]

@@ -219,5 +219,17 @@ def is_loss(counter: str) -> bool:
     return counter not in FIDELITY_COUNTERS
 
 
+def loss_lines(losses: dict[str, int]) -> list[str]:
+    """A manifest's non-zero counters for a person: lost data first, then fidelity notes."""
+    lost = {k: v for k, v in losses.items() if v and is_loss(k)}
+    notes = {k: v for k, v in losses.items() if v and not is_loss(k)}
+    out = []
+    if lost:
+        out.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
+    if notes:
+        out.append("capture notes: " + ", ".join(f"{k} {v}" for k, v in notes.items()))
+    return out
+
+
 def table_file(name: str) -> str:
     return f"{name}.arrow"

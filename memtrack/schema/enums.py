@@ -105,7 +105,7 @@ class Stop(enum.IntEnum):
 
     NONE = 0
     COMPLETE = 1  # RA undefined: _start or a thread start, the stack is whole
-    END_OF_COPY = 2  # the next frame lies beyond the copied bytes
+    TRUNCATED = 2  # the next frame lies beyond the copied bytes (the copy was too short)
     NO_MAPPING = 3  # the pc is in no file-backed mapping (nor the vDSO)
     NO_ADVANCE = 4  # the CFA would not move up the stack
     NO_RULE = 5  # no rule recovers the return address
