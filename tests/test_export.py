@@ -12,7 +12,7 @@ from support.synth import LEAKS, SIZES, write_run
 from typer.testing import CliRunner
 
 from memtrack.cli import app
-from memtrack.process.report import report_data
+from memtrack.report.text import report_data
 from memtrack.schema.ddl import open_run
 
 runner = CliRunner()

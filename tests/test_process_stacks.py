@@ -16,15 +16,16 @@ from support.synth import END_NS
 from memtrack.capture.stackring import records_to_batch
 from memtrack.process import pipeline
 from memtrack.process.decode import decode_chunks
-from memtrack.process.export import costs, folded
 from memtrack.process.lifecycle import lifecycle
 from memtrack.process.load import StageTables, load, meta_rows
 from memtrack.process.pair import pair
 from memtrack.process.pipeline import process
 from memtrack.process.read import sort_events
-from memtrack.process.report import ReportOptions, report_data
 from memtrack.process.rss import effective_rss
 from memtrack.process.unwind import unwind
+from memtrack.report.folded import folded
+from memtrack.report.reader import RunReader
+from memtrack.report.text import ReportOptions, report_data
 from memtrack.schema import EVENTS, MAPPINGS, RSS, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.schema.ddl import open_run
@@ -80,7 +81,7 @@ def test_chain_through_load(tmp_path: Path) -> None:
     leaks = d["sections"]["leaks"]
     assert [(e["location"], e["value"]) for e in leaks] == [("c", sum(snaps.sizes))]
     assert [f["function"] for f in leaks[0]["backtraces"][0]["frames"]] == CHAIN
-    text = folded(costs(con), "allocated")
+    text = folded(RunReader(con).costs(), "allocated")
     assert text == f"? ({pid});" + ";".join(reversed(CHAIN)) + f" {sum(snaps.sizes)}\n"
 
 

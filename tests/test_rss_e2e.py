@@ -14,7 +14,7 @@ from support.capture import spawn
 from support.rss import Mark, MiB, close, parse_marks
 
 from memtrack.capture.parts import CaptureOptions
-from memtrack.info import collect_info
+from memtrack.commands.info import collect_info
 from memtrack.process.metadata import write_memory_metadata
 from memtrack.process.read import read_artifact
 from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
@@ -192,7 +192,26 @@ def test_pipeline_metadata_and_info(tracker: Any, tmp_path: Path) -> None:
     info = collect_info(r.path)
     rows = {x["comm"]: x for x in info["peak_rss"]}
     assert sorted(rows) == ["cat", "sh", "tr", "wc"]
+    tl = r.timeline.to_pylist()
     for name, x in rows.items():
-        assert x["total"] == by_comm[name]["peak_rss"]["total"]["bytes"]
-        assert x["total"] == x["anon"] + x["file"] + x["shmem"] or x["total"] <= \
-            x["anon"] + x["file"] + x["shmem"]
+        peak = by_comm[name]["peak_rss"]
+        assert x["total"] == peak["total"]["bytes"] > 0
+        assert [x[m] for m in ("anon", "file", "shmem", "swap")] == [
+            peak[m]["bytes"] if m in peak else 0 for m in ("anon", "file", "shmem", "swap")]
+        # the total's peak is file + anon + shmem as of that moment: no member above
+        # its own peak, the sum exactly the total
+        pid, ts = by_comm[name]["pid"], peak["total"]["ts"]
+        assert x["at_s"] == pytest.approx((ts - r.art.manifest.start_ns) / 1e9)
+        now: dict[int, int] = {}
+        members = (RssMember.ANON, RssMember.FILE, RssMember.SHMEM)
+        seen = []
+        for row in tl:
+            if row["pid"] != pid or row["ts"] > ts:
+                continue
+            now[row["member"]] = row["bytes"]
+            if row["ts"] == ts:
+                seen.append([now.get(int(m), 0) for m in members])
+        at_peak = [v for v in seen if sum(v) == x["total"]]
+        assert at_peak, (name, seen, x)
+        assert all(v <= x[m] for v, m in zip(at_peak[0], ("anon", "file", "shmem"),
+                                              strict=True))

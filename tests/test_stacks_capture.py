@@ -17,7 +17,7 @@ import pytest
 from conftest import build
 
 from memtrack.capture.parts import CaptureOptions
-from memtrack.info import collect_info
+from memtrack.commands.info import collect_info
 from memtrack.process.decode import decode
 from memtrack.schema import EventKind, StackEncoding
 from memtrack.schema.artifact import Artifact

@@ -9,9 +9,10 @@ from typing import Any, TextIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.commands import CommandError
 from memtrack.process.decode import decode_chunks
 from memtrack.process.unwind import unwind
-from memtrack.schema.artifact import Artifact
+from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.symbolize import symbolize_frames
 from memtrack.symbolize.modules import ModuleStore
 
@@ -25,6 +26,13 @@ def find_record(art: Artifact, stack_hash: int) -> pa.Table | None:
         if rows.num_rows:
             return rows
     return None
+
+
+def run(artifact: Path, record: str, host_modules: bool, out: TextIO) -> int:
+    try:
+        return show_record(artifact, record, out, host_modules=host_modules)
+    except (ArtifactError, ValueError) as e:
+        raise CommandError(f"unwind: {e}") from None
 
 
 def parse_hash(text: str) -> int:

@@ -13,7 +13,7 @@ import duckdb
 
 from memtrack.schema.enums import Allocator, EndReason, EventKind, RssCause, RssMember, names
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class RunError(Exception):
@@ -85,6 +85,9 @@ FROM heap_timeline t JOIN m ON t.pid = m.pid AND t.heap_bytes = m.peak_bytes
 GROUP BY t.pid, m.peak_bytes ORDER BY t.pid;
 """
 
+# A leaked allocation: never freed, its process exec'd or exited or the capture ended.
+LEAKED = "end_reason IN ('exec', 'exit', 'end')"
+
 # Views. A stack's logical frames run from the allocator itself (position 0) outward,
 # inline levels innermost first. An allocation's *location* is its first logical frame
 # outside the allocator function (depth >= 1), as heaptrack reports it.
@@ -129,23 +132,30 @@ SELECT pid, ts, coalesce(file, 0) AS file, coalesce(anon, 0) AS anon,
        coalesce(file, 0) + coalesce(anon, 0) + coalesce(shmem, 0) AS rss
 FROM w;
 
-CREATE VIEW leaks AS
-SELECT * FROM allocations WHERE end_reason IN ('exec', 'exit', 'end');
+CREATE VIEW leaks AS SELECT * FROM allocations WHERE {leaked};
 
 CREATE VIEW temporary AS SELECT * FROM allocations WHERE temporary;
 
+CREATE VIEW stack_costs AS
+SELECT a.stack_id, a.pid, count(*) AS calls, sum(a.size)::BIGINT AS bytes,
+       count(*) FILTER (WHERE a.temporary) AS temporary,
+       count(p.alloc_id) AS peak_calls, coalesce(sum(p.size), 0)::BIGINT AS peak_bytes,
+       count(*) FILTER (WHERE {leaked}) AS leaked_calls,
+       coalesce(sum(a.size) FILTER (WHERE {leaked}), 0)::BIGINT AS leaked_bytes
+FROM allocations a LEFT JOIN (SELECT alloc_id, size FROM peak) p USING (alloc_id)
+GROUP BY a.stack_id, a.pid;
+
+CREATE VIEW backtraces AS
+SELECT sf.stack_id, list(sf.frame_id ORDER BY sf.depth) AS frame_ids
+FROM stack_frames sf JOIN stacks s USING (stack_id)
+WHERE sf.depth >= CASE WHEN s.depth > 1 THEN 1 ELSE 0 END
+GROUP BY sf.stack_id;
+
 CREATE VIEW hotspots AS
-WITH peaks AS (SELECT alloc_id, size FROM peak),
-leaked AS (SELECT alloc_id, size FROM leaks),
-costs AS (
-    SELECT a.alloc_id, a.stack_id, a.size, coalesce(p.size, 0) AS peak_size,
-           coalesce(l.size, 0) AS leaked_size
-    FROM allocations a LEFT JOIN peaks p USING (alloc_id) LEFT JOIN leaked l USING (alloc_id)
-),
-per_stack AS (
-    SELECT stack_id, count(*) AS calls, sum(size) AS bytes, sum(peak_size) AS peak,
-           sum(leaked_size) AS leaked
-    FROM costs GROUP BY stack_id
+WITH per_stack AS (
+    SELECT stack_id, sum(calls) AS calls, sum(bytes) AS bytes, sum(peak_bytes) AS peak,
+           sum(leaked_bytes) AS leaked
+    FROM stack_costs GROUP BY stack_id
 ),
 self AS (
     SELECT coalesce(l.name, '[no stack]') AS function, sum(calls) AS calls,
@@ -169,17 +179,13 @@ SELECT coalesce(s.function, i.function) AS function,
        coalesce(i.peak, s.peak)::BIGINT AS incl_peak_bytes,
        coalesce(i.leaked, s.leaked)::BIGINT AS incl_leaked_bytes
 FROM self s FULL JOIN incl i ON s.function = i.function;
-"""
+""".replace("{leaked}", LEAKED)
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
     "stack_frames", "frames", "rss",
 )  # fmt: skip
 DERIVED_NAMES = ("heap_timeline", "heap_peak")
-VIEW_NAMES = (
-    "stack_lines", "stack_location", "allocation_sites", "peak", "rss_timeline", "leaks",
-    "temporary", "hotspots",
-)  # fmt: skip
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
