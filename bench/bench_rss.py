@@ -15,7 +15,6 @@ replay) are printed next to the time to read the same tables, measured in the sa
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -25,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support.capture import spawn  # noqa: E402
 
 from memtrack.capture.parts import CaptureOptions  # noqa: E402
 from memtrack.process.anon_replay import reconstruct_anon  # noqa: E402
@@ -63,15 +65,8 @@ def captured(options: CaptureOptions, cmd: list[str], art: Path,
     from memtrack.capture.tracker import Tracker
 
     out = art.with_suffix(".out")
-    with Tracker(options) as t, open(out, "w") as f:
-        saved = os.dup(1)
-        os.dup2(f.fileno(), 1)
-        try:
-            session = t.spawn(cmd, art, overwrite=True)
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        result = session.wait(timeout=600)
+    with Tracker(options) as t:
+        result = spawn(t, cmd, art, out, timeout=600, overwrite=True)
         for name in PROGS:
             fn = t.bpf.funcs.get(name.encode())
             if fn is not None:

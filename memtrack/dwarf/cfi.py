@@ -212,6 +212,13 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
     n = len(d)
     ca, da = cie.code_align, cie.data_align
 
+    def restore(r: int) -> None:
+        """DW_CFA_restore: the register's rule as the CIE's initial instructions left it."""
+        if r in initial_regs:
+            regs[r] = initial_regs[r]
+        else:
+            regs.pop(r, None)
+
     def emit() -> None:
         if rows and rows[-1][0] == loc:
             rows[-1] = (loc, cfa, dict(regs))
@@ -231,10 +238,7 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             regs[lo] = (Rule.OFFSET, v * da)
             continue
         if hi == 0xC0:
-            if lo in initial_regs:
-                regs[lo] = initial_regs[lo]
-            else:
-                regs.pop(lo, None)
+            restore(lo)
             continue
         if op == 0x00:
             continue
@@ -247,16 +251,13 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             f, k = {0x02: ("<B", 1), 0x03: ("<H", 2), 0x04: ("<I", 4)}[op]
             loc += struct.unpack_from(f, d, p)[0] * ca
             p += k
-        elif op == 0x05:
+        elif op in (0x05, 0x11):  # offset_extended, offset_extended_sf
             r, p = uleb(d, p)
-            v, p = uleb(d, p)
+            v, p = (uleb if op == 0x05 else sleb)(d, p)
             regs[r] = (Rule.OFFSET, v * da)
         elif op == 0x06:
             r, p = uleb(d, p)
-            if r in initial_regs:
-                regs[r] = initial_regs[r]
-            else:
-                regs.pop(r, None)
+            restore(r)
         elif op == 0x07:
             r, p = uleb(d, p)
             regs[r] = (Rule.UNDEFINED, 0)
@@ -294,10 +295,6 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             k, p = uleb(d, p)
             regs[r] = (Rule.EXPRESSION if op == 0x10 else Rule.VAL_EXPRESSION, d[p:p + k])
             p += k
-        elif op == 0x11:
-            r, p = uleb(d, p)
-            v, p = sleb(d, p)
-            regs[r] = (Rule.OFFSET, v * da)
         elif op == 0x12:
             r, p = uleb(d, p)
             v, p = sleb(d, p)

@@ -30,13 +30,14 @@ def tracker() -> Any:
 
 
 def spawn(tracker: Any, cmd: list[str], artifact: Path, stdout: Path, *,
-          start_disabled: bool = False, timeout: float = 60) -> Any:
-    """Capture `cmd` into `artifact` with its stdout in the file `stdout`; the result."""
+          timeout: float = 60, **options: Any) -> Any:
+    """Capture `cmd` into `artifact` with its stdout in the file `stdout` (`options` go to
+    Tracker.spawn); the result."""
     with open(stdout, "w") as f:
         saved = os.dup(1)
         os.dup2(f.fileno(), 1)
         try:
-            session = tracker.spawn(cmd, artifact, start_disabled=start_disabled)
+            session = tracker.spawn(cmd, artifact, **options)
         finally:
             os.dup2(saved, 1)
             os.close(saved)
