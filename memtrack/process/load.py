@@ -88,7 +88,7 @@ STACKS_SQL = """
     FROM src_stacks;
     INSERT INTO stacks SELECT stack_id, stack_hash, pid, depth, truncated, complete, stop
     FROM st ORDER BY stack_id;
-    CREATE TEMP TABLE sfl AS
+    CREATE TEMP VIEW sfl AS
     SELECT *, CASE WHEN reason IS NULL THEN build_id END AS loc_build_id,
            CASE WHEN reason IS NULL THEN lookup_vaddr ELSE address END AS loc_key
     FROM src_stack_frames;

@@ -2,7 +2,7 @@
 run database's views (memtrack.schema.ddl), optionally for one process.
 
 The per-stack costs come from the `stack_costs` view and the backtraces from the
-`backtraces` view (a backtrace: a stack's frames from its allocation site outward, the
+`backtraces` table (a backtrace: a stack's frames from its allocation site outward, the
 allocator itself left out where it has callers; stack records whose bytes differed
 but that unwound to the same frames are one backtrace). Text, JSON, HTML, folded,
 pprof and speedscope all read what this gives.
@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import duckdb
+import numpy as np
+
+from memtrack.schema.ddl import SITE_DEPTH
 
 NO_STACK = "[no stack]"
 
@@ -28,7 +31,9 @@ METRICS = {
     "leaked": "leaked_bytes",  # bytes never freed
     "temporary": "temporary",  # allocations freed by their thread's next allocator event
 }
-BYTE_METRICS = frozenset({"allocated", "peak", "leaked"})
+# The allocations a metric counts (its value may be 0 for some, as malloc(0)'s bytes).
+COUNTED = {"allocated": "calls", "calls": "calls", "peak": "peak_calls",
+           "leaked": "leaked_calls", "temporary": "temporary"}
 
 Backtrace = tuple[int, ...]  # frame ids from the allocation site outward
 
@@ -184,21 +189,33 @@ class RunReader:
         """Every metric per (backtrace, pid)."""
         where = self.where("c.")
         raw = self.con.execute(f"""
-            SELECT CASE WHEN c.stack_id IS NOT NULL THEN coalesce(b.frame_ids, []) END,
-                   c.pid, sum(c.calls)::BIGINT, sum(c.bytes)::BIGINT,
+            SELECT b.backtrace_id, c.pid, sum(c.calls)::BIGINT, sum(c.bytes)::BIGINT,
                    sum(c.temporary)::BIGINT, sum(c.peak_calls)::BIGINT,
                    sum(c.peak_bytes)::BIGINT, sum(c.leaked_calls)::BIGINT,
                    sum(c.leaked_bytes)::BIGINT
             FROM stack_costs c LEFT JOIN backtraces b USING (stack_id)
-            WHERE {where} GROUP BY 1, 2 ORDER BY 2, 1 NULLS FIRST""").fetchall()
-        rows = [Cost(tuple(k) if k is not None else None, *rest) for k, *rest in raw]
+            WHERE {where} GROUP BY 1, 2""").fetchall()
+        # the frames of each backtrace, as rows (a list aggregate per group is slower)
+        reps = f"""SELECT DISTINCT b.backtrace_id AS stack_id FROM stack_costs c
+                   JOIN backtraces b USING (stack_id) WHERE {where}"""
+        seq = self.con.execute(f"""
+            SELECT sf.stack_id, sf.frame_id FROM backtrace_frames sf JOIN ({reps}) r
+            USING (stack_id) ORDER BY sf.stack_id, sf.depth""").to_arrow_table()
+        sid = seq.column("stack_id").to_numpy()
+        fid = seq.column("frame_id").to_numpy()
+        cut = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]]) if len(sid) else sid
+        keys: dict[int, Backtrace] = {
+            int(sid[a]): tuple(f.tolist()) for a, f in zip(cut.tolist(), np.split(fid, cut[1:]),
+                                                           strict=True)}
+        rows = sorted((Cost(keys[bt] if bt is not None else None, *rest) for bt, *rest in raw),
+                      key=lambda r: (r.pid, r.backtrace is not None, r.backtrace or ()))
         frames: dict[int, list[tuple[str, str | None, int | None, int | None]]] = {}
-        for fid, name, file, line, mid in self.con.execute(f"""
+        for fid_, name, file, line, mid in self.con.execute(f"""
                 SELECT frame_id, name, file, line, module_id FROM frames
-                WHERE frame_id IN (SELECT unnest(b.frame_ids) FROM backtraces b
-                                   JOIN stack_costs c USING (stack_id) WHERE {where})
+                WHERE frame_id IN (SELECT DISTINCT sf.frame_id FROM backtrace_frames sf
+                                   JOIN ({reps}) r USING (stack_id))
                 ORDER BY frame_id, inline_depth""").fetchall():
-            frames.setdefault(fid, []).append((name, file, line, mid))
+            frames.setdefault(fid_, []).append((name, file, line, mid))
         procs = {p: n or "?" for p, n in self.con.execute(
             "SELECT pid, name FROM processes").fetchall()}
         modules = self.con.execute(
@@ -208,15 +225,15 @@ class RunReader:
     def sites(self, metric: str, top: int = 10, backtraces: int = 3) -> list[dict[str, Any]]:
         """The `top` allocation sites by `metric`, each with its `backtraces` costliest
         backtraces (frames from the site outward)."""
-        col = METRICS[metric]
+        col, counted = METRICS[metric], COUNTED[metric]
         rows = self.con.execute(f"""
             WITH per_stack AS (
                 SELECT stack_id, sum({col}) AS v FROM stack_costs WHERE {self.where()}
-                GROUP BY stack_id),
+                GROUP BY stack_id HAVING sum({counted}) > 0),
             per_backtrace AS (
-                SELECT min(s.stack_id) AS stack_id, sum(s.v) AS v
+                SELECT b.backtrace_id AS stack_id, sum(s.v) AS v
                 FROM per_stack s LEFT JOIN backtraces b USING (stack_id)
-                GROUP BY coalesce(hash(b.frame_ids), hash(s.stack_id))),
+                GROUP BY b.backtrace_id),
             loc AS (
                 SELECT coalesce(l.name, '{NO_STACK}') AS location, l.file, l.line,
                        s.stack_id, s.v
@@ -239,10 +256,10 @@ class RunReader:
         """A stack's logical frames from the allocation site outward."""
         if stack_id is None:
             return []
-        rows = self.con.execute("""
+        rows = self.con.execute(f"""
             SELECT l.name, l.file, l.line, m.path FROM stack_lines l
             JOIN stacks s USING (stack_id) LEFT JOIN modules m USING (module_id)
-            WHERE l.stack_id = ? AND l.depth >= CASE WHEN s.depth > 1 THEN 1 ELSE 0 END
+            WHERE l.stack_id = ? AND l.depth >= {SITE_DEPTH}
             ORDER BY l.position""", [stack_id]).fetchall()
         return [{"function": n, "file": f, "line": ln, "module": m} for n, f, ln, m in rows]
 

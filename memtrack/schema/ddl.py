@@ -73,24 +73,38 @@ CREATE TABLE heap_peak (pid UINTEGER, peak_event_id UBIGINT, peak_ts UBIGINT,
     peak_bytes BIGINT);
 CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT,
     cause rss_cause);
+CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
 """
 
-# heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak is
-# derived from it once loaded (a view would redo the window at every query).
-DERIVED = """
-INSERT INTO heap_peak
-WITH m AS (SELECT pid, max(heap_bytes) AS peak_bytes FROM heap_timeline GROUP BY pid)
-SELECT t.pid, min(t.event_id), arg_min(t.ts, t.event_id), m.peak_bytes
-FROM heap_timeline t JOIN m ON t.pid = m.pid AND t.heap_bytes = m.peak_bytes
-GROUP BY t.pid, m.peak_bytes ORDER BY t.pid;
-"""
+# An allocation's site is its first logical frame outside the allocator function (depth
+# 1), as heaptrack reports it; the allocator itself where the stack has no caller.
+SITE_DEPTH = "CASE WHEN s.depth > 1 THEN 1 ELSE 0 END"
+
+# heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak and
+# backtraces are derived once loaded (as views every report would redo them). A
+# backtrace is a stack's frames from its site outward; stacks whose bytes differed but
+# that unwound to the same frames share one, named by the lowest such stack_id (keyed
+# by a sum of 64-bit hashes of (frame, depth) and the frame count: no list is built).
+DERIVED = {
+    "heap_peak": """
+        INSERT INTO heap_peak
+        WITH m AS (SELECT pid, max(heap_bytes) AS peak_bytes FROM heap_timeline GROUP BY pid)
+        SELECT t.pid, min(t.event_id), arg_min(t.ts, t.event_id), m.peak_bytes
+        FROM heap_timeline t JOIN m ON t.pid = m.pid AND t.heap_bytes = m.peak_bytes
+        GROUP BY t.pid, m.peak_bytes ORDER BY t.pid""",
+    "backtraces": """
+        INSERT INTO backtraces
+        WITH k AS (
+            SELECT stack_id, sum(hash(frame_id, depth)::HUGEINT) AS key, count(*) AS n
+            FROM backtrace_frames GROUP BY stack_id)
+        SELECT stack_id, min(stack_id) OVER (PARTITION BY key, n) FROM k ORDER BY stack_id""",
+}
 
 # A leaked allocation: never freed, its process exec'd or exited or the capture ended.
 LEAKED = "end_reason IN ('exec', 'exit', 'end')"
 
 # Views. A stack's logical frames run from the allocator itself (position 0) outward,
-# inline levels innermost first. An allocation's *location* is its first logical frame
-# outside the allocator function (depth >= 1), as heaptrack reports it.
+# inline levels innermost first. An allocation's *location* is its site (SITE_DEPTH).
 VIEWS = """
 CREATE VIEW stack_lines AS
 SELECT sf.stack_id,
@@ -104,7 +118,12 @@ CREATE VIEW stack_location AS
 SELECT sf.stack_id, sf.frame_id, f.name, f.function, f.file, f.line
 FROM stack_frames sf JOIN stacks s USING (stack_id)
 JOIN frames f ON f.frame_id = sf.frame_id AND f.inline_depth = 0
-WHERE sf.depth = CASE WHEN s.depth > 1 THEN 1 ELSE 0 END;
+WHERE sf.depth = {site};
+
+CREATE VIEW backtrace_frames AS
+SELECT sf.stack_id, sf.depth, sf.frame_id
+FROM stack_frames sf JOIN stacks s USING (stack_id)
+WHERE sf.depth >= {site};
 
 CREATE VIEW allocation_sites AS
 SELECT a.*, coalesce(l.name, '[no stack]') AS location, l.file, l.line
@@ -145,12 +164,6 @@ SELECT a.stack_id, a.pid, count(*) AS calls, sum(a.size)::BIGINT AS bytes,
 FROM allocations a LEFT JOIN (SELECT alloc_id, size FROM peak) p USING (alloc_id)
 GROUP BY a.stack_id, a.pid;
 
-CREATE VIEW backtraces AS
-SELECT sf.stack_id, list(sf.frame_id ORDER BY sf.depth) AS frame_ids
-FROM stack_frames sf JOIN stacks s USING (stack_id)
-WHERE sf.depth >= CASE WHEN s.depth > 1 THEN 1 ELSE 0 END
-GROUP BY sf.stack_id;
-
 CREATE VIEW hotspots AS
 WITH per_stack AS (
     SELECT stack_id, sum(calls) AS calls, sum(bytes) AS bytes, sum(peak_bytes) AS peak,
@@ -179,13 +192,13 @@ SELECT coalesce(s.function, i.function) AS function,
        coalesce(i.peak, s.peak)::BIGINT AS incl_peak_bytes,
        coalesce(i.leaked, s.leaked)::BIGINT AS incl_leaked_bytes
 FROM self s FULL JOIN incl i ON s.function = i.function;
-""".replace("{leaked}", LEAKED)
+""".replace("{leaked}", LEAKED).replace("{site}", SITE_DEPTH)
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
     "stack_frames", "frames", "rss",
 )  # fmt: skip
-DERIVED_NAMES = ("heap_timeline", "heap_peak")
+DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces")
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
@@ -196,9 +209,10 @@ def create_schema(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
 
-def derive(con: duckdb.DuckDBPyConnection) -> None:
-    """Fill the derived tables from the loaded ones."""
-    con.execute(DERIVED)
+def derive(con: duckdb.DuckDBPyConnection, *tables: str) -> None:
+    """Fill the derived tables (all, or those named) from the loaded ones."""
+    for name in tables or DERIVED:
+        con.execute(DERIVED[name])
 
 
 def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConnection:

@@ -91,7 +91,7 @@ class Memory:
     """The stack copies of a batch of stacks, one byte array, read by (stack, address)."""
 
     def __init__(self, records: pa.Table) -> None:
-        col = records.column("stack").combine_chunks().cast(pa.large_binary())
+        col = records.column("stack").cast(pa.large_binary()).combine_chunks()
         bufs = col.buffers()
         offs = np.frombuffer(bufs[1], dtype=np.int64)[col.offset:col.offset + len(col) + 1] \
             if len(col) else np.zeros(1, np.int64)
