@@ -1,10 +1,10 @@
 """memory_metadata.json: who each traced process was, and its peak resident memory.
 
 One entry per process life (memtrack.process.lifecycle): a pid that the kernel hands
-out again during the capture gets a second entry. Peaks come from the RSS stage and,
-with --track-faults, the anon replay (memtrack.process.rss). Times are
-CLOCK_MONOTONIC ns as in the artifact; `clock.wall_offset_ns` turns them into Unix
-time.
+out again during the capture gets a second entry. Peaks come from the RSS stage
+(memtrack.process.rss) and, with --track-faults, the anon replay
+(memtrack.process.anon_replay). Times are CLOCK_MONOTONIC ns as in the artifact;
+`clock.wall_offset_ns` turns them into Unix time.
 """
 
 from __future__ import annotations

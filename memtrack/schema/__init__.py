@@ -139,7 +139,7 @@ RSS = pa.schema(
 # User page faults of tracked processes (exceptions:page_fault_user, and
 # page_fault_kernel on user addresses with kernel = true), written with --track-faults
 # only. error_code is the x86 page-fault error code (bit 0 protection violation,
-# 1 write, 2 user, 4 instruction fetch). memtrack.process.rss replays them.
+# 1 write, 2 user, 4 instruction fetch). memtrack.process.anon_replay replays them.
 FAULTS = pa.schema(
     [
         ("ts", pa.uint64()),

@@ -79,7 +79,7 @@ RSS_PEAKS = pa.schema([
     ("ts", pa.uint64()),
 ])
 
-# unwind (memtrack.process.unwind): one row per distinct (stack_hash, pid) (-> `stacks`).
+# unwind (memtrack.process.unwind): one row per distinct stack_hash (-> `stacks`).
 UNWOUND_STACKS = pa.schema([
     ("stack_hash", pa.uint64()),
     ("pid", pa.uint32()),
