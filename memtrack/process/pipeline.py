@@ -220,13 +220,12 @@ def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summa
     if records.num_rows == 0:
         return UnwoundStacks(UNWOUND_STACKS.empty_table(), UNWOUND_STACK_FRAMES.empty_table())
     from memtrack.process.decode import DEFAULT_MAX_BYTES, decode_chunks
-    from memtrack.process.unwind import Unwinder, first_records
+    from memtrack.process.unwind import Unwinder
 
     unwinder = Unwinder(mappings, store)
     runs = decode_chunks(records, chunk_bytes or DEFAULT_MAX_BYTES)
     stacks, frames = [], []
-    seen = np.zeros(0, np.uint64)
-    pairs = np.zeros(0, dtype=_KEY)  # distinct (stack_hash, pid) of every decoded record
+    pairs = []  # distinct (stack_hash, pid) of each run's records
     while True:
         with st.stage("decode"):
             run = next(runs, None)
@@ -234,8 +233,8 @@ def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summa
             break
         summary.add(run.counters)
         with st.stage("unwind"):
-            pairs = np.union1d(pairs, _keys(run.table))
-            table, seen = first_records(run.table, seen)
+            pairs.append(_distinct_pairs(run.table))
+            table = run.table
             del run
             out = unwinder.unwind(table)
             del table
@@ -244,17 +243,15 @@ def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summa
             frames.append(out.stack_frames)
     summary.warn(unwinder.problems)
     # the same bytes recorded by more than one process are one stack (the first's)
-    summary.counters["stacks_duplicate_hash"] = len(pairs) - len(seen)
+    summary.counters["stacks_duplicate_hash"] = (
+        _distinct_pairs(pa.concat_tables(pairs)).num_rows - len(unwinder.seen))
     return UnwoundStacks(pa.concat_tables(stacks), pa.concat_tables(frames))
 
 
-_KEY = np.dtype((np.void, 16))  # (stack_hash, pid) as one comparable value
-
-
-def _keys(records: pa.Table) -> np.ndarray:
-    pair = np.stack([records.column("stack_hash").to_numpy().astype(np.uint64),
-                     records.column("pid").to_numpy().astype(np.uint64)], axis=1)
-    return np.unique(np.ascontiguousarray(pair).view(_KEY).ravel())
+def _distinct_pairs(records: pa.Table) -> pa.Table:
+    """The distinct (stack_hash, pid) of a table."""
+    return records.select(["stack_hash", "pid"]).group_by(
+        ["stack_hash", "pid"], use_threads=False).aggregate([])
 
 
 def modules_table(mappings: pa.Table, stack_frames: pa.Table, store: ModuleStore,

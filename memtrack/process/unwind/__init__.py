@@ -49,13 +49,15 @@ def first_records(records: pa.Table, seen: np.ndarray | None = None
 
 
 class Unwinder:
-    """Unwinds batches of decoded stack records against one artifact's mappings; module
-    rows extracted for one batch serve the next (`memtrack process` goes run by run)."""
+    """Unwinds batches of decoded stack records against one artifact's mappings: each
+    stack hash once, in the first batch that holds it, and the module rows extracted
+    for one batch serve the next (`memtrack process` goes run by run)."""
 
     def __init__(self, mappings: pa.Table, store: ModuleStore, max_depth: int = 512) -> None:
         self.normalizer = Normalizer(mappings, store)
         self.max_depth = max_depth
         self.rows: dict[int, ModuleRows | None] = {}
+        self.seen = np.zeros(0, np.uint64)  # sorted stack hashes unwound so far
 
     def _extract(self, modules: np.ndarray) -> None:
         """Module rows for the module indices not extracted yet (reads their files)."""
@@ -73,8 +75,9 @@ class Unwinder:
         return out
 
     def unwind(self, records: pa.Table) -> UnwoundStacks:
-        """Unwind the first record of each stack hash of `records` (DECODED_RECORDS)."""
-        records, _ = first_records(records)
+        """Unwind the first record of each stack hash of `records` (DECODED_RECORDS) not
+        unwound by an earlier call."""
+        records, self.seen = first_records(records, self.seen)
         if records.num_rows == 0:
             return UnwoundStacks(UNWOUND_STACKS.empty_table(),
                                  UNWOUND_STACK_FRAMES.empty_table(), {}, self.problems)
