@@ -116,10 +116,11 @@ def main() -> None:
                     help="peak RSS of process with runs of the default size vs one run")
     args = ap.parse_args()
 
-    from memtrack.process.export import costs, pprof
-    from memtrack.process.html import page_data
     from memtrack.process.pipeline import process
-    from memtrack.process.report import ReportOptions, report_data
+    from memtrack.report import pprof
+    from memtrack.report.html import page_data
+    from memtrack.report.reader import RunReader
+    from memtrack.report.text import ReportOptions, report_data
     from memtrack.schema.ddl import open_run
 
     with tempfile.TemporaryDirectory(prefix="bench-process-") as d:
@@ -143,7 +144,7 @@ def main() -> None:
             ("report (text/json)", lambda: report_data(con, ReportOptions())),
             ("report --pid root", lambda: report_data(con, ReportOptions(pid=int(
                 con.execute("SELECT value FROM meta WHERE key = 'root_pid'").fetchone()[0])))),
-            ("export pprof", lambda: pprof(costs(con))),
+            ("export pprof", lambda: pprof.render(RunReader(con), "allocated")),
             ("html page data", lambda: page_data(con, ReportOptions())),
         ):
             t = time.perf_counter()

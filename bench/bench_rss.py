@@ -15,7 +15,6 @@ replay) are printed next to the time to read the same tables, measured in the sa
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -25,9 +24,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support.capture import spawn  # noqa: E402
 
 from memtrack.capture.parts import CaptureOptions  # noqa: E402
-from memtrack.process.rss import reconstruct_anon, rss_timeline  # noqa: E402
+from memtrack.process.anon_replay import reconstruct_anon  # noqa: E402
+from memtrack.process.lifecycle import lifecycle  # noqa: E402
+from memtrack.process.rss import effective_rss  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
 
@@ -61,15 +65,8 @@ def captured(options: CaptureOptions, cmd: list[str], art: Path,
     from memtrack.capture.tracker import Tracker
 
     out = art.with_suffix(".out")
-    with Tracker(options) as t, open(out, "w") as f:
-        saved = os.dup(1)
-        os.dup2(f.fileno(), 1)
-        try:
-            session = t.spawn(cmd, art, overwrite=True)
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        result = session.wait(timeout=600)
+    with Tracker(options) as t:
+        result = spawn(t, cmd, art, out, timeout=600, overwrite=True)
         for name in PROGS:
             fn = t.bpf.funcs.get(name.encode())
             if fn is not None:
@@ -126,14 +123,15 @@ def main() -> None:
     maps = art.read("mappings").table
     t_read = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rss_timeline(rss, ev)
+    life = lifecycle(ev)
+    effective_rss(rss, life)
     t_tl = time.perf_counter() - t0
     t0 = time.perf_counter()
-    reconstruct_anon(faults, ev, maps, page_size=art.manifest.host.page_size)
+    reconstruct_anon(faults, ev, maps, life, page_size=art.manifest.host.page_size)
     t_rp = time.perf_counter() - t0
     print(f"processing: {rss.num_rows:,} rss rows, {faults.num_rows:,} faults")
     print(f"  read tables        {t_read * 1e3:8.1f} ms   x1.00")
-    print(f"  rss_timeline       {t_tl * 1e3:8.1f} ms   x{t_tl / t_read:.2f} of reading "
+    print(f"  lifecycle + rss    {t_tl * 1e3:8.1f} ms   x{t_tl / t_read:.2f} of reading "
           f"({rss.num_rows / t_tl / 1e6:.2f} M rows/s)")
     print(f"  reconstruct_anon   {t_rp * 1e3:8.1f} ms   x{t_rp / t_read:.2f} of reading "
           f"({faults.num_rows / t_rp / 1e6:.2f} M faults/s)")

@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 from elftools.elf.elffile import ELFFile
 
+from memtrack.dwarf.lines import Dwarf
+from memtrack.elf import ElfImage
 from memtrack.symbolize import ModuleStore, Symbolizer
-from memtrack.symbolize.dwarf import Dwarf
-from memtrack.symbolize.symtab import ElfImage
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 REPEAT = 3

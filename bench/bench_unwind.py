@@ -26,7 +26,7 @@ from memtrack.capture.parts import CaptureOptions
 from memtrack.process.decode import decode
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact
-from memtrack.symbolize import symbolize
+from memtrack.symbolize import symbolize_frames
 from memtrack.symbolize.modules import ModuleStore
 
 WORKLOAD = """
@@ -130,10 +130,9 @@ def main() -> None:
         t = time.perf_counter()
         res = unwind(decoded, mappings, store)
         warm = time.perf_counter() - t
-        frames = res.frames
+        frames = res.stack_frames
         t = time.perf_counter()
-        symbolize(store, frames.column("build_id").combine_chunks(),
-                  frames.column("lookup_vaddr").fill_null(0).to_numpy().astype(np.uint64))
+        symbolize_frames(store, frames)
         sym = time.perf_counter() - t
         n = res.stacks.num_rows
         nf = frames.num_rows

@@ -1,15 +1,18 @@
-"""memtrack command line (typer)."""
+"""memtrack command line: typer wiring of the subcommands in memtrack.commands (each
+option, its help and environment variable here; what a command does, there)."""
 
 from __future__ import annotations
 
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from memtrack.schema.artifact import ArtifactError
+from memtrack.commands import CommandError
 
 app = typer.Typer(
     help="Linux memory-allocation profiler: eBPF capture, offline unwinding, DuckDB tables.",
@@ -25,8 +28,13 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def not_built(command: str, issue: int) -> typer.Exit:
-    return fail(f"{command}: this stage is not built yet (issue #{issue})", 1)
+def call(run: Callable[..., int], *args: object, **kwargs: object) -> None:
+    """Run a command's `run` and exit with its status (2 and one line on CommandError)."""
+    try:
+        status = run(*args, **kwargs)
+    except CommandError as e:
+        raise fail(str(e)) from None
+    raise typer.Exit(status)
 
 
 @app.command()
@@ -35,35 +43,19 @@ def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
     """Print an artifact's manifest, row counts per file, loss counters and modules."""
-    from memtrack.info import show_info
+    from memtrack.commands import info as cmd
 
-    try:
-        show_info(artifact, as_json=as_json)
-    except ArtifactError as e:
-        raise fail(str(e)) from None
+    call(cmd.run, artifact, as_json)
 
 
 @app.command()
 def doctor() -> None:
     """Check what capture needs on this machine and how to fix what is missing."""
-    from memtrack.capture.doctor import run_doctor
+    from memtrack.commands import doctor as cmd
 
-    raise typer.Exit(run_doctor())
-
-
-_CAPTURE_ENV = (
-    "Every option can also be set in the environment: MEMTRACK_OUTPUT, MEMTRACK_FORCE, "
-    "MEMTRACK_STACKS, MEMTRACK_STACK_BUDGET, MEMTRACK_STACK_COMPRESSION, MEMTRACK_RSS, "
-    "MEMTRACK_TRACK_FAULTS, MEMTRACK_MODULES, MEMTRACK_START_DISABLED, "
-    "MEMTRACK_CONTROL_FIFO, MEMTRACK_PROBE_PLACEMENT, MEMTRACK_EVENTS_RING_PAGES, "
-    "MEMTRACK_STACKS_RING_PAGES, MEMTRACK_FAIL_ON_LOSS, MEMTRACK_TIMEOUT, "
-    "MEMTRACK_PROGRAM_CACHE. "
-    "CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
-    "(one line) to the first, read 'ok' from the second."
-)
+    call(cmd.run)
 
 
-@app.command(epilog=_CAPTURE_ENV)
 def capture(
     cmd: Annotated[list[str], typer.Argument(help="The command to run (after --).")],
     output: Annotated[Path, typer.Option("-o", "--output", envvar="MEMTRACK_OUTPUT",
@@ -112,26 +104,31 @@ def capture(
              "or off.")] = "",
 ) -> None:
     """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
-    from memtrack.capture.parts import CaptureOptions
-    from memtrack.capture.run import run_capture
-    from memtrack.capture.tracker import CaptureError
+    from memtrack.commands import capture as cmd_
 
-    for flag, value in (("--stacks", stacks), ("--stack-compression", stack_compression)):
-        if value not in ("on", "off"):
-            raise fail(f"{flag} {value}: expected on or off")
-    options = CaptureOptions(
-        stacks=stacks == "on", stack_budget=stack_budget,
-        stack_compression=stack_compression == "on",
-        rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
-        probe_placement=probe_placement, events_ring_pages=events_ring_pages,
-        stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss,
-        program_cache=program_cache)
-    try:
-        status = run_capture(cmd, output, options, force=force, control=control_fifo,
-                             timeout=timeout)
-    except (CaptureError, ArtifactError, ValueError) as e:
-        raise fail(str(e)) from None
-    raise typer.Exit(status)
+    call(cmd_.run, cmd, output, force=force, stacks=stacks, stack_budget=stack_budget,
+         stack_compression=stack_compression, rss=rss, track_faults=track_faults,
+         modules=modules, start_disabled=start_disabled, control_fifo=control_fifo,
+         probe_placement=probe_placement, events_ring_pages=events_ring_pages,
+         stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss, timeout=timeout,
+         program_cache=program_cache)
+
+
+def envvars(fn: Callable[..., object]) -> list[str]:
+    """The environment variables of a command's options, in their order."""
+    out = []
+    for hint in typing.get_type_hints(fn, include_extras=True).values():
+        for meta in getattr(hint, "__metadata__", ()):
+            env = getattr(meta, "envvar", None)
+            if env:
+                out.append(env)
+    return out
+
+
+app.command(epilog=(
+    "Every option can also be set in the environment: " + ", ".join(envvars(capture)) +
+    ". CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
+    "(one line) to the first, read 'ok' from the second."))(capture)
 
 
 @app.command()
@@ -160,36 +157,11 @@ def process(
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables."""
-    import duckdb
+    from memtrack.commands import process as cmd
 
-    from memtrack.process.pipeline import ProcessError
-    from memtrack.process.pipeline import process as run_process
-    from memtrack.symbolize import default_cache_dir
-
-    try:
-        summary = run_process(
-            artifact, output, parquet_dir=parquet, host_modules=host_modules,
-            cache_dir=None if no_cache else (cache_dir or default_cache_dir()),
-            progress=False if quiet else None,
-        )
-    except (ArtifactError, ProcessError) as e:
-        raise fail(str(e)) from None
-    except duckdb.IOException as e:
-        raise fail(f"{output}: {' '.join(str(e).split())}") from None
-    except OSError as e:
-        raise fail(f"{e.filename or output}: {e.strerror or e}") from None
-    if not quiet:
-        for line in summary.lines():
-            err.print(line, markup=False, soft_wrap=True)
-
-
-def _open_run(run: Path):  # noqa: ANN202 - duckdb connection
-    from memtrack.schema.ddl import RunError, open_run
-
-    try:
-        return open_run(run)
-    except RunError as e:
-        raise fail(str(e)) from None
+    call(cmd.run, artifact, output, parquet=parquet, host_modules=host_modules,
+         cache_dir=cache_dir, no_cache=no_cache, quiet=quiet,
+         say=lambda line: err.print(line, markup=False, soft_wrap=True))
 
 
 @app.command()
@@ -203,25 +175,9 @@ def report(
     ] = None,
 ) -> None:
     """The heaptrack-style report of a processed run."""
-    from memtrack.process.report import ReportOptions, format_text, report_data, report_json
+    from memtrack.commands import report as cmd
 
-    if fmt not in ("text", "json"):
-        raise fail(f"--format: expected text or json, got {fmt!r}")
-    con = _open_run(run)
-    opts = ReportOptions(pid=pid, top=top)
-    if pid is not None and not con.execute(
-        "SELECT count(*) FROM processes WHERE pid = ?", [pid]
-    ).fetchone()[0]:
-        raise fail(f"{run}: no process {pid} in this run")
-    data = report_data(con, opts)
-    if html is not None:
-        from memtrack.process.html import write_html
-
-        try:
-            write_html(con, html, opts)
-        except OSError as e:
-            raise fail(f"{html}: {e.strerror or e}") from None
-    sys.stdout.write(report_json(data) + "\n" if fmt == "json" else format_text(data))
+    call(cmd.run, run, fmt, pid, top, html, sys.stdout)
 
 
 @app.command()
@@ -231,19 +187,9 @@ def query(
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
 ) -> None:
     """Run SQL against a processed run and print the result."""
-    import duckdb
+    from memtrack.commands import query as cmd
 
-    from memtrack.process.report import print_query
-
-    if fmt not in ("table", "csv", "json"):
-        raise fail(f"--format: expected table, csv or json, got {fmt!r}")
-    con = _open_run(run)
-    try:
-        cur = con.execute(sql)
-    except duckdb.Error as e:
-        msg = " ".join(str(e).split())
-        raise fail(f"query: {msg}") from None
-    print_query(cur, fmt, sys.stdout)
+    call(cmd.run, run, sql, fmt, sys.stdout)
 
 
 @app.command()
@@ -258,17 +204,9 @@ def export(
     pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
 ) -> None:
     """Export a processed run as folded stacks, pprof or speedscope."""
-    from memtrack.process.export import FORMATS, METRICS, export_run
+    from memtrack.commands import export as cmd
 
-    if fmt not in FORMATS:
-        raise fail(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
-    if metric not in METRICS:
-        raise fail(f"--metric: expected one of {', '.join(METRICS)}, got {metric!r}")
-    con = _open_run(run)
-    try:
-        export_run(con, fmt, output, metric=metric, pid=pid)
-    except OSError as e:
-        raise fail(f"{output}: {e.strerror or e}") from None
+    call(cmd.run, run, fmt, output, metric, pid)
 
 
 @app.command()
@@ -284,14 +222,9 @@ def symbolize(
     ] = False,
 ) -> None:
     """Print the frames of addresses in a module, innermost first (llvm-symbolizer --inlines)."""
-    from memtrack.symbolize import default_cache_dir
-    from memtrack.symbolize.command import run_symbolize
+    from memtrack.commands import symbolize as cmd
 
-    cache = None if no_cache else (cache_dir or default_cache_dir())
-    try:
-        raise typer.Exit(run_symbolize(module, addresses, cache, sys.stdout, sys.stderr))
-    except ValueError as e:
-        raise fail(f"symbolize: {e}") from None
+    call(cmd.run, module, addresses, cache_dir, no_cache, sys.stdout, sys.stderr)
 
 
 @app.command("unwind")
@@ -303,12 +236,9 @@ def unwind_record(
 ) -> None:
     """Unwind one stack record and print its frames with method (regs, cfi, fp, fp-kernel)
     and symbol."""
-    from memtrack.process.unwind import show_record
+    from memtrack.commands import unwind as cmd
 
-    try:
-        raise typer.Exit(show_record(artifact, record, sys.stdout, host_modules=host_modules))
-    except (ArtifactError, ValueError) as e:
-        raise fail(f"unwind: {e}") from None
+    call(cmd.run, artifact, record, host_modules, sys.stdout)
 
 
 def main() -> None:

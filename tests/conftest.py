@@ -1,4 +1,5 @@
-"""Shared test plumbing: the `bpf` marker policy and building fixture programs.
+"""Shared test plumbing: the `bpf` marker policy, building fixture programs, and the
+`tracker` fixture (tests/support/capture.py) for the capture tests.
 
 Tests marked `@pytest.mark.bpf` need root and a working bcc. Where those are missing
 they skip with the reason, except when MEMTRACK_REQUIRE_BPF=1 (CI), where the missing
@@ -19,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 BUILD_DIR = Path(os.environ.get("MEMTRACK_TEST_BUILD", ROOT / "build" / "fixtures"))
+
+pytest_plugins = ("support.capture",)
 
 
 @functools.cache

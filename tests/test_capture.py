@@ -4,8 +4,6 @@ addresses matched against what the programs print."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,81 +11,19 @@ from typing import Any
 
 import pytest
 from conftest import build
-
-from memtrack.capture.parts import CaptureOptions
-from memtrack.schema import ALLOC_KINDS, EventKind
-from memtrack.schema.artifact import Artifact
+from support.capture import A, C, F, M, R, check_no_loss, run
 
 pytestmark = pytest.mark.bpf
 
-M, C, R, A, F = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC,
-                 EventKind.ALIGNED_ALLOC, EventKind.FREE)
-HEAP_KINDS = {*ALLOC_KINDS, EventKind.FREE}
 
-
-# Both ways allocator probes reach the kernel (memtrack.capture.links): one
-# uprobe_multi link per module and program where the kernel has them (6.6+), one
-# perf-event uprobe per function otherwise; each test runs with both.
-@pytest.fixture(scope="module", params=["uprobe_multi", "perf_event"])
-def tracker(request: pytest.FixtureRequest) -> Any:
-    from memtrack.capture.tracker import Tracker
-
-    options = CaptureOptions(stacks=False, rss=False, extra={"uprobe_attach": request.param})
-    with Tracker(options) as t:
-        assert t.uprobes.mode == request.param
-        yield t
-
-
-class Run:
-    def __init__(self, path: Path, result: Any, stdout: str) -> None:
-        self.path = path
-        self.result = result
-        self.stdout = stdout
-        self.art = Artifact.open(path)
-        self.events = self.art.read("events").table.to_pylist()
-
-    def heap(self, pid: int | None = None) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["kind"] in HEAP_KINDS
-                and (pid is None or e["pid"] == pid)]
-
-    def seq(self, pid: int | None = None) -> list[tuple[int, int]]:
-        return [(e["kind"], e["size"]) for e in self.heap(pid)]
-
-    def after_exec(self, pid: int) -> list[tuple[int, int]]:
-        """(kind, size) of `pid`'s heap events after its (last) exec: what a forked
-        shell does before exec'ing belongs to the shell."""
-        execs = [e["ts"] for e in self.events if e["pid"] == pid and e["kind"] == EventKind.EXEC]
-        return [(e["kind"], e["size"]) for e in self.heap(pid) if e["ts"] > max(execs)]
-
-    def printed(self, name: str) -> list[int]:
-        return [int(v, 16) for v in re.findall(rf"^{name} (0x[0-9a-f]+)$", self.stdout, re.M)]
-
-
-def run(tracker: Any, tmp_path: Path, cmd: list[str], name: str = "run", *,
-        start_disabled: bool = False) -> Run:
-    out = tmp_path / "stdout"
-    with open(out, "w") as f:
-        saved = os.dup(1)
-        os.dup2(f.fileno(), 1)
-        try:
-            session = tracker.spawn(cmd, tmp_path / f"{name}.memtrack",
-                                    start_disabled=start_disabled)
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        result = session.wait(timeout=60)
-    return Run(tmp_path / f"{name}.memtrack", result, out.read_text())
+@pytest.fixture(scope="module")
+def tracker(tracker_each_attach: Any) -> Any:
+    return tracker_each_attach
 
 
 @pytest.fixture(scope="module")
 def allocs() -> Path:
     return build(["capture/allocs.c"])
-
-
-def check_no_loss(r: Run) -> None:
-    assert r.result.nonzero_losses() == {}
-    assert r.art.manifest.complete
-    assert r.art.manifest.nonzero_losses() == {}
 
 
 def test_malloc_free(tracker: Any, allocs: Path, tmp_path: Path) -> None:

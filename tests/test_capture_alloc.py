@@ -8,11 +8,16 @@ from typing import Any
 
 import pytest
 from conftest import build
-from test_capture import A, C, F, M, R, run, tracker  # noqa: F401 - tracker is a fixture
+from support.capture import A, C, F, M, R, run
 
 from memtrack.schema import Allocator
 
 pytestmark = pytest.mark.bpf
+
+
+@pytest.fixture(scope="module")
+def tracker(tracker_each_attach: Any) -> Any:
+    return tracker_each_attach
 
 LIB = Path("/usr/lib/x86_64-linux-gnu")
 VARIANTS = {
@@ -27,7 +32,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cxx_workload(tracker: Any, tmp_path: Path, variant: str) -> None:  # noqa: F811
+def test_cxx_workload(tracker: Any, tmp_path: Path, variant: str) -> None:
     libs, family = VARIANTS[variant]
     exe = build(["capture/cxx.cc"], name=f"cxx-{variant}", libs=libs)
     r = run(tracker, tmp_path, [str(exe)], name=variant, start_disabled=True)
@@ -60,7 +65,7 @@ NATIVE = {
 
 
 @pytest.mark.parametrize("lib", list(NATIVE))
-def test_native_api_sizes_and_kinds(tracker: Any, tmp_path: Path, lib: str) -> None:  # noqa: F811
+def test_native_api_sizes_and_kinds(tracker: Any, tmp_path: Path, lib: str) -> None:
     define, link, expected = NATIVE[lib]
     exe = build(["capture/native_api.c"], name=f"native-{lib}", flags=(define,), libs=(link,))
     r = run(tracker, tmp_path, [str(exe)], name=lib, start_disabled=True)

@@ -30,10 +30,27 @@ def capture(args: list[str], env: dict[str, str] | None = None
 
 
 def test_help_lists_every_env_var() -> None:
+    """Every capture option has its MEMTRACK_ variable, named after its long flag, and the
+    help shows each where the option is and in the list at the end."""
+    import typer.main
+
+    from memtrack.cli import app
+
+    command = typer.main.get_command(app).commands["capture"]  # type: ignore[attr-defined]
+    options = [p for p in command.params if p.param_type_name == "option"]
+    got = {}
+    for p in options:
+        flag = max((o for o in p.opts if o.startswith("--")), key=len).split("/")[0]
+        assert p.envvar == "MEMTRACK_" + flag[2:].upper().replace("-", "_"), p.opts
+        got[flag] = p.envvar
+    assert sorted(got.values()) == sorted(ENV_VARS)
     out = subprocess.run([*MEMTRACK, "capture", "--help"], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "250"}, check=True).stdout
-    for var in ENV_VARS:
-        assert var in out, var
+    table, epilog = out.split("Every option can also be set in the environment:")
+    for flag, var in got.items():
+        assert var in epilog, var
+        line = next(ln for ln in table.splitlines() if f"{flag} " in ln or f"{flag}/" in ln)
+        assert f"[env var: {var}]" in line, (flag, line)
 
 
 def test_bad_options_fail_in_one_line(tmp_path: Path) -> None:

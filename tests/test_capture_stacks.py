@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 from conftest import build
-from test_capture import F, M, run
+from support.capture import F, M, run
 
 from memtrack.capture.parts import CaptureOptions
+from memtrack.process.decode import decode
 
 pytestmark = pytest.mark.bpf
 
@@ -46,8 +47,15 @@ def test_operator_new_stack_has_its_return_slot(full_tracker: Any, tmp_path: Pat
     h = r.heap()
     assert [(e["kind"], e["size"]) for e in h][:3] == [(M, 44444), (M, 8), (M, 88888)]
     stacks = {s["hash"]: s for s in r.art.read("stacks").table.to_pylist()}
+    copies = {d["stack_hash"]: d["stack"] for d in decode(r.art).table.to_pylist()}
+    text = [(m["start"], m["end"]) for m in r.art.read("mappings").table.to_pylist()
+            if m["path"] == str(exe) and "x" in m["perms"]]
+    assert text
     for e in h[:3]:
         rec = stacks[e["stack_hash"]]
-        # the outer call's own slot: sp at entry and the real return address there
+        # the outer call's own slot: sp at entry and the real return address there, a
+        # return into the program's own code (main, or std::vector's allocate)
         assert [f["slot"] for f in rec["ret_fixups"]] == [rec["sp"]]
-        assert rec["ret_fixups"][0]["value"] != 0
+        ret = rec["ret_fixups"][0]["value"]
+        assert any(lo <= ret < hi for lo, hi in text), hex(ret)
+        assert int.from_bytes(copies[e["stack_hash"]][:8], "little") == ret

@@ -13,21 +13,21 @@ from typing import Any
 
 import pytest
 from conftest import FIXTURES, build
-from test_capture import F, M, check_no_loss, run, tracker  # noqa: F401 - tracker: fixture
+from support.capture import F, M, check_no_loss, run
 
+from memtrack.elf import read_build_id
 from memtrack.schema import Allocator, EventKind
-from memtrack.symbolize.buildid import read_build_id
+from memtrack.schema.enums import CLONE_THREAD
 
 pytestmark = pytest.mark.bpf
 
-CLONE_THREAD = 0x10000
 
 
 def kinds(r: Any, kind: int) -> list[dict[str, Any]]:
     return [e for e in r.events if e["kind"] == kind]
 
 
-def test_fork_parent_and_child(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_fork_parent_and_child(tracker: Any, tmp_path: Path) -> None:
     exe = build(["capture/fork.c"])
     r = run(tracker, tmp_path, [str(exe)])
     assert r.result.status == 0
@@ -50,7 +50,7 @@ def test_fork_parent_and_child(tracker: Any, tmp_path: Path) -> None:  # noqa: F
     check_no_loss(r)
 
 
-def test_exec_through_shell_script(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_exec_through_shell_script(tracker: Any, tmp_path: Path) -> None:
     allocs = build(["capture/allocs.c"])
     r = run(tracker, tmp_path, [str(FIXTURES / "capture" / "run_allocs.sh"), str(allocs),
                                 "double_malloc"])
@@ -66,7 +66,7 @@ def test_exec_through_shell_script(tracker: Any, tmp_path: Path) -> None:  # noq
     check_no_loss(r)
 
 
-def test_four_threads_thousand_allocations(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_four_threads_thousand_allocations(tracker: Any, tmp_path: Path) -> None:
     exe = build(["capture/threads.c"], libs=("-lpthread",))
     r = run(tracker, tmp_path, [str(exe)])
     assert r.result.status == 0
@@ -92,7 +92,7 @@ def myalloc() -> Path:
 
 
 @pytest.mark.parametrize("threads", [False, True], ids=["one-thread", "two-threads"])
-def test_dlopen_allocator_first_allocation(tracker: Any, tmp_path: Path, myalloc: Path,  # noqa: F811
+def test_dlopen_allocator_first_allocation(tracker: Any, tmp_path: Path, myalloc: Path,
                                            threads: bool) -> None:
     exe = build(["capture/dlopen.c"], libs=("-ldl", "-lpthread"))
     r = run(tracker, tmp_path, [str(exe), str(myalloc), *(["threads"] if threads else [])])
@@ -111,7 +111,7 @@ def test_dlopen_allocator_first_allocation(tracker: Any, tmp_path: Path, myalloc
     check_no_loss(r)
 
 
-def test_exit_code_three(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_exit_code_three(tracker: Any, tmp_path: Path) -> None:
     allocs = build(["capture/allocs.c"])
     r = run(tracker, tmp_path, [str(allocs), "exit3"])
     assert (r.result.status, r.result.exit_code, r.result.signal) == (3, 3, None)
@@ -123,7 +123,7 @@ def test_exit_code_three(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
     check_no_loss(r)
 
 
-def test_sigkill(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_sigkill(tracker: Any, tmp_path: Path) -> None:
     allocs = build(["capture/allocs.c"])
     r = run(tracker, tmp_path, [str(allocs), "sigkill"])
     assert (r.result.status, r.result.exit_code, r.result.signal) == (137, None, 9)
@@ -135,7 +135,7 @@ def test_sigkill(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
     check_no_loss(r)
 
 
-def test_start_disabled_records_only_the_enabled_region(tracker: Any,  # noqa: F811
+def test_start_disabled_records_only_the_enabled_region(tracker: Any,
                                                          tmp_path: Path) -> None:
     exe = build(["capture/cxx.cc"], name="cxx-libstdc++")
     r = run(tracker, tmp_path, [str(exe)], start_disabled=True)
@@ -145,7 +145,7 @@ def test_start_disabled_records_only_the_enabled_region(tracker: Any,  # noqa: F
     assert len(r2.heap()) > 6  # the C++ runtime's own start-up allocation and more
 
 
-def test_control_fifo_from_a_runner(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_control_fifo_from_a_runner(tracker: Any, tmp_path: Path) -> None:
     """A runner switches recording on through --control-fifo while CMD runs."""
     import sys
 
@@ -171,7 +171,7 @@ def test_control_fifo_from_a_runner(tracker: Any, tmp_path: Path) -> None:  # no
         session.poll(0.01)
     result = session.wait(timeout=30)
     assert result.status == 0
-    from test_capture import Run
+    from support.capture import Run
 
     r = Run(tmp_path / "c.memtrack", result, "")
     procs = r.art.read("processes").table.to_pylist()
@@ -179,7 +179,7 @@ def test_control_fifo_from_a_runner(tracker: Any, tmp_path: Path) -> None:  # no
     assert r.after_exec(last) == [(EventKind.CALLOC, 1000), (F, 0)]
 
 
-def test_libc_stays_intact(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_libc_stays_intact(tracker: Any, tmp_path: Path) -> None:
     """bcc 0.26's garbage ref_ctr_offset would bump a byte of libc's first page in
     memory: the traced process's mapped libc must equal the file."""
     session = tracker.spawn(["sleep", "1"], tmp_path / "s.memtrack")
@@ -203,7 +203,7 @@ def test_libc_stays_intact(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
     assert any(p["path"] == path for p in tracker.probes)
 
 
-def test_mappings_and_modules(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_mappings_and_modules(tracker: Any, tmp_path: Path) -> None:
     allocs = build(["capture/allocs.c"])
     r = run(tracker, tmp_path, [str(allocs), "malloc_free"])
     maps = r.art.read("mappings").table.to_pylist()
@@ -220,7 +220,7 @@ def test_mappings_and_modules(tracker: Any, tmp_path: Path) -> None:  # noqa: F8
     assert copied.read_bytes() == Path(libc[0]["path"]).read_bytes()
 
 
-def test_sigint_stops_the_command_and_writes_the_artifact(tracker: Any,  # noqa: F811
+def test_sigint_stops_the_command_and_writes_the_artifact(tracker: Any,
                                                           tmp_path: Path) -> None:
     session = tracker.spawn(["sleep", "30"], tmp_path / "i.memtrack")
     for _ in range(10):
@@ -231,7 +231,7 @@ def test_sigint_stops_the_command_and_writes_the_artifact(tracker: Any,  # noqa:
     assert (tmp_path / "i.memtrack" / "manifest.json").exists()
 
 
-def test_misuse_fails_with_a_message(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_misuse_fails_with_a_message(tracker: Any, tmp_path: Path) -> None:
     from memtrack.capture.tracker import CaptureError
 
     session = tracker.spawn(["sleep", "0.2"], tmp_path / "a.memtrack")
@@ -248,7 +248,7 @@ def test_misuse_fails_with_a_message(tracker: Any, tmp_path: Path) -> None:  # n
     assert tracker.spawn(["true"], tmp_path / "e.memtrack").wait(timeout=10).status == 0
 
 
-def test_runs_as_the_given_user_with_live_line(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_runs_as_the_given_user_with_live_line(tracker: Any, tmp_path: Path) -> None:
     import io
     import tempfile
 
@@ -270,7 +270,7 @@ def test_runs_as_the_given_user_with_live_line(tracker: Any, tmp_path: Path) -> 
     assert any(e["kind"] == EventKind.MALLOC for e in ev)  # the unprivileged tree is traced
 
 
-def test_mmap_events_tell_anonymous_from_file_backed(tracker: Any,  # noqa: F811
+def test_mmap_events_tell_anonymous_from_file_backed(tracker: Any,
                                                      tmp_path: Path) -> None:
     allocs = build(["capture/allocs.c"])
     r = run(tracker, tmp_path, [str(allocs), "malloc_free"])
@@ -284,7 +284,7 @@ def test_mmap_events_tell_anonymous_from_file_backed(tracker: Any,  # noqa: F811
     assert {m["start"] for m in libc_x} <= {e["addr"] for e in prot_exec}
 
 
-def test_python_program_switches_recording(tracker: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_python_program_switches_recording(tracker: Any, tmp_path: Path) -> None:
     import sys
 
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import memtrack_control as m\n"

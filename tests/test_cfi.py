@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from memtrack.symbolize.cfi import (
+from memtrack.dwarf.cfi import (
     CFA_EXPR,
     CFA_NONE,
     COMPLEX,
@@ -22,10 +22,9 @@ from memtrack.symbolize.cfi import (
     Rule,
     _fdes,
     build_table,
-    load_table,
 )
-from memtrack.symbolize.dwarfexpr import DwarfExprError, evaluate
-from memtrack.symbolize.modules import ModuleStore
+from memtrack.dwarf.expr import DwarfExprError, evaluate
+from memtrack.symbolize.modules import Module, ModuleStore
 
 LIBS = {
     "libc": Path("/lib/x86_64-linux-gnu/libc.so.6"),
@@ -188,20 +187,23 @@ def test_expression_operations() -> None:
 
 
 def test_cache_round_trip(tmp_path: Path) -> None:
+    from memtrack.process.unwind import tables
+
     libc = LIBS["libc"]
     a = build_table(libc)
-    load_table("cafe" * 5, libc, cache=tmp_path)
+    mod = Module("cafe" * 5, str(libc), libc)
+    first = tables.extract(mod, cache=tmp_path)
     files = list(tmp_path.iterdir())
     assert len(files) == 1
-    from memtrack.symbolize import cfi
-
-    cfi._memo.clear()
-    b = load_table("cafe" * 5, libc, cache=tmp_path)
+    tables._memo.clear()
+    again = tables.extract(mod, cache=tmp_path)
+    b = again.cfi
     for col in ("pc", "cfa_reg", "cfa_off", "rule", "off", "flags", "extra"):
         assert np.array_equal(getattr(a, col), getattr(b, col)), col
     assert b.complex_rules == a.complex_rules
     assert b.rule.shape == (len(b), len(TRACKED))
-    cfi._memo.clear()
+    assert np.array_equal(again.signal_pcs, first.signal_pcs)
+    tables._memo.clear()
 
 
 def test_bad_input_is_reported_not_raised(tmp_path: Path) -> None:

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from test_process_synth import LEAKS, SIZES, write_run
+from support.synth import LEAKS, SIZES, write_run
 from typer.testing import CliRunner
 
 from memtrack.cli import app
-from memtrack.process.report import report_data
+from memtrack.report.text import report_data
 from memtrack.schema.ddl import open_run
 
 runner = CliRunner()

@@ -10,7 +10,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
-from test_process_synth import (
+from support.synth import (
     END_NS,
     LEAKS,
     PEAK,

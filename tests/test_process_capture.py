@@ -18,7 +18,7 @@ from conftest import build
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.pipeline import process
-from memtrack.process.report import ReportOptions, report_data
+from memtrack.report.text import ReportOptions, report_data
 from memtrack.schema.ddl import open_run
 
 pytestmark = pytest.mark.bpf
@@ -279,8 +279,15 @@ def test_missing_modules_counted(demo_stacks: Path, tmp_path: Path) -> None:
     (bare / "modules").mkdir()
     s = process(bare, tmp_path / "bare.duckdb", host_modules=False, progress=False)
     con = open_run(tmp_path / "bare.duckdb")
-    unknown = con.execute("""
-        SELECT count(*) FROM stack_frames sf JOIN frames f USING (frame_id)
-        WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]
-    assert s.unknown_frames == unknown > 0
+    # No module file anywhere: no frame is named, none is found by CFI, and each says
+    # why: its module is not available (or it lies in no file-backed mapping).
+    frames = con.execute("SELECT count(*) FROM stack_frames").fetchone()[0]
+    assert s.unknown_frames == frames == s.rows["stack_frames"] > 0
+    assert "cfi" not in s.frames_by_method and s.frames_by_method["regs"] == s.stacks
+    reasons = dict(con.execute("""
+        SELECT f.reason, count(*) FROM stack_frames JOIN frames f USING (frame_id)
+        GROUP BY 1""").fetchall())
+    assert set(reasons) <= {"no-module", "no-mapping"} and reasons["no-module"] > 0
+    assert con.execute("SELECT count(*) FROM frames WHERE function IS NOT NULL").fetchone() \
+        == (0,)
     assert con.execute("SELECT count(*) FROM allocations").fetchone() == (DEMO["calls"],)

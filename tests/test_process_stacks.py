@@ -1,5 +1,5 @@
 """The pipeline's stack half on real unwinding and symbolization: stacks that a fixture
-snapshots itself (tests/unwind_support.py: what a malloc uprobe sees, decode-shaped)
+snapshots itself (tests/support/snaps.py: what a malloc uprobe sees, decode-shaped)
 go through unwind, module and frame ids, symbolize and load, and come out as the
 report's sites and backtraces and the exports' frames."""
 
@@ -9,21 +9,28 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from test_process_synth import END_NS
-from test_stackcodec import ring_record
-from unwind_support import VARIANTS, Snaps, build_fixture, run_snaps
+from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
+from support.stackrecords import StackRef, ring_record
+from support.synth import END_NS
 
+from memtrack.capture.stackring import records_to_batch
 from memtrack.process import pipeline
 from memtrack.process.decode import decode_chunks
-from memtrack.process.export import costs, folded
+from memtrack.process.lifecycle import lifecycle
 from memtrack.process.load import StageTables, load, meta_rows
-from memtrack.process.pair import pair, sort_events
+from memtrack.process.pair import pair
 from memtrack.process.pipeline import process
-from memtrack.process.report import ReportOptions, report_data
-from memtrack.process.stackcodec import StackRef, hash_bytes, records_to_batch
-from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, EventKind
+from memtrack.process.read import sort_events
+from memtrack.process.rss import effective_rss
+from memtrack.process.unwind import unwind
+from memtrack.report.folded import folded
+from memtrack.report.reader import RunReader
+from memtrack.report.text import ReportOptions, report_data
+from memtrack.schema import EVENTS, MAPPINGS, RSS, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.schema.ddl import open_run
+from memtrack.schema.stackrecord import hash_bytes
+from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
 
 CHAIN = ["c", "b", "a", "main", "__libc_start_call_main", "__libc_start_main", "_start"]
@@ -39,23 +46,24 @@ def test_chain_through_load(tmp_path: Path) -> None:
         "ts": [100 * (i + 1) for i in range(n)], "pid": [pid] * n, "tid": [pid] * n,
         "kind": [int(EventKind.MALLOC)] * n, "allocator": [1] * n, "flags": [0] * n,
         "addr": [0x1000 * (i + 1) for i in range(n)], "old_addr": [0] * n,
-        "size": snaps.sizes, "stack_hash": snaps.stacks.column("hash").to_pylist(),
+        "size": snaps.sizes, "stack_hash": snaps.stacks.column("stack_hash").to_pylist(),
     }, schema=EVENTS)
     ev = sort_events(events)
-    pairing = pair(ev, END_NS)
-    summary = pipeline.Summary(tmp_path, tmp_path / "run.duckdb")
+    life = lifecycle(ev)
+    pairing = pair(ev, life, END_NS)
     store = ModuleStore(None, host_modules=True)
-    unwound = pipeline._unwind(snaps.stacks, snaps.mappings, store, summary)
-    modules = pipeline._modules(snaps.mappings, unwound[0], store, tmp_path)
-    stacks, stack_frames, frames = pipeline._symbolize(unwound, modules, store, summary, None)
-    assert stacks.num_rows == n
-    assert summary.unknown_frames == 0
-    assert summary.frames_by_method == {"cfi": 7 * n, "regs": n}
-    load(tmp_path / "run.duckdb", StageTables(
+    unwound = unwind(snaps.stacks, snaps.mappings, store)
+    modules = pipeline.modules_table(snaps.mappings, unwound.stack_frames, store, tmp_path)
+    loaded = load(tmp_path / "run.duckdb", StageTables(
         events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
-        mappings=snaps.mappings.cast(MAPPINGS), processes=PROCESSES.empty_table(),
-        rss=pipeline_rss(), modules=modules, stacks=stacks, stack_frames=stack_frames,
-        frames=frames), meta_rows(start_ns=0, end_ns=END_NS, root_pid=pid))
+        life=life, mappings=snaps.mappings.cast(MAPPINGS),
+        rss=effective_rss(RSS.empty_table(), life), modules=modules, stacks=unwound.stacks,
+        stack_frames=unwound.stack_frames),
+        lambda _: meta_rows(start_ns=0, end_ns=END_NS, root_pid=pid),
+        lambda known: pipeline.symbolize_locations(store, known, None))
+    assert loaded.rows["stacks"] == n
+    assert loaded.unknown_frames == 0
+    assert loaded.frames_by_method == {"cfi": 7 * n, "regs": n}
     con = open_run(tmp_path / "run.duckdb")
     # every stack: mt_snap (the "allocator", depth 0) then the chain
     lines = con.execute("""
@@ -73,19 +81,14 @@ def test_chain_through_load(tmp_path: Path) -> None:
     leaks = d["sections"]["leaks"]
     assert [(e["location"], e["value"]) for e in leaks] == [("c", sum(snaps.sizes))]
     assert [f["function"] for f in leaks[0]["backtraces"][0]["frames"]] == CHAIN
-    text = folded(costs(con), "allocated")
+    text = folded(RunReader(con).costs(), "allocated")
     assert text == f"? ({pid});" + ";".join(reversed(CHAIN)) + f" {sum(snaps.sizes)}\n"
 
 
-def pipeline_rss() -> pa.Table:
-    from memtrack.process.rss import rss_timeline
-
-    return rss_timeline(RSS.empty_table(), EVENTS.empty_table())
-
-
 def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
-    """Frames outside any module (null build id) or outside its PT_LOADs (null lookup
-    vaddr) keep their place in the stack as runtime-address locations."""
+    """Frames outside any module (null build id) or in a module that is not available
+    (null lookup vaddr) keep their place in the stack as runtime-address locations, with
+    the reason normalization gave."""
     frames = pa.table({
         "stack_hash": pa.array([7, 7, 7], pa.uint64()), "pid": pa.array([1] * 3, pa.uint32()),
         "depth": pa.array([0, 1, 2], pa.uint16()),
@@ -93,20 +96,32 @@ def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
         "method": ["regs", "fp", "fp"], "build_id": [None, "ee" * 20, None],
         "path": [None, "/nonexistent/lib.so", None],
         "lookup_vaddr": pa.array([None, None, None], pa.uint64()),
-    }, schema=pipeline.UNWOUND_FRAMES)
+        "reason": ["no-mapping", "no-module", "no-mapping"],
+    }, schema=UNWOUND_STACK_FRAMES)
     stacks = pa.table({
         "stack_hash": pa.array([7], pa.uint64()), "pid": pa.array([1], pa.uint32()),
         "depth": pa.array([3], pa.uint16()), "truncated": [False], "complete": [False],
-        "stop": ["no-mapping"]}, schema=pipeline.UNWOUND_STACKS)
-    summary = pipeline.Summary(tmp_path, tmp_path / "x.duckdb")
+        "stop": ["no-mapping"]}, schema=UNWOUND_STACKS)
     store = ModuleStore(None)
-    modules = pipeline._modules(MAPPINGS.empty_table(), frames, store, tmp_path)
-    st, sf, fr = pipeline._symbolize((frames, stacks), modules, store, summary, None)
-    assert sf.column("depth").to_pylist() == [0, 1, 2]
-    assert np.unique(sf.column("frame_id").to_numpy()).size == 3
-    assert fr.column("reason").to_pylist() == ["no-mapping"] * 3
-    assert summary.unknown_frames == 3
-    assert sf.column("module_id").to_pylist() == [None, 0, None]
+    modules = pipeline.modules_table(MAPPINGS.empty_table(), frames, store, tmp_path)
+    ev = sort_events(EVENTS.empty_table())
+    life = lifecycle(ev)
+    pairing = pair(ev, life)
+    loaded = load(tmp_path / "x.duckdb", StageTables(
+        events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
+        life=life, mappings=MAPPINGS.empty_table(), rss=effective_rss(RSS.empty_table(), life),
+        modules=modules, stacks=stacks, stack_frames=frames), lambda _: meta_rows(),
+        lambda known: pipeline.symbolize_locations(store, known, None))
+    con = open_run(tmp_path / "x.duckdb")
+    sf = con.execute("SELECT depth, frame_id, module_id FROM stack_frames ORDER BY depth"
+                     ).fetchall()
+    assert [r[0] for r in sf] == [0, 1, 2]
+    assert len({r[1] for r in sf}) == 3
+    reasons = con.execute("SELECT f.reason FROM stack_frames JOIN frames f USING (frame_id) "
+                          "ORDER BY depth").fetchall()
+    assert [r[0] for r in reasons] == ["no-mapping", "no-module", "no-mapping"]
+    assert loaded.unknown_frames == 3
+    assert [r[2] for r in sf] == [None, 0, None]
 
 
 def chained_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]:
@@ -154,7 +169,7 @@ def test_process_in_tiny_runs_equals_the_default(tmp_path: Path) -> None:
     assert whole.counters["decode_mismatch"] == 0
     assert [whole.counters[k] for k in ("stack_keyframes", "stack_deltas", "stack_raw")] == [
         4, 8, 3]
-    assert whole.counters["unwind_unwind_stacks"] == 3
+    assert whole.counters["unwind_stacks"] == 3
     assert whole.counters["events_stack_missing"] == 0
     assert tiny.counters == whole.counters
     assert tiny.frames_by_method == whole.frames_by_method == {"cfi": 21, "regs": 3}

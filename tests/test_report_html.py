@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_process_synth import LEAKS, PEAK, SIZES, write_run
+from support.synth import LEAKS, PEAK, SIZES, write_run
 from typer.testing import CliRunner
 
 from memtrack.cli import app

@@ -11,44 +11,18 @@ from __future__ import annotations
 import ctypes as ct
 import os
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import build
+from support.rss import MiB, close, parse_marks
 
 from memtrack.capture.parts import BPF_DIR, CaptureOptions
 from memtrack.capture.rss import RssPart
-from memtrack.process.rss import peaks_by_pid, reconstruct_anon, rss_peaks, rss_timeline
+from memtrack.process.read import read_artifact
+from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
 from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact, ArtifactWriter
-
-MiB = 1 << 20
-KiB = 1 << 10
-
-
-@dataclass
-class Mark:
-    name: str
-    pid: int
-    vmrss: int
-    anon: int
-    file: int
-    shmem: int
-    thp: int  # AnonHugePages
-
-
-def parse_marks(out: str) -> dict[str, Mark]:
-    marks = {}
-    for line in out.splitlines():
-        if not line.startswith("mark "):
-            continue
-        _, name, *kv = line.split()
-        v = {k: int(x) for k, x in (p.split("=") for p in kv)}
-        marks[name] = Mark(name, v["pid"], v["VmRSS"] * KiB, v["RssAnon"] * KiB,
-                           v["RssFile"] * KiB, v["RssShmem"] * KiB, v["AnonHugePages"] * KiB)
-    return marks
-
 
 # The capture core follows forks; this harness only needs the children tracked.
 FOLLOW_FORKS = """
@@ -95,10 +69,6 @@ def harness_capture(args: list[str], out: Path, *, track_faults: bool) -> tuple[
     return art, parse_marks(text_out)
 
 
-def close(got: int, want: int, rel: float) -> bool:
-    return abs(got - want) <= rel * want
-
-
 def anon_at(tl, pid: int, ts: int) -> int:
     """The timeline's anon bytes of `pid` as of `ts`."""
     rows = [r for r in tl.to_pylist() if r["pid"] == pid and r["member"] == RssMember.ANON
@@ -112,13 +82,9 @@ def own_updates(tl, pid: int, member: RssMember) -> list[dict]:
 
 
 def analyse(art: Artifact):
-    ev = art.read("events").table
-    rss = art.read("rss").table
-    tl = rss_timeline(rss, ev)
-    peaks = peaks_by_pid(rss_peaks(tl))
-    replay = reconstruct_anon(art.read("faults").table, ev, art.read("mappings").table,
-                              page_size=art.manifest.host.page_size or 4096, rss=rss)
-    return ev, tl, peaks, replay
+    tables = read_artifact(art)
+    res = resident(tables, art.manifest)
+    return tables.events, res.rss, peaks_by_pid(rss_peaks(res.rss)), res.replay
 
 
 @pytest.mark.bpf

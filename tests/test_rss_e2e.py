@@ -4,30 +4,24 @@ Tracker: each fixture's peaks against what it read from /proc/self/status itself
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
 import pytest
 from conftest import build
-from test_rss_capture import Mark, close, parse_marks
+from support.capture import spawn
+from support.rss import Mark, MiB, close, parse_marks
 
 from memtrack.capture.parts import CaptureOptions
-from memtrack.info import collect_info
+from memtrack.commands.info import collect_info
 from memtrack.process.metadata import write_memory_metadata
-from memtrack.process.rss import (
-    artifact_thp_mode,
-    peaks_by_pid,
-    reconstruct_anon,
-    rss_peaks,
-    rss_timeline,
-)
+from memtrack.process.read import read_artifact
+from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
 from memtrack.schema import EventKind, RssMember
 from memtrack.schema.artifact import Artifact
 
 pytestmark = pytest.mark.bpf
-MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -48,28 +42,19 @@ class Run:
     def __init__(self, tracker: Any, tmp_path: Path, cmd: list[str]) -> None:
         out = tmp_path / "stdout"
         self.path = tmp_path / "run.memtrack"
-        with open(out, "w") as f:
-            saved = os.dup(1)
-            os.dup2(f.fileno(), 1)
-            try:
-                session = tracker.spawn(cmd, self.path)
-            finally:
-                os.dup2(saved, 1)
-                os.close(saved)
-            self.result = session.wait(timeout=60)
+        self.result = spawn(tracker, cmd, self.path, out)
         assert self.result.status == 0
         assert self.result.nonzero_losses() == {}
         self.stdout = out.read_text()
         self.marks: dict[str, Mark] = parse_marks(self.stdout)
         self.art = Artifact.open(self.path)
-        self.events = self.art.read("events").table
-        self.rss = self.art.read("rss").table
-        self.timeline = rss_timeline(self.rss, self.events)
+        tables = read_artifact(self.art)
+        self.events = tables.events
+        res = resident(tables, self.art.manifest)
+        self.timeline = res.rss
         self.peaks = peaks_by_pid(rss_peaks(self.timeline))
-        m = self.art.manifest
-        self.replay = reconstruct_anon(
-            self.art.read("faults").table, self.events, self.art.read("mappings").table,
-            page_size=m.host.page_size, thp=artifact_thp_mode(self.art), rss=self.rss)
+        assert res.replay is not None
+        self.replay = res.replay
 
     def kind(self, kind: EventKind) -> list[dict]:
         return self.events.filter(pc.equal(self.events["kind"], int(kind))).to_pylist()
@@ -207,7 +192,26 @@ def test_pipeline_metadata_and_info(tracker: Any, tmp_path: Path) -> None:
     info = collect_info(r.path)
     rows = {x["comm"]: x for x in info["peak_rss"]}
     assert sorted(rows) == ["cat", "sh", "tr", "wc"]
+    tl = r.timeline.to_pylist()
     for name, x in rows.items():
-        assert x["total"] == by_comm[name]["peak_rss"]["total"]["bytes"]
-        assert x["total"] == x["anon"] + x["file"] + x["shmem"] or x["total"] <= \
-            x["anon"] + x["file"] + x["shmem"]
+        peak = by_comm[name]["peak_rss"]
+        assert x["total"] == peak["total"]["bytes"] > 0
+        assert [x[m] for m in ("anon", "file", "shmem", "swap")] == [
+            peak[m]["bytes"] if m in peak else 0 for m in ("anon", "file", "shmem", "swap")]
+        # the total's peak is file + anon + shmem as of that moment: no member above
+        # its own peak, the sum exactly the total
+        pid, ts = by_comm[name]["pid"], peak["total"]["ts"]
+        assert x["at_s"] == pytest.approx((ts - r.art.manifest.start_ns) / 1e9)
+        now: dict[int, int] = {}
+        members = (RssMember.ANON, RssMember.FILE, RssMember.SHMEM)
+        seen = []
+        for row in tl:
+            if row["pid"] != pid or row["ts"] > ts:
+                continue
+            now[row["member"]] = row["bytes"]
+            if row["ts"] == ts:
+                seen.append([now.get(int(m), 0) for m in members])
+        at_peak = [v for v in seen if sum(v) == x["total"]]
+        assert at_peak, (name, seen, x)
+        assert all(v <= x[m] for v, m in zip(at_peak[0], ("anon", "file", "shmem"),
+                                              strict=True))

@@ -7,25 +7,25 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from memtrack.process.anon_replay import reconstruct_anon
+from memtrack.process.lifecycle import lifecycle
 from memtrack.process.metadata import memory_metadata, write_memory_metadata
-from memtrack.process.rss import (
+from memtrack.process.rss import effective_rss, peaks_by_pid, rss_peaks
+from memtrack.schema import EVENTS, FAULTS, MAPPINGS, PROCESSES, RSS, EventKind, RssMember
+from memtrack.schema.artifact import Artifact, ArtifactWriter
+from memtrack.schema.enums import (
     MADV_DONTNEED,
     MADV_FREE,
     MADV_HUGEPAGE,
     MAP_ANONYMOUS,
     MAP_POPULATE,
+    MAP_PRIVATE,
+    MAP_SHARED,
     RssCause,
-    peaks_by_pid,
-    reconstruct_anon,
-    rss_peaks,
-    rss_timeline,
 )
-from memtrack.schema import EVENTS, FAULTS, MAPPINGS, PROCESSES, RSS, EventKind, RssMember
-from memtrack.schema.artifact import Artifact, ArtifactWriter
 
 P = 4096
 ANON, FILE, SHMEM = RssMember.ANON, RssMember.FILE, RssMember.SHMEM
-MAP_PRIVATE, MAP_SHARED = 0x02, 0x01
 PROT_RW = 0x3 << 32
 NONE = 2**64 - 1
 
@@ -61,9 +61,9 @@ def series(tl: pa.Table, pid: int, member: RssMember) -> list[tuple[int, int, in
 
 
 def test_external_updates_only_lower_and_need_a_base() -> None:
-    tl = rss_timeline(rss((1, 10, ANON, 500, True), (2, 10, ANON, 100), (3, 10, ANON, 200, True),
+    tl = effective_rss(rss((1, 10, ANON, 500, True), (2, 10, ANON, 100), (3, 10, ANON, 200, True),
                           (4, 10, ANON, 50, True), (5, 10, ANON, 80, True),
-                          (6, 10, ANON, 300), (7, 10, ANON, 400, True)), events())
+                          (6, 10, ANON, 300), (7, 10, ANON, 400, True)), lifecycle(events()))
     assert series(tl, 10, ANON) == [(2, 100, 0), (3, 100, 1), (4, 50, 1), (5, 50, 1),
                                     (6, 300, 0), (7, 300, 1)]
     assert peaks_by_pid(rss_peaks(tl))[10]["anon"] == {"bytes": 300, "ts": 6}
@@ -73,9 +73,9 @@ def test_fork_seeds_children_and_grandchildren_exec_and_exit_reset() -> None:
     ev = events(fork(5, 10, 11), fork(8, 11, 12),
                 {"ts": 9, "pid": 12, "kind": EventKind.EXEC, "addr": 12},
                 {"ts": 20, "pid": 11, "kind": EventKind.EXIT, "flags": 1, "size": 0})
-    tl = rss_timeline(rss((1, 10, ANON, 1000), (2, 10, FILE, 500), (6, 10, ANON, 2000),
+    tl = effective_rss(rss((1, 10, ANON, 1000), (2, 10, FILE, 500), (6, 10, ANON, 2000),
                           (7, 11, ANON, 1500), (10, 12, ANON, 64),
-                          (21, 11, ANON, 0, True), (22, 11, ANON, 9999)), ev)
+                          (21, 11, ANON, 0, True), (22, 11, ANON, 9999)), lifecycle(ev))
     assert series(tl, 11, ANON) == [(5, 1000, RssCause.FORK), (7, 1500, 0),
                                     (20, 0, RssCause.EXIT)]
     assert series(tl, 11, FILE) == [(5, 500, RssCause.FORK), (20, 0, RssCause.EXIT)]
@@ -115,7 +115,7 @@ def test_replay_counts_private_writes_only_and_unmap() -> None:
                 *writes(5, 10, B, 16),  # shared: shmem, not anon
                 (6, 10, A + (1 << 28), 4),  # read fault: zero page
                 (7, 10, A + (1 << 28), 7))  # write to the zero page: a real page
-    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), thp="never")
+    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), lifecycle(ev), thp="never")
     assert rep.peaks[10] == {"bytes": 65 * P, "ts": 7}
     assert final(rep, 10) == 33 * P
     assert rep.caveats[10] == []
@@ -138,7 +138,7 @@ def test_replay_madvise_mremap_brk() -> None:
     fl = faults(*writes(2, 10, A, 100),
                 *writes(7, 10, C, 150),  # 60 moved resident: the hole and the growth are new
                 *writes(10, 10, 0x600000, 8))
-    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), thp="never")
+    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), lifecycle(ev), thp="never")
     tl = {r["ts"]: r["bytes"] for r in rep.timeline.to_pylist()}
     assert tl[2] == 100 * P and tl[3] == 60 * P and 4 not in tl  # FREE keeps pages
     assert tl[7] == 150 * P
@@ -156,7 +156,7 @@ def test_replay_fork_inherits_exec_resets() -> None:
                 *writes(4, 11, A, 10, code=7),  # copy on write: no change
                 *writes(5, 11, A + 20 * P, 5),  # beyond: new pages
                 *writes(7, 11, A, 3))
-    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), thp="never")
+    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), lifecycle(ev), thp="never")
     child = [(r["ts"], r["bytes"]) for r in rep.timeline.to_pylist() if r["pid"] == 11]
     assert child == [(3, 10 * P), (5, 15 * P), (6, 0), (7, 3 * P), (8, 0)]
     assert rep.peaks[11] == {"bytes": 15 * P, "ts": 5}
@@ -172,10 +172,10 @@ def test_replay_huge_pages_where_eligible() -> None:
     fl = faults((3, 10, A + 5 * P, 6),  # one fault maps the whole first window
                 *writes(4, 10, A + win * P, 20),  # many faults: the huge allocation failed
                 (5, 10, A + 2 * win * P, 6))  # not madvised: a small page
-    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), thp="madvise")
+    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), lifecycle(ev), thp="madvise")
     assert rep.huge_windows == 1
     assert rep.peaks[10]["bytes"] == (win + 20 + 1 + 4) * P
-    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), thp="always")
+    rep = reconstruct_anon(fl, ev, MAPPINGS.empty_table(), lifecycle(ev), thp="always")
     assert rep.huge_windows == 2  # the third window too
     assert rep.peaks[10]["bytes"] == (2 * win + 20 + 4) * P
 
@@ -188,7 +188,7 @@ def test_replay_snapshot_sets_mapping_kinds() -> None:
          "perms": "rw-p", "dev": "00:00", "inode": 0, "path": "", "build_id": None},
     ], schema=MAPPINGS)
     fl = faults(*writes(2, 10, A, 16))
-    rep = reconstruct_anon(fl, events(), maps, thp="never")
+    rep = reconstruct_anon(fl, events(), maps, lifecycle(events()), thp="never")
     assert rep.peaks[10]["bytes"] == 8 * P
 
 
@@ -255,7 +255,7 @@ def test_reused_pid_gets_a_second_life(tmp_path: Path) -> None:
                                     "size": 9})
     r = rss((1, 100, ANON, 10 * P), (3, 101, ANON, 50 * P), (6, 101, ANON, 0, True),
             (7, 101, ANON, 99 * P), (9, 101, ANON, 20 * P))
-    tl = rss_timeline(r, ev)
+    tl = effective_rss(r, lifecycle(ev))
     assert series(tl, 101, ANON) == [(2, 10 * P, RssCause.FORK), (3, 50 * P, 0),
                                       (5, 0, RssCause.EXIT), (8, 10 * P, RssCause.FORK),
                                       (9, 20 * P, 0), (12, 0, RssCause.EXIT)]

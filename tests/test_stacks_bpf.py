@@ -24,8 +24,8 @@ from memtrack.capture.bcc_compat import attach_uprobe
 from memtrack.capture.parts import BPF_DIR, CaptureOptions
 from memtrack.capture.stacks import RING, StacksPart
 from memtrack.process.decode import decode_table
-from memtrack.process.stackcodec import hash_bytes
 from memtrack.schema import STACKS, StackEncoding
+from memtrack.schema.stackrecord import hash_bytes
 
 pytestmark = pytest.mark.bpf
 
@@ -167,9 +167,9 @@ def test_two_call_paths_give_two_stacks_each_recorded_once(delta: bool) -> None:
     assert set(stacks.column("encoding").to_pylist()) == {want}
     out = decode_table(stacks)
     assert out.counters["decode_mismatch"] == 0
-    assert set(out.table.column("hash").to_pylist()) == {int(a[0]), int(b[0])}
+    assert set(out.table.column("stack_hash").to_pylist()) == {int(a[0]), int(b[0])}
     for rec in out.table.to_pylist():
-        assert hash_bytes(rec["stack"]) == rec["hash"]
+        assert hash_bytes(rec["stack"]) == rec["stack_hash"]
         assert rec["regs"][7] == rec["sp"]  # rsp in DWARF order
         assert rec["fp_chain"] and rec["fp_chain"][0] == rec["regs"][16]  # starts at rip
 
@@ -194,7 +194,7 @@ def test_churn_every_hash_resolves_to_a_verified_record(budget: int, delta: bool
     out = decode_table(stacks)
     assert out.counters["decode_mismatch"] == 0
     assert out.counters["stack_records"] == stacks.num_rows
-    decoded = set(out.table.column("hash").to_pylist())
+    decoded = set(out.table.column("stack_hash").to_pylist())
     assert 0 not in set(ev["hash"].tolist())
     assert set(ev["hash"].tolist()) <= decoded
     # the stacks really churn: nearly one record per allocation
@@ -212,7 +212,7 @@ def test_churn_every_hash_resolves_to_a_verified_record(budget: int, delta: bool
     lens = out.table.column("copy_len").to_numpy()
     assert lens.max() <= budget
     for rec in out.table.slice(0, 50).to_pylist():
-        assert hash_bytes(rec["stack"]) == rec["hash"]
+        assert hash_bytes(rec["stack"]) == rec["stack_hash"]
 
 
 def _maps_range(pid: int, pred: str) -> list[tuple[int, int, int, str]]:
@@ -256,11 +256,11 @@ def test_uretprobe_trampoline_is_replaced_by_the_real_return_address() -> None:
     assert len(rows) == len(big)
     out = decode_table(stacks)
     assert out.counters["decode_mismatch"] == 0
-    decoded = out.table.filter(pa.compute.is_in(out.table.column("hash"), want)).to_pylist()
+    decoded = out.table.filter(pa.compute.is_in(out.table.column("stack_hash"), want)).to_pylist()
     assert len(decoded) == len(big)
     fixups = {r["hash"]: r["ret_fixups"] for r in rows}
     for rec in decoded:
-        fix = fixups[rec["hash"]]
+        fix = fixups[rec["stack_hash"]]
         assert len(fix) == 1 and lo <= fix[0]["value"] < hi  # operator new's caller
         words = np.frombuffer(rec["stack"], dtype="<u8")
         slot = (fix[0]["slot"] - rec["sp"]) // 8

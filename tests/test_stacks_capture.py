@@ -17,11 +17,11 @@ import pytest
 from conftest import build
 
 from memtrack.capture.parts import CaptureOptions
-from memtrack.info import collect_info
+from memtrack.commands.info import collect_info
 from memtrack.process.decode import decode
-from memtrack.process.stackcodec import hash_bytes
 from memtrack.schema import EventKind, StackEncoding
 from memtrack.schema.artifact import Artifact
+from memtrack.schema.stackrecord import hash_bytes
 
 pytestmark = pytest.mark.bpf
 
@@ -107,11 +107,11 @@ def test_churn_every_allocation_resolves(trackers: Callable[[str], Any], name: s
     out = decode(art)
     assert out.counters["decode_mismatch"] == 0
     decoded = out.table
-    assert set(hashes.tolist()) <= set(decoded.column("hash").to_pylist())
+    assert set(hashes.tolist()) <= set(decoded.column("stack_hash").to_pylist())
     assert decoded.num_rows >= 0.9 * 1200
     assert pc.max(decoded.column("copy_len")).as_py() <= budget
     for rec in decoded.slice(0, 200).to_pylist():
-        assert hash_bytes(rec["stack"]) == rec["hash"]
+        assert hash_bytes(rec["stack"]) == rec["stack_hash"]
     assert art.manifest.losses["stack_truncated"] == \
         pc.sum(stacks.column("truncated")).as_py()
     if delta:
@@ -139,7 +139,7 @@ def test_operator_new_caller_return_address(trackers: Callable[[str], Any],
     assert set(big.column("allocator").to_pylist()) == {2}  # operator new, not its malloc
     out = decode(art).table
     hashes = pa.array(sorted(set(big.column("stack_hash").to_pylist())), pa.uint64())
-    recs = out.filter(pc.is_in(out.column("hash"), hashes)).to_pylist()
+    recs = out.filter(pc.is_in(out.column("stack_hash"), hashes)).to_pylist()
     assert len(recs) == len(hashes)
     for rec in recs:
         words = np.frombuffer(rec["stack"], dtype="<u8")

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_stackcodec import chain
+from support.stackrecords import chain
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.capture.stacks import StacksPart, check_budget
-from memtrack.process.stackcodec import hash_bytes
+from memtrack.schema.stackrecord import hash_bytes
 
 
 class FakeTable(dict[int, Any]):

@@ -15,12 +15,12 @@ from conftest import build
 from typer.testing import CliRunner
 
 from memtrack.cli import app
+from memtrack.dwarf.lines import Dwarf
+from memtrack.elf import ElfImage, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
-from memtrack.symbolize import FRAMES_SCHEMA, ModuleStore, Symbolizer, symbolize
-from memtrack.symbolize.buildid import read_build_id
+from memtrack.schema.stages import SYMBOLIZED_FRAMES
+from memtrack.symbolize import ModuleStore, Symbolizer, symbolize
 from memtrack.symbolize.demangle import demangle
-from memtrack.symbolize.dwarf import Dwarf
-from memtrack.symbolize.symtab import ElfImage
 
 
 def syms_lib() -> Path:
@@ -49,7 +49,7 @@ def run(path: Path, addrs: list[int], store: ModuleStore | None = None,
     s = Symbolizer(store, cache_dir)
     t = s.symbolize(pa.array([mod.build_id] * len(addrs)), np.array(addrs, dtype=np.uint64))
     s.close()
-    assert t.schema.equals(FRAMES_SCHEMA)
+    assert t.schema.equals(SYMBOLIZED_FRAMES)
     rows: list[list[dict]] = [[] for _ in addrs]
     for r in t.to_pylist():
         rows[r["row"]].append(r)
@@ -231,7 +231,9 @@ def test_cache_second_run_parses_no_dwarf(tmp_path: Path, monkeypatch: pytest.Mo
         raise AssertionError("DWARF parsed on a warm run")
 
     monkeypatch.setattr(Dwarf, "__init__", no_dwarf)
-    monkeypatch.setattr(ElfImage, "__init__", no_dwarf)
+    # every ELF file is read through ElfImage: neither its sections nor its symbols
+    monkeypatch.setattr(ElfImage, "section_bytes", no_dwarf)
+    monkeypatch.setattr(ElfImage, "symbol_table", no_dwarf)
     second, _ = run(exe, addrs, store=ModuleStore(None), cache_dir=cache)
     assert second == first
 
@@ -246,9 +248,9 @@ def test_unwritable_cache_is_reported_not_fatal(tmp_path: Path) -> None:
 
 
 def test_vdso_from_artifact_gets_dynsym_names(tmp_path: Path) -> None:
-    from test_symbolize_modules import _vdso_bytes
+    from support.procfs import vdso_bytes
 
-    data = _vdso_bytes()
+    data = vdso_bytes()
     src = tmp_path / "vdso.bin"
     src.write_bytes(data)
     bid = read_build_id(src)

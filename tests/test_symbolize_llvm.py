@@ -31,9 +31,10 @@ import pyarrow as pa
 import pytest
 from conftest import BUILD_DIR, FIXTURES, build
 
+from memtrack.dwarf.lines import Dwarf
+from memtrack.elf import ElfImage
+from memtrack.elf.image import SHF_COMPRESSED
 from memtrack.symbolize import ModuleStore, Symbolizer
-from memtrack.symbolize.dwarf import Dwarf
-from memtrack.symbolize.symtab import SHF_COMPRESSED, ElfImage
 
 N = 2000
 LLVM = shutil.which("llvm-symbolizer")

@@ -11,22 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import build
+from support.procfs import vdso_bytes
 
+from memtrack.elf import build_id_of_bytes, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
-from memtrack.symbolize.buildid import build_id_of_bytes, read_build_id
 from memtrack.symbolize.modules import ModuleError, ModuleStore
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
-
-
-def _vdso_bytes() -> bytes:
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        if line.endswith("[vdso]"):
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            with open("/proc/self/mem", "rb") as f:
-                f.seek(lo)
-                return f.read(hi - lo)
-    pytest.skip("no [vdso] mapping in this process")
 
 
 def _artifact(tmp_path: Path) -> tuple[Path, ArtifactWriter]:
@@ -72,7 +63,7 @@ def test_host_modules_checks_build_id(tmp_path: Path) -> None:
 
 
 def test_vdso_from_artifact(tmp_path: Path) -> None:
-    data = _vdso_bytes()
+    data = vdso_bytes()
     bid = build_id_of_bytes(data)
     assert bid
     src = tmp_path / "vdso.bin"

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from elftools.elf.elffile import ELFFile
-from unwind_support import (
+from support.snaps import (
     VARIANTS,
     Snaps,
     build_fixture,
@@ -51,7 +51,7 @@ def test_chain_four_builds(variant: str, tmp_path: Path) -> None:
     assert res.counters["unwind_frames_cfi"] == 21
     assert res.problems == []
     # Symbols and CFI are looked up at the pc for frame 0, at the return address - 1 after.
-    for f in res.frames.to_pylist()[:8]:
+    for f in res.stack_frames.to_pylist()[:8]:
         assert f["lookup_vaddr"] == _vaddr_of(snaps, f) - (f["depth"] > 0)
 
 
@@ -211,7 +211,7 @@ def test_signal_handler(variant: str, mode: str, trampoline: str, tmp_path: Path
     (n,) = named
     assert n.names == ["mt_snap", "handler", trampoline, "victim", "main", *LIBC_START]
     assert n.complete
-    frames = res.frames.to_pylist()
+    frames = res.stack_frames.to_pylist()
     # The handler returns to the trampoline's first instruction, and it is named there.
     tramp = frames[2]
     code = Path(tramp["path"]).read_bytes()
@@ -278,7 +278,7 @@ def test_dlopen(variant: str, tmp_path: Path) -> None:
                                         tmp_path))
     (n,) = named
     assert n.names == ["mt_snap", "p_inner", "plugin_entry", "main", *LIBC_START]
-    assert res.frames.column("path").to_pylist()[1:3] == [str(plugin)] * 2
+    assert res.stack_frames.column("path").to_pylist()[1:3] == [str(plugin)] * 2
 
 
 def test_cxx_inlined_templates(tmp_path: Path) -> None:
@@ -351,8 +351,8 @@ def test_each_distinct_stack_unwound_once(tmp_path: Path) -> None:
     doubled = pa.concat_tables([snaps.stacks, snaps.stacks])
     res = unwind(doubled, snaps.mappings, ModuleStore(None, host_modules=True))
     assert res.stacks.num_rows == 3
-    assert res.frames.num_rows == 24
-    assert res.frames.column("depth").to_pylist()[:8] == list(range(8))
+    assert res.stack_frames.num_rows == 24
+    assert res.stack_frames.column("depth").to_pylist()[:8] == list(range(8))
 
 
 def test_unknown_mapping_and_missing_modules_are_reported(tmp_path: Path) -> None:
@@ -361,10 +361,10 @@ def test_unknown_mapping_and_missing_modules_are_reported(tmp_path: Path) -> Non
     maps = snaps.mappings.filter(pa.compute.not_equal(snaps.mappings.column("path"),
                                                       str(exe)))
     res = unwind(snaps.stacks, maps, ModuleStore(None, host_modules=True))
-    assert res.stacks.column("stop").to_pylist() == ["unknown-mapping"] * 3
+    assert res.stacks.column("stop").to_pylist() == ["no-mapping"] * 3
     assert res.stacks.column("depth").to_pylist() == [2] * 3
-    assert res.frames.column("build_id").to_pylist()[1] is None
-    assert res.frames.column("lookup_vaddr").to_pylist()[1] is None
+    assert res.stack_frames.column("build_id").to_pylist()[1] is None
+    assert res.stack_frames.column("lookup_vaddr").to_pylist()[1] is None
     # Without the module files nothing is named nor unwound by CFI, and it says so.
     res = unwind(snaps.stacks, snaps.mappings, ModuleStore(None, host_modules=False))
     assert res.counters["unwind_frames_cfi"] == 0
@@ -384,10 +384,10 @@ def test_unknown_mapping_and_missing_modules_are_reported(tmp_path: Path) -> Non
     (None, "4889c7", None),
 ])
 def test_frame0_rule(prologue: str | None, at_pc: str, expect: object) -> None:
-    from memtrack.process.unwind import _frame0_rule
+    from memtrack.process.unwind.frame0 import frame0_rule
 
     pro = bytes.fromhex(prologue) if prologue is not None else None
-    assert _frame0_rule(bytes.fromhex(at_pc) + b"\x90" * 8, pro) == expect
+    assert frame0_rule(bytes.fromhex(at_pc) + b"\x90" * 8, pro) == expect
 
 
 def test_stop_rules_no_advance_and_max_depth(tmp_path: Path) -> None:
@@ -404,5 +404,5 @@ def test_stop_rules_no_advance_and_max_depth(tmp_path: Path) -> None:
     assert res.stacks.column("depth").to_pylist() == [2]
     res = unwind(snaps.stacks, snaps.mappings, store, max_depth=3)
     assert res.stacks.column("stop").to_pylist() == ["max-depth"]
-    assert res.frames.column("depth").to_pylist() == [0, 1, 2]
+    assert res.stack_frames.column("depth").to_pylist() == [0, 1, 2]
     assert not res.stacks.column("complete")[0].as_py()

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from unwind_support import VARIANTS, Snaps, build_fixture, run_snaps
+from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
 
 from memtrack.process.decode import decode
-from memtrack.process.stackcodec import hash_bytes
 from memtrack.process.unwind import unwind
 from memtrack.schema import StackEncoding
 from memtrack.schema.artifact import Artifact, ArtifactWriter
+from memtrack.schema.stackrecord import hash_bytes
 from memtrack.symbolize.modules import ModuleStore
 
 
@@ -31,7 +31,7 @@ def write_artifact(snaps: Snaps, path: Path) -> tuple[Path, list[int]]:
         "hash": hashes, "ref_hash": [0] * n, "ts": t.column("ts").to_pylist(),
         "pid": t.column("pid").to_pylist(), "tid": t.column("tid").to_pylist(),
         "sp": t.column("sp").to_pylist(), "copy_len": t.column("copy_len").to_pylist(),
-        "truncated": t.column("truncated").to_pylist(),
+        "truncated": t.column("copy_truncated").to_pylist(),
         "encoding": [int(StackEncoding.RAW)] * n, "regs": t.column("regs").to_pylist(),
         "payload": stacks, "fp_chain": t.column("fp_chain").to_pylist(),
         "ret_fixups": [[] for _ in range(n)],
@@ -57,14 +57,14 @@ def test_decode_then_unwind_with_artifact_modules_only(artifact: tuple[Path, lis
     art = Artifact.open(path)
     decoded = decode(art)
     assert decoded.counters["decode_mismatch"] == 0
-    assert decoded.table.column("hash").to_pylist() == hashes
+    assert decoded.table.column("stack_hash").to_pylist() == hashes
     res = unwind(decoded.table, art.read("mappings").table, ModuleStore(path))
     assert res.problems == []
     assert res.stacks.column("complete").to_pylist() == [True] * 3
-    assert res.frames.num_rows == 3 * 8
-    assert set(res.frames.column("method").to_pylist()) == {"regs", "cfi"}
+    assert res.stack_frames.num_rows == 3 * 8
+    assert set(res.stack_frames.column("method").to_pylist()) == {"regs", "cfi"}
     # Every frame's module is the artifact's copy, found by build id.
-    bids = set(res.frames.column("build_id").to_pylist())
+    bids = set(res.stack_frames.column("build_id").to_pylist())
     assert None not in bids and bids <= {m["build_id"] for m in art.modules()}
 
 
@@ -107,7 +107,9 @@ def test_frames_table_types(artifact: tuple[Path, list[int]]) -> None:
     path, _ = artifact
     art = Artifact.open(path)
     res = unwind(decode(art).table, art.read("mappings").table, ModuleStore(path))
-    assert res.frames.schema.types == [pa.uint64(), pa.uint32(), pa.uint16(), pa.uint64(),
-                                       pa.string(), pa.string(), pa.string(), pa.uint64()]
+    assert res.stack_frames.schema.types == [
+        pa.uint64(), pa.uint32(), pa.uint16(), pa.uint64(), pa.string(), pa.string(),
+        pa.string(), pa.uint64(), pa.string()]
+    assert res.stack_frames.column("reason").null_count == res.stack_frames.num_rows
     assert res.stacks.column_names[:5] == ["stack_hash", "pid", "depth", "truncated",
                                            "complete"]

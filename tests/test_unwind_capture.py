@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from unwind_support import VARIANTS, build_fixture
+from support.snaps import VARIANTS, build_fixture
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.decode import decode
@@ -58,7 +58,7 @@ def stacks_by_size(path: Path) -> tuple[dict[int, list[list[str]]], Any]:
     decoded = decode(art)
     store = ModuleStore(path)
     res = unwind(decoded.table, art.read("mappings").table, store)
-    frames = res.frames
+    frames = res.stack_frames
     sym = symbolize(store, frames.column("build_id").combine_chunks(),
                     frames.column("lookup_vaddr").fill_null(0).to_numpy().astype(np.uint64),
                     paths=frames.column("path").combine_chunks())

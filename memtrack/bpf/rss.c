@@ -1,6 +1,6 @@
 /* Resident memory: kmem:rss_stat (always), madvise/mremap events (always), and with
  * MT_TRACK_FAULTS the user page faults that the anonymous-RSS reconstruction of
- * memtrack.process.rss replays.
+ * memtrack.process.anon_replay replays.
  *
  * No kernel struct is read. Tracepoint fields are read at the offsets of the running
  * kernel's format files, which memtrack.capture.rss passes in as MT_OFF_<EVENT>_<FIELD>

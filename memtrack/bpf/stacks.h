@@ -12,7 +12,7 @@
  *   MT_NCPU              possible CPUs (scratch slots)
  *   MT_STACK_DELTA       defined: XOR-delta-encode records against the thread's last one
  *
- * Record layout (little-endian u64 words; memtrack.process.stackcodec reads it):
+ * Record layout (little-endian u64 words; memtrack.schema.stackrecord describes it):
  *   0 hash   1 ref_hash (0: keyframe or raw)   2 ts   3 pid | tid << 32   4 sp
  *   5 copy_len | fp_count << 32 | nfix << 48 | flags << 56 (1 truncated, 2 delta)
  *   6 body_len (bytes)

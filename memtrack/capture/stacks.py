@@ -20,8 +20,9 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.capture.parts import CaptureOptions
-from memtrack.process.stackcodec import MAX_BUDGET, MIN_BUDGET, records_to_batch
+from memtrack.capture.stackring import records_to_batch
 from memtrack.schema.artifact import ArtifactWriter
+from memtrack.schema.stackrecord import MAX_BUDGET, MIN_BUDGET
 
 RING = "mt_stack_ring"
 # mt_stack_stats indexes of bpf/stacks.h -> counter names; the first five are losses.

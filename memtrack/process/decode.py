@@ -22,31 +22,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.stackcodec import stack_hash
 from memtrack.schema import NUM_REGS, StackEncoding
 from memtrack.schema.artifact import Artifact
-
-DECODED = pa.schema(
-    [
-        ("hash", pa.uint64()),
-        ("pid", pa.uint32()),
-        ("tid", pa.uint32()),
-        ("ts", pa.uint64()),
-        ("sp", pa.uint64()),
-        ("copy_len", pa.uint32()),
-        ("truncated", pa.bool_()),
-        ("regs", pa.list_(pa.uint64(), NUM_REGS)),
-        ("stack", pa.binary()),
-        ("fp_chain", pa.list_(pa.uint64())),
-    ]
-)
+from memtrack.schema.stackrecord import stack_hash
+from memtrack.schema.stages import DECODED_RECORDS
 
 _HASH_ROWS = 1024  # records hashed per vectorized pass (bounds the padded matrix)
 
 
 @dataclass
-class DecodedStacks:
-    table: pa.Table  # DECODED: one row per record that decoded and verified
+class DecodedRecords:
+    table: pa.Table  # DECODED_RECORDS: one row per record that decoded and verified
     counters: dict[str, int] = field(default_factory=dict)
 
 
@@ -72,13 +58,13 @@ class _Carry:
                    np.zeros(0, np.uint64), np.zeros(0, bool))
 
 
-def decode(artifact: Artifact) -> DecodedStacks:
+def decode(artifact: Artifact) -> DecodedRecords:
     """Decode the stacks table of an artifact."""
     return decode_table(artifact.read("stacks", required=False).table)
 
 
 def decode_chunks(source: Artifact | pa.Table, max_bytes: int = DEFAULT_MAX_BYTES
-                  ) -> Iterator[DecodedStacks]:
+                  ) -> Iterator[DecodedRecords]:
     """Decode an artifact's (or a STACKS table's) records in runs of consecutive records
     whose copies add up to at most `max_bytes` (a run holds one record at least). The
     runs' tables, concatenated, are decode_table's table and their counters sum to its
@@ -226,12 +212,12 @@ def _parse_deltas(rows: np.ndarray, P: np.ndarray, woff: np.ndarray, nwords: np.
     return good
 
 
-def decode_table(stacks: pa.Table) -> DecodedStacks:
+def decode_table(stacks: pa.Table) -> DecodedRecords:
     """Decode a STACKS table (as read from stacks.arrow)."""
     return _decode_rows(stacks, _Carry.empty())[0]
 
 
-def _decode_rows(stacks: pa.Table, carry: _Carry) -> tuple[DecodedStacks, _Carry]:
+def _decode_rows(stacks: pa.Table, carry: _Carry) -> tuple[DecodedRecords, _Carry]:
     """Decode the records of `stacks`, the first delta of each thread against the
     thread's record in `carry`; returns the records' table and the next run's carry.
 
@@ -242,7 +228,7 @@ def _decode_rows(stacks: pa.Table, carry: _Carry) -> tuple[DecodedStacks, _Carry
     counters = {"stack_records": n, "stack_keyframes": 0, "stack_deltas": 0, "stack_raw": 0,
                 "decode_mismatch": 0, "decode_stale_ref": 0, "decode_bad_payload": 0}
     if n == 0:
-        return DecodedStacks(DECODED.empty_table(), counters), carry
+        return DecodedRecords(DECODED_RECORDS.empty_table(), counters), carry
     col = {name: stacks.column(name).to_numpy() for name in
            ("hash", "ref_hash", "sp", "copy_len", "tid", "encoding")}
     k = carry.tid.size
@@ -342,19 +328,19 @@ def _decode_rows(stacks: pa.Table, carry: _Carry) -> tuple[DecodedStacks, _Carry
     stack_arr = _binary_chunks(data, nwords[k:][rows] * 8)
     take = pa.array(rows)
     table = pa.table({
-        "hash": pa.array(hashes[k:][rows]),
+        "stack_hash": pa.array(hashes[k:][rows]),
         "pid": stacks.column("pid").take(take),
         "tid": stacks.column("tid").take(take),
         "ts": stacks.column("ts").take(take),
         "sp": pa.array(sp[k:][rows]),
         "copy_len": stacks.column("copy_len").take(take),
-        "truncated": stacks.column("truncated").take(take),
+        "copy_truncated": stacks.column("truncated").take(take),
         "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs[k:][rows].ravel()),
                                                   NUM_REGS),
         "stack": stack_arr,
         "fp_chain": stacks.column("fp_chain").take(take),
-    }, schema=DECODED)
-    return DecodedStacks(table, counters), nxt
+    }, schema=DECODED_RECORDS)
+    return DecodedRecords(table, counters), nxt
 
 
 def _apply_fixups(stacks: pa.Table, flat: np.ndarray, starts: np.ndarray, sp: np.ndarray,

@@ -1,20 +1,27 @@
-"""Loading the stages' Arrow tables into the run database (schema: memtrack.schema.ddl).
+"""The load stage: the stages' Arrow tables into the run database (memtrack.schema.ddl),
+in one DuckDB session on the database file being written.
 
-Joins and id assignment happen in DuckDB over the registered Arrow tables, so nothing
-here loops over events, stacks or frames in Python.
+Ids are assigned there, where the rows land: a stack per stack hash, a frame per code
+location (module and ELF vaddr, or the runtime address with its reason where
+normalization failed); the locations to symbolize are read back from it, their
+symbols written into `frames`. Nothing here loops over events, stacks or frames in
+Python.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
+from memtrack.process.lifecycle import Lifecycle
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
@@ -26,25 +33,38 @@ from memtrack.schema.ddl import (
     create_schema,
     derive,
 )
-
-CLONE_THREAD = 0x10000
+from memtrack.schema.enums import ALLOC_KINDS, EventKind
+from memtrack.schema.stages import SYMBOLIZED_FRAMES
 
 
 @dataclass
 class StageTables:
-    """What the stages produced, in their own column layouts (see pipeline)."""
+    """What the stages produced, in their own layouts (memtrack.schema.stages)."""
 
-    events: pa.Table  # artifact events sorted by time, with event_id first
-    allocations: pa.Table  # memtrack.process.pair.ALLOCATIONS
-    heap_timeline: pa.Table  # memtrack.process.pair.HEAP_TIMELINE
+    events: pa.Table  # artifact events, time-ordered, with event_id first
+    allocations: pa.Table  # ALLOCATIONS
+    heap_timeline: pa.Table  # HEAP_TIMELINE
+    life: Lifecycle
     mappings: pa.Table  # artifact mappings
-    processes: pa.Table  # artifact processes
-    rss: pa.Table  # memtrack.process.rss.rss_timeline (ts-ordered effective values)
-    modules: pa.Table  # module_id, build_id, path, elf_path, has_debuginfo, in_artifact
-    stacks: pa.Table  # unwind .stacks + stack_id
-    stack_frames: pa.Table  # unwind .frames + stack_id, module_id, frame_id
-    frames: pa.Table  # frame_id, inline_depth, function, symbol, offset, file, line,
-    #                   column, module_id, vaddr, address, reason
+    rss: pa.Table  # EFFECTIVE_RSS
+    modules: pa.Table  # MODULES
+    stacks: pa.Table  # UNWOUND_STACKS, one row per stack hash
+    stack_frames: pa.Table  # UNWOUND_STACK_FRAMES
+
+
+@dataclass
+class Loaded:
+    """What the load stage wrote and learnt on the way."""
+
+    rows: dict[str, int] = field(default_factory=dict)  # per table
+    frames_by_method: dict[str, int] = field(default_factory=dict)
+    unknown_frames: int = 0  # stack frames whose (outermost) function is unknown
+    symbolize_missing_rows: int = 0  # locations the symbolizer returned nothing for
+
+
+# Symbolizes locations (frame_id, build_id, vaddr, path) into SYMBOLIZED_FRAMES rows
+# (`row` = the location's position in the table it was given).
+Symbolize = Callable[[pa.Table], pa.Table]
 
 
 def _names(values: list[str]) -> str:
@@ -58,6 +78,56 @@ ALLOCATOR_SQL = (
 MEMBER_SQL = f"CAST(list_extract({_names(RSS_MEMBERS)}, member::INTEGER + 1) AS rss_member)"
 CAUSE_SQL = f"CAST(list_extract({_names(RSS_CAUSES)}, cause::INTEGER + 1) AS rss_cause)"
 END_SQL = f"CAST(list_extract({_names(END_REASONS)}, end_reason::INTEGER + 1) AS end_reason)"
+HEAP_KINDS = ", ".join(str(int(k)) for k in (*ALLOC_KINDS, EventKind.FREE))
+
+# One stack per stack hash (unwind gives each hash once); a location is (module, ELF
+# vaddr) where normalization succeeded, else (its reason, the runtime address).
+STACKS_SQL = """
+    CREATE TEMP TABLE st AS
+    SELECT (row_number() OVER (ORDER BY stack_hash) - 1)::INTEGER AS stack_id, *
+    FROM src_stacks;
+    INSERT INTO stacks SELECT stack_id, stack_hash, pid, depth, truncated, complete, stop
+    FROM st ORDER BY stack_id;
+    CREATE TEMP VIEW sfl AS
+    SELECT *, CASE WHEN reason IS NULL THEN build_id END AS loc_build_id,
+           CASE WHEN reason IS NULL THEN lookup_vaddr ELSE address END AS loc_key
+    FROM src_stack_frames;
+    CREATE TEMP TABLE locs AS
+    SELECT (row_number() OVER (ORDER BY build_id NULLS LAST, key, reason) - 1)::INTEGER
+           AS frame_id, build_id, key, reason FROM (
+        SELECT DISTINCT loc_build_id AS build_id, loc_key AS key, reason FROM sfl);
+    INSERT INTO stack_frames
+    SELECT st.stack_id, f.depth, f.address, m.module_id, f.method, f.lookup_vaddr, l.frame_id
+    FROM sfl f JOIN st USING (stack_hash)
+    LEFT JOIN src_modules m ON m.build_id = f.build_id
+    JOIN locs l ON l.build_id IS NOT DISTINCT FROM f.loc_build_id AND l.key = f.loc_key
+        AND l.reason IS NOT DISTINCT FROM f.reason
+    ORDER BY st.stack_id, f.depth;
+"""
+KNOWN_SQL = """
+    SELECT l.frame_id, l.build_id, l.key AS vaddr, m.path FROM locs l
+    LEFT JOIN src_modules m USING (build_id)
+    WHERE l.build_id IS NOT NULL ORDER BY l.frame_id"""
+FRAMES_SQL = """
+    CREATE TEMP TABLE fr AS
+    WITH k AS (SELECT (row_number() OVER (ORDER BY frame_id) - 1)::UINTEGER AS row, *
+               FROM known)
+    SELECT k.frame_id, s.inline_depth, s.function, s.symbol, s."offset", s.file, s.line,
+           s."column", m.module_id, k.vaddr, NULL::UBIGINT AS address, s.reason
+    FROM sym s JOIN k USING (row) LEFT JOIN src_modules m ON m.build_id = k.build_id
+    UNION ALL
+    SELECT frame_id, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, key, reason
+    FROM locs WHERE build_id IS NULL;
+    INSERT INTO frames SELECT f.frame_id, f.inline_depth,
+        coalesce(f.function, f.symbol,
+                 CASE WHEN d.path IS NOT NULL THEN
+                     regexp_extract(d.path, '[^/]*$') || '+0x' || lower(hex(f.vaddr)) END,
+                 '0x' || lower(hex(f.address))),
+        f.function, f.symbol, f."offset", f.file, f.line, f."column", f.module_id,
+        f.vaddr, f.reason
+    FROM fr f LEFT JOIN src_modules d USING (module_id)
+    ORDER BY f.frame_id, f.inline_depth;
+"""
 
 INSERTS = {
     # Sources arrive in event order; DuckDB keeps insertion order without a sort.
@@ -79,55 +149,19 @@ INSERTS = {
             m.inode, m.path, m.build_id, d.module_id
         FROM src_mappings m LEFT JOIN src_modules d ON d.build_id = m.build_id
         ORDER BY m.ts, m.pid, m.start""",
-    "stacks": """
-        INSERT INTO stacks SELECT stack_id, stack_hash, pid, depth, truncated, complete, stop
-        FROM src_stacks ORDER BY stack_id""",
-    "stack_frames": """
-        INSERT INTO stack_frames SELECT stack_id, depth, address, module_id, method,
-            lookup_vaddr, frame_id
-        FROM src_stack_frames""",
-    "frames": """
-        INSERT INTO frames SELECT f.frame_id, f.inline_depth,
-            coalesce(f.function, f.symbol,
-                     CASE WHEN d.path IS NOT NULL THEN
-                         regexp_extract(d.path, '[^/]*$') || '+0x' || lower(hex(f.vaddr)) END,
-                     '0x' || lower(hex(f.address))),
-            f.function, f.symbol, f."offset", f.file, f.line, f."column", f.module_id,
-            f.vaddr, f.reason
-        FROM src_frames f LEFT JOIN src_modules d USING (module_id)
-        ORDER BY f.frame_id, f.inline_depth""",
     "rss": f"""
         INSERT INTO rss SELECT ts, pid, {MEMBER_SQL}, bytes, {CAUSE_SQL} FROM src_rss""",
-    "processes": f"""
-        INSERT INTO processes
-        WITH info AS (
-            SELECT pid, arg_max(ppid, ts) AS ppid, arg_max(comm, ts) AS name,
-                   arg_max(exe, ts) AS exe, arg_max(cmdline, ts) AS cmdline,
-                   min(ts) AS seen_ts
-            FROM src_processes GROUP BY pid),
-        forks AS (
-            SELECT addr::UINTEGER AS pid, min(ts) AS ts, arg_min(pid, ts) AS parent
-            FROM src_events WHERE kind = 9 AND (flags & {CLONE_THREAD}) = 0 GROUP BY 1),
-        exits AS (
-            SELECT pid, max(ts) AS ts, arg_max(size, ts)::INTEGER AS status
-            FROM src_events WHERE kind = 11 AND (flags & 1) = 1 GROUP BY pid),
-        seen AS (SELECT pid, min(ts) AS ts FROM src_events GROUP BY pid),
-        pids AS (SELECT pid FROM info UNION SELECT pid FROM seen UNION SELECT pid FROM forks)
-        SELECT p.pid, coalesce(i.ppid, f.parent), i.name, i.exe, i.cmdline,
-               coalesce(f.ts, least(i.seen_ts, s.ts), i.seen_ts, s.ts), x.ts, x.status,
-               (x.status >> 8) & 255, CASE WHEN x.status & 127 <> 0 THEN x.status & 127 END
-        FROM pids p LEFT JOIN info i USING (pid) LEFT JOIN forks f USING (pid)
-            LEFT JOIN exits x USING (pid) LEFT JOIN seen s USING (pid)
-        ORDER BY 6, 1""",
+    "processes": "INSERT INTO processes SELECT * FROM src_processes",
+    # A thread starts at the FORK that made it (a process's main thread at the process
+    # fork), else when first seen; `events` counts its allocator events.
     "threads": f"""
         INSERT INTO threads
-        WITH starts AS (
-            SELECT addr::UINTEGER AS tid, min(ts) AS ts FROM src_events
-            WHERE kind = 9 GROUP BY 1),
-        exits AS (SELECT tid, max(ts) AS ts FROM src_events WHERE kind = 11 GROUP BY tid),
+        WITH starts AS (SELECT child AS tid, min(ts) AS ts FROM src_clones GROUP BY 1),
+        exits AS (SELECT tid, max(ts) AS ts FROM src_exits GROUP BY tid),
         seen AS (
-            SELECT pid, tid, min(ts) AS ts, count(*) FILTER (WHERE kind <= 5) AS n
-            FROM src_events WHERE kind <> 9 OR (flags & {CLONE_THREAD}) <> 0
+            SELECT pid, tid, min(ts) AS ts, count(*) FILTER (WHERE kind IN ({HEAP_KINDS})) AS n
+            FROM src_events
+            WHERE event_id NOT IN (SELECT event_id FROM src_clones WHERE NOT thread)
             GROUP BY pid, tid)
         SELECT s.pid, s.tid, coalesce(st.ts, s.ts), x.ts, s.n
         FROM seen s LEFT JOIN starts st USING (tid) LEFT JOIN exits x USING (tid)
@@ -135,45 +169,135 @@ INSERTS = {
 }
 
 
-def load(
-    out_db: Path,
-    tables: StageTables,
-    meta: dict[str, str],
-    parquet_dir: Path | None = None,
-) -> dict[str, int]:
-    """Write the run database at out_db (replacing it); returns rows per table."""
-    out_db = Path(out_db)
-    tmp = out_db.with_name(f".{out_db.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    con = duckdb.connect(str(tmp))
+class RunDatabase:
+    """A run database being written: a temporary file next to `out_db`, renamed over it
+    by `finish` (a failed run leaves the old database in place)."""
+
+    def __init__(self, out_db: Path) -> None:
+        self.out_db = Path(out_db)
+        self.tmp = self.out_db.with_name(f".{self.out_db.name}.{os.getpid()}.tmp")
+        self.tmp.unlink(missing_ok=True)
+        self.con = duckdb.connect(str(self.tmp))
+        create_schema(self.con)
+
+    def copy_in(self, name: str, tbl: pa.Table) -> None:
+        """A temp table of `tbl`. Copied, not scanned in place: DuckDB pushes join
+        filters into Arrow scans as Python ints, which fails on uint64 values >= 2**63."""
+        self.con.register(f"{name}_arrow", tbl)
+        self.con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {name}_arrow")
+        self.con.unregister(f"{name}_arrow")
+
+    def meta(self, values: dict[str, str]) -> None:
+        if values:
+            self.con.executemany("INSERT INTO meta VALUES (?, ?)", list(values.items()))
+
+    def stacks(self, stacks: pa.Table, stack_frames: pa.Table, modules: pa.Table) -> pa.Table:
+        """Load modules, stacks and stack frames; returns the code locations to symbolize
+        (frame_id, build_id, vaddr, path), by frame_id."""
+        self.copy_in("src_modules", modules)
+        self.con.execute(INSERTS["modules"])
+        self.copy_in("src_stacks", stacks)
+        self.copy_in("src_stack_frames", stack_frames)
+        self.con.execute(STACKS_SQL)
+        return self.con.execute(KNOWN_SQL).to_arrow_table()
+
+    def frames(self, known: pa.Table, symbolized: pa.Table) -> Loaded:
+        """Load the frames table from the symbolized locations (row = known's row)."""
+        self.copy_in("known", known)
+        self.copy_in("sym", symbolized.select(SYMBOLIZED_FRAMES.names).cast(SYMBOLIZED_FRAMES))
+        self.con.execute(FRAMES_SQL)
+        out = Loaded()
+        rows_out = np.unique(symbolized.column("row").to_numpy()) if symbolized.num_rows \
+            else np.array([])
+        out.symbolize_missing_rows = known.num_rows - len(rows_out)
+        out.frames_by_method = dict(self.con.execute(
+            "SELECT method, count(*) FROM stack_frames GROUP BY 1 ORDER BY 1").fetchall())
+        out.unknown_frames = self.con.execute("""
+            SELECT count(*) FROM stack_frames sf JOIN frames f USING (frame_id)
+            WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]  # type: ignore[index]
+        return out
+
+    def events(self, events: pa.Table, allocations: pa.Table, heap_timeline: pa.Table) -> None:
+        """Load events, allocations (each with its stack_id) and the heap timeline."""
+        ids = self.con.execute("SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
+        for name, tbl in (("events", events), ("allocations", allocations)):
+            self.con.register(f"src_{name}", with_stack_ids(tbl, ids))
+            self.con.execute(INSERTS[name])
+            self.con.unregister(f"src_{name}")
+        self.con.register("src_heap_timeline", heap_timeline)
+        self.con.execute(INSERTS["heap_timeline"])
+        self.con.unregister("src_heap_timeline")
+
+    def lives(self, life: Lifecycle, events: pa.Table) -> None:
+        """Load processes (each pid's last life) and threads."""
+        for name, tbl in (("processes", life.processes_table()), ("clones", life.clones),
+                          ("exits", life.exits)):
+            self.copy_in(f"src_{name}", tbl)
+        self.con.execute(INSERTS["processes"])
+        self.con.register("src_events", events.select(["event_id", "ts", "pid", "tid", "kind"]))
+        self.con.execute(INSERTS["threads"])
+        self.con.unregister("src_events")
+
+    def table(self, name: str, tbl: pa.Table) -> None:
+        """Load mappings or rss."""
+        self.con.register(f"src_{name}", tbl)
+        self.con.execute(INSERTS[name])
+        self.con.unregister(f"src_{name}")
+
+    def finish(self, parquet_dir: Path | None = None) -> dict[str, int]:
+        """Derive the computed tables, export Parquet if asked, and move the database into
+        place; returns rows per table."""
+        try:
+            derive(self.con)
+            counts = {
+                name: self.con.execute(f"SELECT count(*) FROM {name}").fetchone()[0]  # type: ignore[index]
+                for name in TABLE_NAMES + DERIVED_NAMES
+            }
+            if parquet_dir is not None:
+                export_parquet(self.con, Path(parquet_dir))
+            self.con.execute("CHECKPOINT")
+        finally:
+            self.con.close()
+        os.replace(self.tmp, self.out_db)
+        Path(str(self.tmp) + ".wal").unlink(missing_ok=True)
+        return counts
+
+    def abandon(self) -> None:
+        self.con.close()
+        self.tmp.unlink(missing_ok=True)
+        Path(str(self.tmp) + ".wal").unlink(missing_ok=True)
+
+
+def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, str]],
+         symbolize: Symbolize, parquet_dir: Path | None = None,
+         stage: Callable[[str], AbstractContextManager[None]] | None = None) -> Loaded:
+    """Write the run database at out_db (replacing it). `symbolize` names the code
+    locations the stacks hold (under `stage("symbolize")` when a stage timer is given,
+    the rest under `stage("load")`); `meta` gives the meta rows once that is done."""
+    timed = stage or (lambda _name: nullcontext())
+    db = RunDatabase(out_db)
     try:
-        create_schema(con)
-        con.executemany("INSERT INTO meta VALUES (?, ?)", list(meta.items()))
-        for name in ("mappings", "processes", "rss", "modules", "stacks", "stack_frames",
-                     "frames", "heap_timeline"):
-            con.register(f"src_{name}", getattr(tables, name))
-        for name in ("events", "allocations"):
-            con.register(f"src_{name}", with_stack_ids(getattr(tables, name), tables.stacks))
-        for name in (*TABLE_NAMES, "heap_timeline"):
-            con.execute(INSERTS[name])
-        derive(con)
-        counts = {
-            name: con.execute(f"SELECT count(*) FROM {name}").fetchone()[0]  # type: ignore[index]
-            for name in TABLE_NAMES + DERIVED_NAMES
-        }
-        if parquet_dir is not None:
-            export_parquet(con, Path(parquet_dir))
-        con.execute("CHECKPOINT")
-    finally:
-        con.close()
-    os.replace(tmp, out_db)
-    Path(str(tmp) + ".wal").unlink(missing_ok=True)
-    return counts
+        with timed("load"):
+            known = db.stacks(tables.stacks, tables.stack_frames, tables.modules)
+        with timed("symbolize"):
+            symbolized = symbolize(known)
+        with timed("load"):
+            out = db.frames(known, symbolized)
+            db.events(tables.events, tables.allocations, tables.heap_timeline)
+            db.lives(tables.life, tables.events)
+            db.table("mappings", tables.mappings)
+            db.table("rss", tables.rss)
+            db.meta(meta(out))
+            out.rows = db.finish(parquet_dir)
+    except BaseException:
+        db.abandon()
+        raise
+    return out
 
 
 def with_stack_ids(table: pa.Table, stacks: pa.Table) -> pa.Table:
-    """`table` with a stack_id column: its stack_hash's id in `stacks`, null where the
-    hash is 0 (no stack captured) or has no stack record."""
+    """`table` with a stack_id column: its stack_hash's id in `stacks` (stack_hash,
+    stack_id), null where the hash is 0 (no stack captured) or has no stack."""
     h = table.column("stack_hash").to_numpy()
     known = stacks.column("stack_hash").to_numpy()
     ids = stacks.column("stack_id").to_numpy()

@@ -1,6 +1,6 @@
 """Pairing allocations with the frees that end them, vectorized with numpy.
 
-Rules (shared/DESIGN.md, Process step 3):
+Rules (docs/DESIGN.md, Process):
 - every event of an allocation kind with a non-null address is one allocation;
 - a realloc is the free of its old block (old_addr) followed, in the same event, by a
   new allocation linked to the old one (`realloc_of`);
@@ -19,47 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema import EventKind
+from memtrack.process.lifecycle import Lifecycle
+from memtrack.schema.enums import EndReason, EventKind
+from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
-CLONE_THREAD = 0x10000
-
-# end_reason codes, in the order of schema.ddl.END_REASONS
-END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = range(6)
-
-ALLOCATIONS = pa.schema(
-    [
-        ("alloc_id", pa.uint64()),
-        ("event_id", pa.uint64()),
-        ("pid", pa.uint32()),
-        ("tid", pa.uint32()),
-        ("ts", pa.uint64()),
-        ("kind", pa.uint8()),
-        ("allocator", pa.uint8()),
-        ("addr", pa.uint64()),
-        ("size", pa.uint64()),
-        ("stack_hash", pa.uint64()),
-        ("free_ts", pa.uint64()),
-        ("free_event_id", pa.uint64()),
-        ("free_tid", pa.uint32()),
-        ("end_ts", pa.uint64()),
-        ("end_event_id", pa.uint64()),
-        ("end_reason", pa.uint8()),
-        ("lifetime_ns", pa.uint64()),
-        ("realloc_of", pa.uint64()),
-        ("temporary", pa.bool_()),
-    ]
-)
-
-HEAP_TIMELINE = pa.schema(
-    [
-        ("pid", pa.uint32()),
-        ("event_id", pa.uint64()),
-        ("ts", pa.uint64()),
-        ("delta", pa.int64()),
-        ("heap_bytes", pa.int64()),
-    ]
-)
-
+END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
 
 @dataclass
 class Pairing:
@@ -68,16 +32,9 @@ class Pairing:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-def sort_events(events: pa.Table) -> pa.Table:
-    """Events in time order (stable: a thread's own order is kept), with `event_id`."""
-    ts = events.column("ts").to_numpy()
-    order = np.argsort(ts, kind="stable")
-    out = events.take(pa.array(order))
-    return out.add_column(0, "event_id", pa.array(np.arange(len(order), dtype=np.uint64)))
-
-
-def pair(events: pa.Table, end_ts: int | None = None) -> Pairing:
-    """Pair the allocations and frees of `events` (as returned by `sort_events`).
+def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairing:
+    """Pair the allocations and frees of `events` (time-ordered, memtrack.process.read) within
+    the process lives of `life` (memtrack.process.lifecycle of the same events).
 
     `end_ts` is the capture's end (CLOCK_MONOTONIC ns); the last event's time if None.
     """
@@ -94,14 +51,14 @@ def pair(events: pa.Table, end_ts: int | None = None) -> Pairing:
         end_ts = int(col["ts"][-1]) if n else 0
 
     # Process-instance boundaries: (pid, event index, kind of boundary).
-    is_fork = (kind == EventKind.FORK) & ((col["flags"] & CLONE_THREAD) == 0)
-    is_exec = kind == EventKind.EXEC
-    is_exit = (kind == EventKind.EXIT) & ((col["flags"] & 1) == 1)
-    b_pid = np.concatenate([col["addr"][is_fork].astype(np.int64), pid[is_exec], pid[is_exit]])
-    b_eid = np.concatenate([eid[is_fork], eid[is_exec], eid[is_exit]])
+    forks, execs, exits = life.forks, life.execs, life.process_exits
+    b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
+                            exits["pid"].to_numpy()]).astype(np.int64)
+    b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
+                            exits["event_id"].to_numpy()]).astype(np.int64)
     b_reason = np.concatenate([
-        np.full(int(is_fork.sum()), END_EXIT), np.full(int(is_exec.sum()), END_EXEC),
-        np.full(int(is_exit.sum()), END_EXIT)])  # fmt: skip
+        np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
+        np.full(exits.num_rows, END_EXIT)])  # fmt: skip
     stride = n + 1
     b_key = b_pid * stride + b_eid
     border = np.argsort(b_key, kind="stable")

@@ -1,6 +1,8 @@
 """The artifact contract: the one place that says what every file of an artifact holds.
 
-Writer (capture) and reader (process, info) both import from here. A change to a
+Writer (capture) and reader (process, info) both import from here; the codes of its
+columns are in memtrack.schema.enums, the stack-record format in
+memtrack.schema.stackrecord. A change to a
 schema or to the meaning of a field bumps FORMAT_VERSION: the minor number when old
 readers can still read the new files (an added column or table), the major number
 otherwise.
@@ -8,10 +10,13 @@ otherwise.
 
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 import pyarrow as pa
+
+from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember, StackEncoding
+
+# the codes of the artifact's columns, re-exported: the contract is read from here
+__all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember", "StackEncoding"]
 
 FORMAT_VERSION = "1.1"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
@@ -23,40 +28,6 @@ MODULES_DIR = "modules"
 # "debug_file" (the separate debug file's name there, or null)}.
 MODULE_INFO = "module.json"
 VDSO_PATH = "[vdso]"
-
-
-class EventKind(enum.IntEnum):
-    """`events.kind`. Allocation kinds first, then address-space and lifecycle kinds."""
-
-    MALLOC = 1
-    CALLOC = 2
-    REALLOC = 3
-    ALIGNED_ALLOC = 4  # aligned_alloc, memalign, posix_memalign, valloc, pvalloc, aligned new
-    FREE = 5
-    MMAP = 6
-    MUNMAP = 7
-    BRK = 8
-    FORK = 9
-    EXEC = 10
-    EXIT = 11
-    MADVISE = 12  # from the rss part (memtrack/bpf/rss.c), successful calls only
-    MREMAP = 13  # idem
-
-
-ALLOC_KINDS = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC, EventKind.ALIGNED_ALLOC)
-
-
-class Allocator(enum.IntEnum):
-    """`events.allocator`: which family of functions produced the event."""
-
-    NONE = 0  # lifecycle and syscall events
-    LIBC = 1  # malloc family of the C library (glibc, musl)
-    CXX = 2  # operator new / delete (libstdc++, libc++)
-    JEMALLOC = 3
-    MIMALLOC = 4
-    TCMALLOC = 5
-    SYSCALL = 6  # mmap, munmap, brk
-    OTHER = 7  # a fixture's or program's own allocator that exports a known API
 
 
 # Meaning of the event columns by kind (every column is always present):
@@ -120,14 +91,9 @@ DWARF_REGS = (
 NUM_REGS = len(DWARF_REGS)
 
 
-class StackEncoding(enum.IntEnum):
-    RAW = 0  # payload = the copied bytes, copy_len long
-    DELTA = 1  # payload = XOR delta against the record `ref_hash` (memtrack.process.stackcodec)
-
-
 # One stack record per distinct stack hash. `payload` holds the stack bytes from sp
 # upward (raw) or their delta against the same thread's previous record, registers
-# included (format: memtrack.process.stackcodec). `regs` is the register snapshot at
+# included (format: memtrack.schema.stackrecord). `regs` is the register snapshot at
 # allocator entry in DWARF order for raw records, null for delta records (their
 # registers are XOR-encoded in the payload; memtrack.process.decode rebuilds them).
 # `fp_chain` is the kernel's frame-pointer walk (return addresses, rip first).
@@ -156,15 +122,6 @@ STACKS = pa.schema(
 )
 
 
-class RssMember(enum.IntEnum):
-    """kmem:rss_stat `member`, as the kernel numbers it (MM_FILEPAGES ...)."""
-
-    FILE = 0
-    ANON = 1
-    SWAP = 2
-    SHMEM = 3
-
-
 # kmem:rss_stat updates as the kernel gave them. `external`: the update ran in another
 # task's context (reclaim, another process's madvise, the mm's teardown at exit/exec)
 # and reached `pid` through capture's mm ownership map; memtrack.process.rss lets such
@@ -182,7 +139,7 @@ RSS = pa.schema(
 # User page faults of tracked processes (exceptions:page_fault_user, and
 # page_fault_kernel on user addresses with kernel = true), written with --track-faults
 # only. error_code is the x86 page-fault error code (bit 0 protection violation,
-# 1 write, 2 user, 4 instruction fetch). memtrack.process.rss replays them.
+# 1 write, 2 user, 4 instruction fetch). memtrack.process.anon_replay replays them.
 FAULTS = pa.schema(
     [
         ("ts", pa.uint64()),
@@ -260,6 +217,18 @@ FIDELITY_COUNTERS = frozenset({"stack_truncated", "stack_delta_fallback"})
 
 def is_loss(counter: str) -> bool:
     return counter not in FIDELITY_COUNTERS
+
+
+def loss_lines(losses: dict[str, int]) -> list[str]:
+    """A manifest's non-zero counters for a person: lost data first, then fidelity notes."""
+    lost = {k: v for k, v in losses.items() if v and is_loss(k)}
+    notes = {k: v for k, v in losses.items() if v and not is_loss(k)}
+    out = []
+    if lost:
+        out.append("capture losses: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
+    if notes:
+        out.append("capture notes: " + ", ".join(f"{k} {v}" for k, v in notes.items()))
+    return out
 
 
 def table_file(name: str) -> str:

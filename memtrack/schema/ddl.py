@@ -11,9 +11,9 @@ from pathlib import Path
 
 import duckdb
 
-from memtrack.schema import Allocator, EventKind, RssMember
+from memtrack.schema.enums import Allocator, EndReason, EventKind, RssCause, RssMember, names
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class RunError(Exception):
@@ -24,17 +24,11 @@ def _enum(values: list[str]) -> str:
     return "ENUM(" + ", ".join(f"'{v}'" for v in values) + ")"
 
 
-EVENT_KINDS = [k.name.lower() for k in EventKind]
-ALLOCATORS = [a.name.lower() for a in Allocator]
-RSS_MEMBERS = [m.name.lower() for m in RssMember]
-# How an allocation's lifetime ended: freed (free/delete), realloc'd away, the address
-# handed out again with no free seen ("reused": a free was not recorded), its process
-# exec'd or exited, or the capture ended with it alive.
-END_REASONS = ["free", "realloc", "reused", "exec", "exit", "end"]
-# Why an rss row holds its value (memtrack.process.rss.RssCause): the process's own
-# update, a lowering update from another context, seeded from the parent at fork, reset
-# by exec or exit.
-RSS_CAUSES = ["update", "external", "fork", "exec", "exit"]
+EVENT_KINDS = names(EventKind)
+ALLOCATORS = names(Allocator)
+RSS_MEMBERS = names(RssMember)
+END_REASONS = names(EndReason)
+RSS_CAUSES = names(RssCause)
 
 TYPES = f"""
 CREATE TYPE event_kind AS {_enum(EVENT_KINDS)};
@@ -79,21 +73,38 @@ CREATE TABLE heap_peak (pid UINTEGER, peak_event_id UBIGINT, peak_ts UBIGINT,
     peak_bytes BIGINT);
 CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT,
     cause rss_cause);
+CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
 """
 
-# heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak is
-# derived from it once loaded (a view would redo the window at every query).
-DERIVED = """
-INSERT INTO heap_peak
-WITH m AS (SELECT pid, max(heap_bytes) AS peak_bytes FROM heap_timeline GROUP BY pid)
-SELECT t.pid, min(t.event_id), arg_min(t.ts, t.event_id), m.peak_bytes
-FROM heap_timeline t JOIN m ON t.pid = m.pid AND t.heap_bytes = m.peak_bytes
-GROUP BY t.pid, m.peak_bytes ORDER BY t.pid;
-"""
+# An allocation's site is its first logical frame outside the allocator function (depth
+# 1), as heaptrack reports it; the allocator itself where the stack has no caller.
+SITE_DEPTH = "CASE WHEN s.depth > 1 THEN 1 ELSE 0 END"
+
+# heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak and
+# backtraces are derived once loaded (as views every report would redo them). A
+# backtrace is a stack's frames from its site outward; stacks whose bytes differed but
+# that unwound to the same frames share one, named by the lowest such stack_id (keyed
+# by a sum of 64-bit hashes of (frame, depth) and the frame count: no list is built).
+DERIVED = {
+    "heap_peak": """
+        INSERT INTO heap_peak
+        WITH m AS (SELECT pid, max(heap_bytes) AS peak_bytes FROM heap_timeline GROUP BY pid)
+        SELECT t.pid, min(t.event_id), arg_min(t.ts, t.event_id), m.peak_bytes
+        FROM heap_timeline t JOIN m ON t.pid = m.pid AND t.heap_bytes = m.peak_bytes
+        GROUP BY t.pid, m.peak_bytes ORDER BY t.pid""",
+    "backtraces": """
+        INSERT INTO backtraces
+        WITH k AS (
+            SELECT stack_id, sum(hash(frame_id, depth)::HUGEINT) AS key, count(*) AS n
+            FROM backtrace_frames GROUP BY stack_id)
+        SELECT stack_id, min(stack_id) OVER (PARTITION BY key, n) FROM k ORDER BY stack_id""",
+}
+
+# A leaked allocation: never freed, its process exec'd or exited or the capture ended.
+LEAKED = "end_reason IN ('exec', 'exit', 'end')"
 
 # Views. A stack's logical frames run from the allocator itself (position 0) outward,
-# inline levels innermost first. An allocation's *location* is its first logical frame
-# outside the allocator function (depth >= 1), as heaptrack reports it.
+# inline levels innermost first. An allocation's *location* is its site (SITE_DEPTH).
 VIEWS = """
 CREATE VIEW stack_lines AS
 SELECT sf.stack_id,
@@ -107,7 +118,12 @@ CREATE VIEW stack_location AS
 SELECT sf.stack_id, sf.frame_id, f.name, f.function, f.file, f.line
 FROM stack_frames sf JOIN stacks s USING (stack_id)
 JOIN frames f ON f.frame_id = sf.frame_id AND f.inline_depth = 0
-WHERE sf.depth = CASE WHEN s.depth > 1 THEN 1 ELSE 0 END;
+WHERE sf.depth = {site};
+
+CREATE VIEW backtrace_frames AS
+SELECT sf.stack_id, sf.depth, sf.frame_id
+FROM stack_frames sf JOIN stacks s USING (stack_id)
+WHERE sf.depth >= {site};
 
 CREATE VIEW allocation_sites AS
 SELECT a.*, coalesce(l.name, '[no stack]') AS location, l.file, l.line
@@ -135,23 +151,24 @@ SELECT pid, ts, coalesce(file, 0) AS file, coalesce(anon, 0) AS anon,
        coalesce(file, 0) + coalesce(anon, 0) + coalesce(shmem, 0) AS rss
 FROM w;
 
-CREATE VIEW leaks AS
-SELECT * FROM allocations WHERE end_reason IN ('exec', 'exit', 'end');
+CREATE VIEW leaks AS SELECT * FROM allocations WHERE {leaked};
 
 CREATE VIEW temporary AS SELECT * FROM allocations WHERE temporary;
 
+CREATE VIEW stack_costs AS
+SELECT a.stack_id, a.pid, count(*) AS calls, sum(a.size)::BIGINT AS bytes,
+       count(*) FILTER (WHERE a.temporary) AS temporary,
+       count(p.alloc_id) AS peak_calls, coalesce(sum(p.size), 0)::BIGINT AS peak_bytes,
+       count(*) FILTER (WHERE {leaked}) AS leaked_calls,
+       coalesce(sum(a.size) FILTER (WHERE {leaked}), 0)::BIGINT AS leaked_bytes
+FROM allocations a LEFT JOIN (SELECT alloc_id, size FROM peak) p USING (alloc_id)
+GROUP BY a.stack_id, a.pid;
+
 CREATE VIEW hotspots AS
-WITH peaks AS (SELECT alloc_id, size FROM peak),
-leaked AS (SELECT alloc_id, size FROM leaks),
-costs AS (
-    SELECT a.alloc_id, a.stack_id, a.size, coalesce(p.size, 0) AS peak_size,
-           coalesce(l.size, 0) AS leaked_size
-    FROM allocations a LEFT JOIN peaks p USING (alloc_id) LEFT JOIN leaked l USING (alloc_id)
-),
-per_stack AS (
-    SELECT stack_id, count(*) AS calls, sum(size) AS bytes, sum(peak_size) AS peak,
-           sum(leaked_size) AS leaked
-    FROM costs GROUP BY stack_id
+WITH per_stack AS (
+    SELECT stack_id, sum(calls) AS calls, sum(bytes) AS bytes, sum(peak_bytes) AS peak,
+           sum(leaked_bytes) AS leaked
+    FROM stack_costs GROUP BY stack_id
 ),
 self AS (
     SELECT coalesce(l.name, '[no stack]') AS function, sum(calls) AS calls,
@@ -175,17 +192,13 @@ SELECT coalesce(s.function, i.function) AS function,
        coalesce(i.peak, s.peak)::BIGINT AS incl_peak_bytes,
        coalesce(i.leaked, s.leaked)::BIGINT AS incl_leaked_bytes
 FROM self s FULL JOIN incl i ON s.function = i.function;
-"""
+""".replace("{leaked}", LEAKED).replace("{site}", SITE_DEPTH)
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
     "stack_frames", "frames", "rss",
 )  # fmt: skip
-DERIVED_NAMES = ("heap_timeline", "heap_peak")
-VIEW_NAMES = (
-    "stack_lines", "stack_location", "allocation_sites", "peak", "rss_timeline", "leaks",
-    "temporary", "hotspots",
-)  # fmt: skip
+DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces")
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
@@ -196,9 +209,10 @@ def create_schema(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
 
-def derive(con: duckdb.DuckDBPyConnection) -> None:
-    """Fill the derived tables from the loaded ones."""
-    con.execute(DERIVED)
+def derive(con: duckdb.DuckDBPyConnection, *tables: str) -> None:
+    """Fill the derived tables (all, or those named) from the loaded ones."""
+    for name in tables or DERIVED:
+        con.execute(DERIVED[name])
 
 
 def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConnection:

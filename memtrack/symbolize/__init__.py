@@ -1,4 +1,5 @@
-"""Symbolization: (module build id, ELF vaddr) -> frames with names, file:line, inlines."""
+"""Symbolization: (module build id, ELF vaddr) -> frames with names, file:line, inlines.
+Normalization (runtime address -> module and ELF vaddr) is memtrack.symbolize.normalize."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ import pyarrow as pa
 
 from memtrack.symbolize.cache import default_cache_dir
 from memtrack.symbolize.modules import Module, ModuleStore
-from memtrack.symbolize.symbolizer import FRAMES_SCHEMA, Symbolizer
+from memtrack.symbolize.symbolizer import Symbolizer
 
-__all__ = ["FRAMES_SCHEMA", "Module", "ModuleStore", "Symbolizer", "default_cache_dir",
-           "symbolize"]
+__all__ = ["Module", "ModuleStore", "Symbolizer", "default_cache_dir", "symbolize",
+           "symbolize_frames"]
 
 
 def symbolize(store: ModuleStore, build_ids: pa.Array, vaddrs: np.ndarray, *,
               paths: pa.Array | None = None, cache_dir: Path | None = None) -> pa.Table:
-    """One row per (input row, inline level), innermost first: row, inline_depth,
-    function, symbol, offset, file, line, column, reason (null when found).
+    """One row per (input row, inline level), innermost first (SYMBOLIZED_FRAMES: row,
+    inline_depth, function, symbol, offset, file, line, column, reason (null when found)).
 
     `paths` (optional, per row) names modules in `[unknown] (name+0x...)` frames and
     lets a host-modules store find files; `cache_dir` enables the per-build-id cache."""
@@ -27,3 +28,11 @@ def symbolize(store: ModuleStore, build_ids: pa.Array, vaddrs: np.ndarray, *,
         return s.symbolize(build_ids, vaddrs, paths)
     finally:
         s.close()
+
+
+def symbolize_frames(store: ModuleStore, stack_frames: pa.Table) -> pa.Table:
+    """symbolize() of the normalized stack frames of the unwind stage
+    (UNWOUND_STACK_FRAMES); `row` is the stack frame's row."""
+    return symbolize(store, stack_frames.column("build_id").combine_chunks(),
+                     stack_frames.column("lookup_vaddr").fill_null(0).to_numpy()
+                     .astype(np.uint64), paths=stack_frames.column("path").combine_chunks())

@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from memtrack.symbolize.dwarf import CuTables
-from memtrack.symbolize.symtab import SymbolTable
+from memtrack.dwarf.lines import CuTables
+from memtrack.elf import SymbolTable
 
 CACHE_VERSION = "v1"
 MAX_PARTS = 8

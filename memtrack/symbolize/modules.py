@@ -8,53 +8,30 @@ the same build id (or a .gnu_debuglink with a matching CRC).
 
 Address normalization: a runtime address becomes a file offset through its mapping
 (`addr - start + offset`), and a file offset becomes an ELF virtual address through the
-PT_LOAD segment holding it (`Module.file_offset_to_vaddr`).
+PT_LOAD segment holding it (`Module.file_offset_to_vaddr`, memtrack.elf.Segments).
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 
+from memtrack.elf import (
+    DEBUG_ROOTS,
+    ElfImage,
+    ElfReadError,
+    Segments,
+    find_debug_file,
+    read_build_id,
+)
 from memtrack.schema import MODULE_INFO, MODULES_DIR, VDSO_PATH
-from memtrack.symbolize.buildid import DEBUG_ROOTS, find_debug_file, read_build_id
 
 
 class ModuleError(Exception):
     """A module file that cannot be read as an ELF (worded for one line)."""
-
-
-@dataclass
-class Segments:
-    """PT_LOAD segments of an ELF as parallel arrays, sorted by file offset."""
-
-    offset: np.ndarray  # p_offset, uint64
-    vaddr: np.ndarray  # p_vaddr, uint64
-    filesz: np.ndarray  # p_filesz, uint64
-    memsz: np.ndarray  # p_memsz, uint64
-    executable: np.ndarray  # PF_X set, bool
-
-    @classmethod
-    def of(cls, elf: ELFFile) -> Segments:
-        rows = sorted(
-            (s["p_offset"], s["p_vaddr"], s["p_filesz"], s["p_memsz"], bool(s["p_flags"] & 1))
-            for s in elf.iter_segments()
-            if s["p_type"] == "PT_LOAD"
-        )
-        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), ()]
-        return cls(
-            np.array(cols[0], dtype=np.uint64),
-            np.array(cols[1], dtype=np.uint64),
-            np.array(cols[2], dtype=np.uint64),
-            np.array(cols[3], dtype=np.uint64),
-            np.array(cols[4], dtype=bool),
-        )
 
 
 @dataclass(eq=False)
@@ -66,7 +43,7 @@ class Module:
     elf_path: Path  # the file to read (artifact copy or host file)
     debug_path: Path | None = None  # separate debug file, if any
     _segments: Segments | None = field(default=None, repr=False)
-    _elf_type: str = field(default="", repr=False)
+    _dwarf_path: Path | None | bool = field(default=False, repr=False)  # False: not asked
 
     @property
     def is_vdso(self) -> bool:
@@ -77,45 +54,38 @@ class Module:
         """Short name for messages: the mapped path's basename, `[vdso]` as is."""
         return self.path if self.path.startswith("[") else Path(self.path).name or self.path
 
-    def _load(self) -> None:
-        if self._segments is not None:
-            return
-        try:
-            with open(self.elf_path, "rb") as f:
-                elf = ELFFile(f)
-                self._segments = Segments.of(elf)
-                self._elf_type = str(elf["e_type"])
-        except (OSError, ELFError, struct.error, ValueError) as e:
-            raise ModuleError(f"{self.elf_path}: not a readable ELF file ({e})") from None
-
     @property
     def segments(self) -> Segments:
-        self._load()
-        assert self._segments is not None
+        if self._segments is None:
+            try:
+                with ElfImage(self.elf_path) as img:
+                    self._segments = img.segments
+            except ElfReadError as e:
+                raise ModuleError(str(e)) from None
         return self._segments
 
     @property
-    def is_pie_or_shared(self) -> bool:
-        """ET_DYN (shared object or PIE): vaddrs are relative to the load address."""
-        self._load()
-        return self._elf_type == "ET_DYN"
+    def dwarf_path(self) -> Path | None:
+        """The file that holds the module's DWARF: its debug file where that has it,
+        else the module file itself where it has it, else None."""
+        if self._dwarf_path is False:
+            self._dwarf_path = None
+            for path in (self.debug_path, self.elf_path):
+                if path is None:
+                    continue
+                try:
+                    with ElfImage(path) as img:
+                        if img.has_dwarf:
+                            self._dwarf_path = path
+                            break
+                except ElfReadError:
+                    continue
+        return self._dwarf_path  # type: ignore[return-value]
 
     def file_offset_to_vaddr(self, offsets: np.ndarray) -> np.ndarray:
         """ELF virtual addresses (int64) of file offsets, via the PT_LOAD holding each
         offset (within p_filesz); -1 where no segment holds it."""
-        off = np.asarray(offsets, dtype=np.uint64)
-        seg = self.segments
-        out = np.full(off.shape, -1, dtype=np.int64)
-        if len(seg.offset) == 0 or off.size == 0:
-            return out
-        i = np.searchsorted(seg.offset, off, side="right").astype(np.int64) - 1
-        ok = i >= 0
-        ic = np.where(ok, i, 0)
-        inside = ok & (off - seg.offset[ic] < seg.filesz[ic]) & (off >= seg.offset[ic])
-        # Overlapping segments (a page shared by text and data) are rare; a later
-        # segment starting inside an earlier one wins, like the loader's mapping.
-        out[inside] = (seg.vaddr[ic] + (off - seg.offset[ic]))[inside].astype(np.int64)
-        return out
+        return self.segments.file_offset_to_vaddr(offsets)
 
     def runtime_to_vaddr(
         self, addrs: np.ndarray, map_start: int | np.ndarray, map_offset: int | np.ndarray

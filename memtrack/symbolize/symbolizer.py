@@ -19,33 +19,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.dwarf.lines import CuTables, Dwarf, DwarfError
+from memtrack.elf import ElfImage, ElfReadError, SymbolTable
+from memtrack.schema.enums import Unresolved, names
+from memtrack.schema.stages import SYMBOLIZED_FRAMES
 from memtrack.symbolize.cache import ModuleCache
 from memtrack.symbolize.demangle import demangle
-from memtrack.symbolize.dwarf import CuTables, Dwarf, DwarfError
 from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
-from memtrack.symbolize.symtab import ElfImage, ElfReadError, SymbolTable
-
-FRAMES_SCHEMA = pa.schema(
-    [
-        ("row", pa.uint32()),  # index of the input (build id, vaddr) row
-        ("inline_depth", pa.uint8()),  # 0 = innermost; the last is the real function
-        ("function", pa.string()),  # demangled, or `[unknown] (module+0xVADDR)`
-        ("symbol", pa.string()),  # raw (mangled) name; null when unknown
-        # vaddr - start of the ELF symbol holding it (the same on every inline level);
-        # the vaddr itself when no symbol holds it
-        ("offset", pa.uint64()),
-        ("file", pa.string()),  # null when unknown
-        ("line", pa.uint32()),  # 0 when unknown
-        ("column", pa.uint32()),
-        ("reason", pa.string()),  # null when the function is known
-    ]
-)
 
 # Why a frame is unknown (the `reason` column); each is also counted.
-NO_MODULE = "no-module"  # no build id, or the module is neither in the artifact nor on host
-CORRUPT_ELF = "corrupt-elf"  # the module file cannot be read as an ELF
-STRIPPED = "stripped"  # the module has neither symbols nor DWARF
-NO_SYMBOL = "no-symbol"  # the module has symbols, none covers the address
+NO_MODULE = names(Unresolved)[Unresolved.NO_MODULE]
+CORRUPT_ELF = names(Unresolved)[Unresolved.CORRUPT_ELF]
+STRIPPED = names(Unresolved)[Unresolved.STRIPPED]
+NO_SYMBOL = names(Unresolved)[Unresolved.NO_SYMBOL]
 
 _BUILD_ID = re.compile(r"[0-9a-f]{2,}")
 _DWARF_ERRORS = (DwarfError, ElfReadError, IndexError, KeyError, ValueError, struct.error,
@@ -53,8 +39,9 @@ _DWARF_ERRORS = (DwarfError, ElfReadError, IndexError, KeyError, ValueError, str
 
 
 @dataclass
-class Frames:
-    """Frames of a batch of unique addresses of one module (parallel columns)."""
+class Levels:
+    """The inline levels of a batch of unique addresses of one module (parallel
+    columns, one entry per (address, level))."""
 
     addr_index: list[int] = field(default_factory=list)
     depth: list[int] = field(default_factory=list)
@@ -144,11 +131,9 @@ class ModuleSymbolizer:
                 continue
             if src:
                 setattr(self, attr, table)
-        # DWARF: from the debug file, else the module itself
-        for img in ([dbg] if dbg else []) + [elf]:
-            if img.has(".debug_info"):
-                self._dwarf_image = img
-                break
+        # DWARF: from the file Module.dwarf_path names (the debug file, else the module)
+        self._dwarf_image = next((img for img in (dbg, elf) if img is not None
+                                  and img.path == self.module.dwarf_path), None)
         if self._dwarf_image is not None:
             try:
                 self._dwarf = Dwarf(self._dwarf_image.dwarf_sections(), elf.exec_ranges())
@@ -179,10 +164,11 @@ class ModuleSymbolizer:
             try:
                 elf = ElfImage(self.module.elf_path)
                 self._images.append(elf)
-                dbg = ElfImage(self.module.debug_path) if self.module.debug_path else None
-                if dbg is not None:
-                    self._images.append(dbg)
-                img = dbg if dbg is not None and dbg.has(".debug_info") else elf
+                dwarf_path = self.module.dwarf_path
+                img = elf
+                if dwarf_path is not None and dwarf_path != elf.path:
+                    img = ElfImage(dwarf_path)
+                    self._images.append(img)
                 self._dwarf = Dwarf(img.dwarf_sections(), elf.exec_ranges())
             except (*_DWARF_ERRORS, ElfReadError) as e:
                 self.problems.append(f"{self.module.elf_path}: DWARF unreadable ({e})")
@@ -220,10 +206,10 @@ class ModuleSymbolizer:
         self._images = []
 
     # ---- lookups -------------------------------------------------------------------
-    def symbolize(self, vaddrs: np.ndarray) -> Frames:
+    def symbolize(self, vaddrs: np.ndarray) -> Levels:
         """Frames of each (unique) address; addr_index refers to the input position."""
         v = np.asarray(vaddrs, dtype=np.uint64)
-        out = Frames()
+        out = Levels()
         name = self.module.name
         if self.error is not None:
             for i, a in enumerate(v.tolist()):
@@ -360,7 +346,7 @@ class Symbolizer:
 
     def symbolize(self, build_ids: pa.Array, vaddrs: np.ndarray,
                   paths: pa.Array | None = None) -> pa.Table:
-        """One row per (input row, inline level); see FRAMES_SCHEMA."""
+        """One row per (input row, inline level); see SYMBOLIZED_FRAMES."""
         v = np.asarray(vaddrs, dtype=np.uint64)
         n = len(v)
         bid = pa.array(build_ids, type=pa.string()) if not isinstance(
@@ -375,14 +361,14 @@ class Symbolizer:
                          np.nan_to_num(codes, nan=-1)).astype(np.int64)
         dict_ids = enc.dictionary.to_pylist()
         path_list = paths.to_pylist() if paths is not None else None
-        parts: list[tuple[np.ndarray, Frames]] = []  # (input rows of each unique addr, frames)
+        parts: list[tuple[np.ndarray, Levels]] = []  # (input rows of each unique addr, frames)
         for g in np.unique(codes).tolist():
             rows = np.flatnonzero(codes == g)
             uniq, inv = np.unique(v[rows], return_inverse=True)
             hint = path_list[int(rows[0])] if path_list is not None else None
             ms = self.module(dict_ids[g], hint) if g >= 0 else None
             if ms is None:
-                fr = Frames()
+                fr = Levels()
                 label = Path(hint).name if hint else (dict_ids[g][:12] if g >= 0 else "?")
                 for i, a in enumerate(uniq.tolist()):
                     fr.add(i, 0, unknown_name(label, a), None, a, None, 0, 0, NO_MODULE)
@@ -405,7 +391,7 @@ def _rows_by_unique(rows: np.ndarray, inv: np.ndarray, nuniq: int) -> np.ndarray
     return out
 
 
-def _expand(parts: list[tuple[np.ndarray, Frames]]) -> pa.Table:
+def _expand(parts: list[tuple[np.ndarray, Levels]]) -> pa.Table:
     """Frames of unique addresses -> one row per (input row, inline level), sorted."""
     tables = []
     for by_u, fr in parts:
@@ -433,6 +419,6 @@ def _expand(parts: list[tuple[np.ndarray, Frames]]) -> pa.Table:
             np.repeat(np.asarray(fr.depth, dtype=np.uint8), reps)))
         tables.append(t)
     if not tables:
-        return FRAMES_SCHEMA.empty_table()
-    out = pa.concat_tables(tables).cast(FRAMES_SCHEMA)
+        return SYMBOLIZED_FRAMES.empty_table()
+    out = pa.concat_tables(tables).cast(SYMBOLIZED_FRAMES)
     return out.sort_by([("row", "ascending"), ("inline_depth", "ascending")])

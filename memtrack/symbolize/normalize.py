@@ -1,19 +1,32 @@
-"""Per-process address spaces from the artifact's /proc/PID/maps snapshots.
+"""Normalization: a runtime address of a process -> its module and ELF virtual address,
+or the reason (memtrack.schema.enums.Unresolved) why there is none. Unwinding and
+symbolization both go through it, so a frame says the same thing in both.
 
-A snapshot is the set of `mappings` rows of one (pid, ts). The address space of a record
-(pid, ts) is the last snapshot of that pid taken at or before ts (the first one if the
-record precedes them all); an address not mapped there is looked up in the pid's next
-snapshot (a module mapped between two snapshots). Lookups are vectorized: every
-(snapshot, address) pair becomes one sorted uint64 key `snapshot << 47 | address`.
+A runtime address becomes a file offset through the mapping that holds it
+(`addr - start + offset`), and the file offset an ELF virtual address through the
+module's PT_LOAD segment holding it (memtrack.elf.Segments).
+
+Address spaces come from the artifact's /proc/PID/maps snapshots. A snapshot is the set
+of `mappings` rows of one (pid, ts). The address space of a record (pid, ts) is the
+last snapshot of that pid taken at or before ts (the first one if the record precedes
+them all); an address not mapped there is looked up in the pid's next snapshot (a
+module mapped between two snapshots). Lookups are vectorized: every (snapshot,
+address) pair becomes one sorted uint64 key `snapshot << 47 | address`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.schema import VDSO_PATH
+from memtrack.schema.enums import Unresolved
+from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
+
+RESOLVED = -1  # the reason code of an address that normalized
 
 ADDR_BITS = 47  # x86_64 user space (4-level paging)
 ADDR_LIMIT = 1 << ADDR_BITS
@@ -141,3 +154,85 @@ class AddressSpaces:
 def _take(col: pa.Array, row: np.ndarray) -> pa.Array:
     idx = pa.array(row, type=pa.int64(), mask=np.asarray(row) < 0)
     return col.take(idx)
+
+
+@dataclass
+class Normalized:
+    """Per address: its mapping row, module, ELF virtual address and why not."""
+
+    row: np.ndarray  # int64 mapping row in AddressSpaces, -1 none
+    module: np.ndarray  # int64 index into Normalizer.modules, -1 none
+    vaddr: np.ndarray  # int64 ELF virtual address, -1 where normalization failed
+    reason: np.ndarray  # int8 Unresolved code, RESOLVED (-1) where it succeeded
+
+    @property
+    def mapped(self) -> np.ndarray:
+        """In a file-backed mapping or the vDSO: where an unwinder may go on."""
+        return self.reason != Unresolved.NO_MAPPING
+
+
+class Normalizer:
+    """Normalizes addresses of the processes an artifact's mappings describe, opening
+    each module (through the ModuleStore) the first time an address lands in it."""
+
+    def __init__(self, mappings: pa.Table, store: ModuleStore) -> None:
+        self.spaces = AddressSpaces(mappings)
+        self.store = store
+        self.modules: list[Module | None] = []  # by module index; None: unusable
+        self._index = np.full(len(self.spaces.bid_values), -2, dtype=np.int64)  # -2: unseen
+        self._why: list[int] = []  # per module index: NO_MODULE / CORRUPT_ELF / RESOLVED
+        self.problems: list[str] = []  # one line per module that could not be used
+
+    def snapshot_of(self, pid: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        return self.spaces.snapshot_of(pid, ts)
+
+    def _modules_of(self, row: np.ndarray) -> np.ndarray:
+        """Module index of each mapping row (-1: no row or no build id)."""
+        out = np.full(len(row), -1, dtype=np.int64)
+        ok = row >= 0
+        bi = self.spaces.bid_index[row[ok]]
+        for b in np.unique(bi[(bi >= 0) & (self._index[np.maximum(bi, 0)] == -2)]).tolist():
+            self._index[b] = len(self.modules)
+            self.modules.append(self._open(self.spaces.bid_values[b], self.spaces.bid_path[b]))
+        out[ok] = np.where(bi >= 0, self._index[np.maximum(bi, 0)], -1)
+        return out
+
+    def _open(self, build_id: str, path: str | None) -> Module | None:
+        mod = self.store.get(build_id, path)
+        if mod is None:
+            self._why.append(Unresolved.NO_MODULE)
+            self.problems.append(f"module {build_id} ({path}) is not available")
+            return None
+        try:
+            mod.segments  # noqa: B018 - read the program headers now, once
+        except ModuleError as e:
+            self._why.append(Unresolved.CORRUPT_ELF)
+            self.problems.append(str(e))
+            return None
+        self._why.append(RESOLVED)
+        return mod
+
+    def normalize(self, snap: np.ndarray, addr: np.ndarray) -> Normalized:
+        """Normalize each address in its snapshot (AddressSpaces.snapshot_of)."""
+        addr = np.asarray(addr, dtype=np.uint64)
+        sp = self.spaces
+        row = sp.find(snap, addr)
+        mod = self._modules_of(row)
+        vaddr = np.full(len(addr), -1, dtype=np.int64)
+        reason = np.full(len(addr), Unresolved.NO_MAPPING, dtype=np.int8)
+        has = row >= 0
+        mapped = np.zeros(len(addr), dtype=bool)
+        mapped[has] = sp.file_backed[row[has]] | sp.is_vdso[row[has]]
+        reason[mapped] = Unresolved.NO_BUILD_ID
+        why = np.array(self._why, dtype=np.int8)
+        known = mapped & (mod >= 0)
+        reason[known] = why[mod[known]] if len(why) else RESOLVED
+        foff = sp.file_offset(row, addr)
+        for m in np.unique(mod[known & (reason == RESOLVED)]).tolist():
+            module = self.modules[m]
+            assert module is not None
+            sel = np.flatnonzero((mod == m) & known)
+            vaddr[sel] = module.file_offset_to_vaddr(foff[sel])
+        reason[known & (reason == RESOLVED) & (vaddr < 0)] = Unresolved.NO_SEGMENT
+        mod[~mapped] = -1
+        return Normalized(row, mod, vaddr, reason)

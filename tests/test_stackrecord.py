@@ -1,4 +1,4 @@
-"""Stack record codec: hash, delta encode/decode, ring record parsing, chain decoding."""
+"""Stack records: the hash, delta bodies, ring record parsing and chain decoding."""
 
 from __future__ import annotations
 
@@ -7,25 +7,14 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.stackrecords import SP0, StackRef, chain, rand_words, ring_record
 
+from memtrack.capture.stackring import records_to_batch
 from memtrack.process.decode import decode_chunks, decode_table
-from memtrack.process.stackcodec import (
-    FLAG_DELTA,
-    FLAG_TRUNCATED,
-    FNV_OFFSET,
-    FNV_PRIME,
-    StackFormatError,
-    StackRef,
-    decode_delta,
-    encode_delta,
-    hash_bytes,
-    records_to_batch,
-    stack_hash,
-)
 from memtrack.schema import NUM_REGS, STACKS, StackEncoding
+from memtrack.schema.stackrecord import FNV_OFFSET, FNV_PRIME, hash_bytes, stack_hash
 
 M64 = (1 << 64) - 1
-SP0 = 0x7FFD_0000_1000
 
 
 def ref_hash(words: list[int]) -> int:
@@ -38,10 +27,6 @@ def ref_hash(words: list[int]) -> int:
         h = ((h ^ lane) * FNV_PRIME) & M64
     h = ((h ^ (8 * len(words))) * FNV_PRIME) & M64
     return h or 1
-
-
-def rand_words(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, 2**64, size=n, dtype=np.uint64, endpoint=False)
 
 
 def test_hash_matches_the_definition_for_every_length_mod_4() -> None:
@@ -58,18 +43,39 @@ def test_hash_matches_the_definition_for_every_length_mod_4() -> None:
     assert hash_bytes(b"\0" * 16) != hash_bytes(b"\0" * 24)
 
 
+def decoded(records: list[bytes]) -> tuple[pa.Table, pa.Table, dict[str, int]]:
+    """(the records as stacks.arrow rows, decode_table's rows, its counters)."""
+    batch, bad = records_to_batch(records)
+    assert bad == 0
+    stacks = pa.Table.from_batches([batch])
+    out = decode_table(stacks)
+    return stacks, out.table, out.counters
+
+
+def rebuilt(table: pa.Table, row: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """(copy words, registers) of a decoded row."""
+    r = table.slice(row % table.num_rows, 1).to_pylist()[0]
+    return np.frombuffer(r["stack"], np.uint64), np.array(r["regs"], np.uint64)
+
+
 def test_keyframe_round_trip() -> None:
     rng = np.random.default_rng(2)
     words = rand_words(rng, 1000)
     words[100:300] = 0  # whole zero groups are left out of the body
     regs = rand_words(rng, NUM_REGS)
     regs[3] = 0
-    body = encode_delta(words, SP0, regs, None)
-    got, got_regs = decode_delta(body, SP0, words.size, None)
+    stacks, table, _ = decoded([ring_record(words, SP0, regs)])
+    got, got_regs = rebuilt(table)
     assert np.array_equal(got, words)
     assert np.array_equal(got_regs, regs)
+    body = stacks.column("payload")[0].as_py()
     # reg mask + 16 regs + group mask + 16 bitmaps (groups 2-3 are all zero) + words
     assert len(body) == 8 * (1 + 16 + 1 + 14 + 800)
+
+
+def keyframe_of(ref: StackRef) -> bytes:
+    """The record that makes `ref` the thread's reference."""
+    return ring_record(ref.words, ref.sp, ref.regs)
 
 
 @pytest.mark.parametrize("shift_words", [0, 1, -1, 7, -300, 999, -999, 1000, -1000, 5000])
@@ -88,23 +94,29 @@ def test_delta_against_a_reference_at_another_sp(shift_words: int) -> None:
         words[lo] ^= np.uint64(0xDEAD)
     regs = ref.regs.copy()
     regs[16] += np.uint64(5)
-    body = encode_delta(words, sp, regs, ref)
-    got, got_regs = decode_delta(body, sp, words.size, ref)
+    stacks, table, counters = decoded([keyframe_of(ref), ring_record(words, sp, regs, ref=ref)])
+    assert counters["stack_deltas"] == 1 and counters["decode_mismatch"] == 0
+    got, got_regs = rebuilt(table)
     assert np.array_equal(got, words)
     assert np.array_equal(got_regs, regs)
-    if hi - lo >= 900:
-        assert len(body) < 8 * 200  # the overlap costs nothing but the changed word
+    if hi - lo >= 900:  # the overlap costs nothing but the changed word
+        assert len(stacks.column("payload")[1].as_py()) < 8 * 200
 
 
-def test_malformed_bodies_raise_format_errors() -> None:
+def test_malformed_bodies_are_dropped_and_counted() -> None:
     words = np.arange(1, 65, dtype=np.uint64)
-    body = encode_delta(words, SP0, np.zeros(NUM_REGS, np.uint64), None)
-    with pytest.raises(StackFormatError):
-        decode_delta(body[:-8], SP0, 64, None)
-    with pytest.raises(StackFormatError):
-        decode_delta(body, SP0, 32, None)  # bitmap bits beyond the copy
-    with pytest.raises(StackFormatError):
-        decode_delta(b"\xff" * 8, SP0, 64, None)
+    stacks, _, _ = decoded([ring_record(words, SP0, np.zeros(NUM_REGS, np.uint64))])
+    body = stacks.column("payload")[0].as_py()
+    for payload, copy_len in ((body[:-8], 64 * 8),
+                              (body, 32 * 8),  # bitmap bits beyond the copy
+                              (b"\xff" * 8, 64 * 8)):
+        bad = stacks.set_column(stacks.schema.get_field_index("payload"), "payload",
+                                pa.array([payload], pa.binary()))
+        bad = bad.set_column(bad.schema.get_field_index("copy_len"), "copy_len",
+                             pa.array([copy_len], pa.uint32()))
+        out = decode_table(bad)
+        assert out.counters["decode_bad_payload"] == 1
+        assert out.table.num_rows == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -119,7 +131,8 @@ def test_property_encode_decode_is_identity(n: int, ref_n: int, shift: int, seed
                                             density: float) -> None:
     rng = np.random.default_rng(seed)
     ref_words = rand_words(rng, ref_n)
-    ref = None if ref_n == 0 else StackRef(0, SP0, ref_words, rand_words(rng, NUM_REGS))
+    ref = None if ref_n == 0 else StackRef(hash_bytes(ref_words.tobytes()), SP0, ref_words,
+                                           rand_words(rng, NUM_REGS))
     sp = SP0 + 8 * shift
     base = np.zeros(n, dtype=np.uint64)
     if ref is not None:
@@ -129,46 +142,13 @@ def test_property_encode_decode_is_identity(n: int, ref_n: int, shift: int, seed
     change = rng.random(n) < density
     words = np.where(change, rand_words(rng, n), base)
     regs = rand_words(rng, NUM_REGS)
-    got, got_regs = decode_delta(encode_delta(words, sp, regs, ref), sp, n, ref)
+    records = ([] if ref is None else [keyframe_of(ref)]) + [ring_record(words, sp, regs,
+                                                                         ref=ref)]
+    _, table, counters = decoded(records)
+    assert counters["decode_mismatch"] == 0
+    got, got_regs = rebuilt(table)
     assert np.array_equal(got, words)
     assert np.array_equal(got_regs, regs)
-
-
-# --- ring records, as bpf/stacks.h writes them ------------------------------------------
-
-def ring_record(words: np.ndarray, sp: int, regs: np.ndarray, *, tid: int = 7, pid: int = 7,
-                ref: StackRef | None = None, delta: bool = True, truncated: bool = False,
-                fp: tuple[int, ...] = (0x401000, 0x401100),
-                fixups: tuple[tuple[int, int], ...] = (), ts: int = 1) -> bytes:
-    h = hash_bytes(words.tobytes())
-    body = encode_delta(words, sp, regs, ref) if delta else regs.tobytes() + words.tobytes()
-    flags = (FLAG_DELTA if delta else 0) | (FLAG_TRUNCATED if truncated else 0)
-    hdr = [h, ref.hash if ref is not None else 0, ts, pid | tid << 32, sp,
-           words.size * 8 | len(fp) << 32 | len(fixups) << 48 | flags << 56, len(body)]
-    extra = [v for pair in fixups for v in pair]
-    return np.array(hdr + list(fp) + extra, dtype=np.uint64).tobytes() + body
-
-
-def chain(rng: np.random.Generator, count: int, *, tid: int = 7, n: int = 512,
-          delta: bool = True) -> tuple[list[bytes], list[np.ndarray], list[int]]:
-    """A thread's records: sp wandering, a few words changing each time."""
-    records, copies, sps = [], [], []
-    ref = None
-    words = rand_words(rng, n + 64)
-    regs = rand_words(rng, NUM_REGS)
-    for i in range(count):
-        sp = SP0 + 8 * int(rng.integers(0, 64))
-        cur = words[(sp - SP0) // 8:(sp - SP0) // 8 + n].copy()
-        cur[int(rng.integers(0, n))] ^= np.uint64(i + 1)
-        words[(sp - SP0) // 8:(sp - SP0) // 8 + n] = cur
-        regs = regs.copy()
-        regs[16] = np.uint64(0x401000 + i)
-        records.append(ring_record(cur, sp, regs, tid=tid, pid=tid, ref=ref, delta=delta, ts=i))
-        copies.append(cur)
-        sps.append(sp)
-        if delta:
-            ref = StackRef(hash_bytes(cur.tobytes()), sp, cur, regs)
-    return records, copies, sps
 
 
 def test_ring_records_parse_into_the_stacks_schema() -> None:
@@ -202,7 +182,8 @@ def test_decode_rebuilds_interleaved_thread_chains() -> None:
     assert out.counters["stack_raw"] == 3
     t = out.table
     assert t.num_rows == 83
-    by_hash = dict(zip(t.column("hash").to_pylist(), t.column("stack").to_pylist(), strict=True))
+    by_hash = dict(zip(t.column("stack_hash").to_pylist(), t.column("stack").to_pylist(),
+                       strict=True))
     for c in ca + cb + cr:
         assert by_hash[hash_bytes(c.tobytes())] == c.tobytes()
     assert t.column("regs")[0].as_py()[16] == 0x401000
@@ -217,7 +198,7 @@ def test_stale_reference_is_dropped_until_the_next_keyframe() -> None:
     out = decode_table(pa.Table.from_batches([batch]))
     assert out.counters["decode_stale_ref"] == 1
     assert out.counters["decode_mismatch"] == 3  # record 3 and the two chained on it
-    kept = set(out.table.column("hash").to_pylist())
+    kept = set(out.table.column("stack_hash").to_pylist())
     want = {hash_bytes(c.tobytes()) for c in copies[:2] + copies2}
     assert kept == want
 
@@ -230,7 +211,7 @@ def test_hash_mismatch_is_dropped_and_counted() -> None:
     batch, _ = records_to_batch([recs[0], bytes(bad), recs[2], recs[3]])
     out = decode_table(pa.Table.from_batches([batch]))
     assert out.counters["decode_mismatch"] == 3
-    assert out.table.column("hash").to_pylist() == [hash_bytes(copies[0].tobytes())]
+    assert out.table.column("stack_hash").to_pylist() == [hash_bytes(copies[0].tobytes())]
 
 
 def test_truncated_copy_and_uretprobe_fixups_survive_decoding() -> None:
@@ -243,7 +224,7 @@ def test_truncated_copy_and_uretprobe_fixups_survive_decoding() -> None:
     assert batch.column("truncated").to_pylist() == [True]
     assert batch.column("ret_fixups").to_pylist() == [[{"slot": slot, "value": int(words[5])}]]
     out = decode_table(pa.Table.from_batches([batch]))
-    assert out.table.column("truncated").to_pylist() == [True]
+    assert out.table.column("copy_truncated").to_pylist() == [True]
     assert out.table.column("copy_len").to_pylist() == [256 * 8]
     assert out.table.column("stack")[0].as_py() == words.tobytes()
 
@@ -284,7 +265,7 @@ def test_property_decode_table_rebuilds_random_chains(seed: int, threads: int,
     got = out.table.to_pylist()
     assert len(got) == len(records)
     for rec in got:
-        assert (rec["stack"], rec["regs"]) == want[rec["hash"]]
+        assert (rec["stack"], rec["regs"]) == want[rec["stack_hash"]]
 
 
 def test_decoded_stacks_are_split_into_binary_chunks_and_multi_chunk_payloads_read(

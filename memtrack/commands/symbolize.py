@@ -1,4 +1,5 @@
-"""`memtrack symbolize --module PATH ADDR...`: frames printed like llvm-symbolizer --inlines."""
+"""`memtrack symbolize --module PATH ADDR...`: frames printed like llvm-symbolizer
+--inlines."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import TextIO
 import numpy as np
 import pyarrow as pa
 
+from memtrack.commands import CommandError
+from memtrack.symbolize import default_cache_dir
 from memtrack.symbolize.modules import ModuleError, ModuleStore
 from memtrack.symbolize.symbolizer import Symbolizer
 
@@ -22,6 +25,15 @@ def parse_address(text: str) -> int:
     if not 0 <= value < 1 << 64:
         raise ValueError(f"{text!r} is out of range for a 64-bit address")
     return value
+
+
+def run(module: Path, addresses: list[str], cache_dir: Path | None, no_cache: bool,
+        out: TextIO, err: TextIO) -> int:
+    cache = None if no_cache else (cache_dir or default_cache_dir())
+    try:
+        return run_symbolize(module, addresses, cache, out, err)
+    except ValueError as e:
+        raise CommandError(f"symbolize: {e}") from None
 
 
 def run_symbolize(module: Path, addresses: list[str], cache_dir: Path | None,

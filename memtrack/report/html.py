@@ -1,7 +1,8 @@
 """`memtrack report --html OUT.html`: one self-contained page (no network).
 
 A flame graph of bytes allocated / alive at the heap peak / leaked (switchable), the heap
-and RSS timeline of each process, and the report's tables. The data is embedded as JSON;
+and RSS timeline of each process, and the report's tables, all from the run reader
+(memtrack.report.reader). The data is embedded as JSON;
 the page draws it with the small script below (SVG, no library).
 """
 
@@ -14,23 +15,23 @@ from typing import Any
 
 import duckdb
 
-from memtrack.process.export import Costs, costs
-from memtrack.process.report import ReportOptions, report_data
+from memtrack.report.reader import Costs, RunReader
+from memtrack.report.text import ReportOptions, report_data
 
 TIMELINE_POINTS = 1500  # per process and series, at most (max-preserving downsampling)
+FLAME_METRICS = ("allocated", "peak", "leaked")
 
 
 def flame_tree(c: Costs, metric: str) -> list[Any]:
     """Nested [name, value, children] from the root outward (process, main, ..., site)."""
     root: list[Any] = ["all", 0, {}]
-    col = {"allocated": 3, "peak": 5, "leaked": 7}[metric]
     for row in c.rows:
-        v = row[col]
+        v = row.value(metric)
         if v <= 0:
             continue
         node = root
         node[1] += v
-        for name in [f"{c.processes.get(row[1], '?')} ({row[1]})", *reversed(c.names(row[0]))]:
+        for name in [c.root(row.pid), *reversed(c.names(row.backtrace))]:
             child = node[2].get(name)
             if child is None:
                 child = node[2][name] = [name, 0, {}]
@@ -44,49 +45,14 @@ def flame_tree(c: Costs, metric: str) -> list[Any]:
     return freeze(root)
 
 
-def timelines(con: duckdb.DuckDBPyConnection, pid: int | None) -> list[dict[str, Any]]:
-    """Per process: heap bytes and RSS over time (seconds from the run's start)."""
-    where = "TRUE" if pid is None else f"pid = {int(pid)}"
-    meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
-    start = int(meta.get("start_ns", 0) or 0)
-    out = []
-    for (p, name) in con.execute(
-            f"SELECT pid, name FROM processes WHERE {where} ORDER BY start_ts, pid").fetchall():
-        series = {}
-        for key, sql in (
-            ("heap", "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = ? ORDER BY event_id"),
-            ("rss", "SELECT ts, rss FROM rss_timeline WHERE pid = ? ORDER BY ts"),
-        ):
-            series[key] = _downsample(con, sql, p, start)
-        if series["heap"] or series["rss"]:
-            out.append({"pid": p, "name": name or "?", **series})
-    return out
-
-
-def _downsample(con: duckdb.DuckDBPyConnection, sql: str, pid: int, start: int) -> list:
-    n = con.execute(f"SELECT count(*) FROM ({sql})", [pid]).fetchone()[0]  # type: ignore[index]
-    if n <= TIMELINE_POINTS:
-        rows = con.execute(sql, [pid]).fetchall()
-    else:
-        # Keep each bucket's maximum so that no peak disappears from the plot.
-        rows = con.execute(f"""
-            SELECT arg_max(ts, v), max(v) FROM (
-                SELECT ts, v, (row_number() OVER (ORDER BY ts) - 1) * {TIMELINE_POINTS} // {n} AS b
-                FROM ({sql}) s(ts, v)) GROUP BY b ORDER BY 1""", [pid]).fetchall()
-    return [[round((t - start) / 1e9, 9), int(v)] for t, v in rows]
-
-
 def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, Any]:
-    c = costs(con, opts.pid)
-    hotspots = con.execute("""
-        SELECT function, self_calls, self_bytes, self_peak_bytes, self_leaked_bytes,
-               incl_calls, incl_bytes FROM hotspots
-        ORDER BY self_bytes DESC, incl_bytes DESC LIMIT 50""").fetchall()
+    run = RunReader(con, opts.pid)
+    c = run.costs()
     return {
         "report": report_data(con, opts),
-        "flame": {m: flame_tree(c, m) for m in ("allocated", "peak", "leaked")},
-        "timelines": timelines(con, opts.pid),
-        "hotspots": [list(r) for r in hotspots],
+        "flame": {m: flame_tree(c, m) for m in FLAME_METRICS},
+        "timelines": run.timelines(TIMELINE_POINTS),
+        "hotspots": RunReader(con).hotspots(50),
     }
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memtrack.dwarf.leb128 import cstr, sleb, uleb
+
 # Tags
 TAG_COMPILE_UNIT = 0x11
 TAG_PARTIAL_UNIT = 0x3C
@@ -93,43 +95,38 @@ _ADDRX_FORMS = frozenset((FORM_ADDRX, FORM_ADDRX1, FORM_ADDRX2, FORM_ADDRX3, FOR
                           FORM_GNU_ADDR_INDEX))
 
 
+# The forms a DWARF 5 line table's directory and file entries may use.
+_LINE_ENTRY_FORMS = frozenset((FORM_STRING, FORM_LINE_STRP, FORM_STRP, FORM_UDATA, FORM_DATA1,
+                               FORM_DATA2, FORM_DATA4, FORM_DATA8, 0x1E, 0x09)) | _STRX_FORMS
+
+
+def read_form(data: bytes, off: int, form: int, kind: int, implicit: int) -> tuple[int, int]:
+    """(value, offset after it) of one attribute value of `kind` (a fixed size in bytes
+    or one of the _ULEB.. tags, address and offset sizes resolved): strings and blocks
+    give the offset of their bytes in `data`."""
+    if kind > 0:
+        return int.from_bytes(data[off:off + kind], "little"), off + kind
+    if kind == 0:
+        return (implicit if form == FORM_IMPLICIT_CONST else 1), off
+    if kind == _ULEB:
+        return uleb(data, off)
+    if kind == _SLEB:
+        return sleb(data, off)
+    if kind == _CSTR:
+        return off, data.index(b"\0", off) + 1
+    if kind == _BLOCK1:
+        n, off = data[off], off + 1
+    elif kind == _BLOCK2:
+        n, off = int.from_bytes(data[off:off + 2], "little"), off + 2
+    elif kind == _BLOCK4:
+        n, off = int.from_bytes(data[off:off + 4], "little"), off + 4
+    else:
+        n, off = uleb(data, off)
+    return off, off + n
+
+
 class DwarfError(Exception):
     """Malformed or unsupported DWARF (worded for one line)."""
-
-
-def uleb(data: bytes, off: int) -> tuple[int, int]:
-    b = data[off]
-    if b < 0x80:
-        return b, off + 1
-    result = b & 0x7F
-    shift = 7
-    off += 1
-    while True:
-        b = data[off]
-        off += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, off
-        shift += 7
-
-
-def sleb(data: bytes, off: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        b = data[off]
-        off += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            if b & 0x40:
-                result -= 1 << shift
-            return result, off
-
-
-def cstr(data: bytes, off: int) -> str:
-    end = data.index(b"\0", off)
-    return data[off:end].decode("utf-8", "replace")
 
 
 @dataclass
@@ -362,26 +359,7 @@ class Dwarf:
                     out[attr] = (form, int.from_bytes(data[off:off + kind], "little"))
                     off += kind
                     continue
-            if kind == 0:
-                val = implicit if form == FORM_IMPLICIT_CONST else 1
-            elif kind == _ULEB:
-                val, off = uleb(data, off)
-            elif kind == _SLEB:
-                val, off = sleb(data, off)
-            elif kind == _CSTR:
-                val = off
-                off = data.index(b"\0", off) + 1
-            else:
-                if kind == _BLOCK1:
-                    n, off = data[off], off + 1
-                elif kind == _BLOCK2:
-                    n, off = int.from_bytes(data[off:off + 2], "little"), off + 2
-                elif kind == _BLOCK4:
-                    n, off = int.from_bytes(data[off:off + 4], "little"), off + 4
-                else:
-                    n, off = uleb(data, off)
-                val = off
-                off += n
+            val, off = read_form(data, off, form, kind, implicit)
             out[attr] = (form, val)
         return out, off
 
@@ -829,44 +807,25 @@ def _v5_entries(dw: Dwarf, u: Unit, data: bytes, p: int,
         fmts.append((ct, form))
     count, p = uleb(data, p)
     out = []
+    sizes = {_ADDR: u.addr_size, _OFFSET: osz}
     for _ in range(count):
         entry: dict[int, object] = {}
         for ct, form in fmts:
-            val: object
-            if form == FORM_STRING:
-                e = data.index(b"\0", p)
-                val = data[p:e].decode("utf-8", "replace")
-                p = e + 1
-            elif form == FORM_LINE_STRP:
-                val = cstr(dw.line_str, int.from_bytes(data[p:p + osz], "little"))
-                p += osz
-            elif form == FORM_STRP:
-                val = cstr(dw.str, int.from_bytes(data[p:p + osz], "little"))
-                p += osz
-            elif form in (FORM_UDATA,):
-                val, p = uleb(data, p)
-            elif form == FORM_DATA1:
-                val, p = data[p], p + 1
-            elif form == FORM_DATA2:
-                val, p = int.from_bytes(data[p:p + 2], "little"), p + 2
-            elif form == FORM_DATA4:
-                val, p = int.from_bytes(data[p:p + 4], "little"), p + 4
-            elif form == FORM_DATA8:
-                val, p = int.from_bytes(data[p:p + 8], "little"), p + 8
-            elif form == 0x1E:  # data16 (MD5)
-                val, p = None, p + 16
-            elif form == 0x09:  # block
-                n, p = uleb(data, p)
-                val, p = None, p + n
-            elif form in _STRX_FORMS:
-                size = {FORM_STRX1: 1, FORM_STRX2: 2, FORM_STRX3: 3, FORM_STRX4: 4}.get(form)
-                if size is None:
-                    idx, p = uleb(data, p)
-                else:
-                    idx, p = int.from_bytes(data[p:p + size], "little"), p + size
-                val = dw._str_value(u, FORM_STRX, idx)
-            else:
+            kind = _FORM_KIND.get(form)
+            if kind is None or form not in _LINE_ENTRY_FORMS:
                 raise DwarfError(f".debug_line: unsupported entry form {form:#x}")
+            raw, p = read_form(data, p, form, sizes.get(kind, kind), 0)
+            val: object = raw
+            if form == FORM_STRING:
+                val = cstr(data, raw)
+            elif form == FORM_LINE_STRP:
+                val = cstr(dw.line_str, raw)
+            elif form == FORM_STRP:
+                val = cstr(dw.str, raw)
+            elif form in _STRX_FORMS:
+                val = dw._str_value(u, FORM_STRX, raw)
+            elif form in (0x1E, 0x09):  # data16 (MD5), block: not needed
+                val = None
             entry[ct] = val
         out.append(entry)
     return out, p

@@ -11,22 +11,16 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 from conftest import build
 
+from memtrack.elf import read_build_id
 from memtrack.process.unwind import UnwoundStacks, unwind
 from memtrack.schema import MAPPINGS, NUM_REGS
-from memtrack.symbolize import symbolize
-from memtrack.symbolize.buildid import read_build_id
+from memtrack.schema.stages import DECODED_RECORDS
+from memtrack.symbolize import symbolize_frames
 from memtrack.symbolize.modules import ModuleStore
 
-DECODED = pa.schema([
-    ("hash", pa.uint64()), ("pid", pa.uint32()), ("tid", pa.uint32()), ("ts", pa.uint64()),
-    ("sp", pa.uint64()), ("copy_len", pa.uint32()), ("truncated", pa.bool_()),
-    ("regs", pa.list_(pa.uint64(), NUM_REGS)), ("stack", pa.binary()),
-    ("fp_chain", pa.list_(pa.uint64())),
-])
 VARIANTS = {
     "O0": ("-O0",),
     "O2": ("-O2",),
@@ -77,7 +71,7 @@ def parse_maps(text: str, pid: int, ts: int) -> list[dict[str, object]]:
 def read_snaps(path: Path) -> Snaps:
     data = path.read_bytes()
     p = 0
-    cols: dict[str, list[object]] = {f.name: [] for f in DECODED}
+    cols: dict[str, list[object]] = {f.name: [] for f in DECODED_RECORDS}
     maps: list[dict[str, object]] = []
     sizes = []
     while p < len(data):
@@ -96,14 +90,14 @@ def read_snaps(path: Path) -> Snaps:
         p += copy_len
         text = data[p:p + maps_len].decode()
         p += maps_len
-        for k, v in (("hash", len(sizes) + 1), ("pid", pid), ("tid", tid), ("ts", ts),
-                     ("sp", sp), ("copy_len", copy_len), ("truncated", bool(truncated)),
+        for k, v in (("stack_hash", len(sizes) + 1), ("pid", pid), ("tid", tid), ("ts", ts),
+                     ("sp", sp), ("copy_len", copy_len), ("copy_truncated", bool(truncated)),
                      ("regs", regs), ("stack", stack), ("fp_chain", fp)):
             cols[k].append(v)
         maps += parse_maps(text, pid, ts)
         sizes.append(size)
-    return Snaps(pa.table(cols, schema=DECODED), pa.Table.from_pylist(maps, schema=MAPPINGS),
-                 sizes)
+    return Snaps(pa.table(cols, schema=DECODED_RECORDS),
+                 pa.Table.from_pylist(maps, schema=MAPPINGS), sizes)
 
 
 def run_snaps(cmd: list[str], tmp: Path, env: dict[str, str] | None = None,
@@ -133,10 +127,8 @@ def unwind_named(snaps: Snaps, store: ModuleStore | None = None
     """Unwind, then name every frame through the symbolizer."""
     store = store or ModuleStore(None, host_modules=True)
     res = unwind(snaps.stacks, snaps.mappings, store)
-    frames = res.frames
-    sym = symbolize(store, frames.column("build_id").combine_chunks(),
-                    frames.column("lookup_vaddr").fill_null(0).to_numpy().astype(np.uint64),
-                    paths=frames.column("path").combine_chunks())
+    frames = res.stack_frames
+    sym = symbolize_frames(store, frames)
     levels: dict[int, list[str]] = {}
     for r in sym.select(["row", "function"]).to_pylist():
         levels.setdefault(r["row"], []).append(r["function"] or "?")
@@ -152,4 +144,4 @@ def unwind_named(snaps: Snaps, store: ModuleStore | None = None
         n.methods.append(f["method"])
         n.addresses.append(f["address"])
         n.lookups.append(f["lookup_vaddr"])
-    return [out[h] for h in snaps.stacks.column("hash").to_pylist()], res
+    return [out[h] for h in snaps.stacks.column("stack_hash").to_pylist()], res

@@ -1,5 +1,5 @@
-"""Synthetic artifacts and run databases with known allocations (no tests here: the data
-the process, report and export tests share). Every figure they check derives from this."""
+"""Synthetic artifacts and run databases with known allocations: the data the process,
+report and export tests share. Every figure they check derives from this."""
 
 from __future__ import annotations
 
@@ -7,15 +7,22 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from memtrack.process.lifecycle import lifecycle
 from memtrack.process.load import StageTables, load, meta_rows
-from memtrack.process.pair import pair, sort_events
-from memtrack.process.rss import rss_timeline
+from memtrack.process.pair import pair
+from memtrack.process.read import sort_events
+from memtrack.process.rss import effective_rss
 from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, Allocator, EventKind
 from memtrack.schema.artifact import ArtifactWriter
+from memtrack.schema.stages import (
+    MODULES,
+    SYMBOLIZED_FRAMES,
+    UNWOUND_STACK_FRAMES,
+    UNWOUND_STACKS,
+)
 
 K = EventKind
 LIBC = int(Allocator.LIBC)
-CLONE_THREAD = 0x10000
 END_NS = 3000
 
 # (ts, pid, tid, kind, flags, addr, old_addr, size, stack_hash)
@@ -90,67 +97,66 @@ STACKS = {
 }
 
 
-def stage_tables(events: pa.Table) -> tuple[StageTables, pa.Table]:
-    """StageTables with STACKS as unwound, symbolized frames (one module, no inlines)."""
+BUILD_ID = "ab" * 20
+NAMES = sorted({n for fr in STACKS.values() for n in fr})
+
+
+def vaddr_of(name: str) -> int:
+    return 0x1000 + 0x100 * NAMES.index(name)
+
+
+def stage_tables(events: pa.Table) -> StageTables:
+    """The stages' tables with STACKS as unwound (one module, every frame normalized)."""
     ev = sort_events(events)
-    pairing = pair(ev, END_NS)
-    names = sorted({n for fr in STACKS.values() for n in fr})
-    fid = {n: i for i, n in enumerate(names)}
-    st_rows: dict[str, list] = {k: [] for k in (
-        "stack_id", "stack_hash", "pid", "depth", "truncated", "complete", "stop")}
-    sf: dict[str, list] = {k: [] for k in (
-        "stack_id", "depth", "address", "module_id", "method", "lookup_vaddr", "frame_id")}
-    for sid, (h, fr) in enumerate(sorted(STACKS.items())):
-        for k, v in zip(st_rows, (sid, h, 100, len(fr), False, True, "complete"), strict=True):
+    life = lifecycle(ev, pa.table({
+        "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
+        "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
+        "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]]}, schema=PROCESSES),
+        root_pid=100, start_ns=900)
+    pairing = pair(ev, life, END_NS)
+    st_rows: dict[str, list] = {k: [] for k in UNWOUND_STACKS.names}
+    sf: dict[str, list] = {k: [] for k in UNWOUND_STACK_FRAMES.names}
+    for h, fr in sorted(STACKS.items()):
+        for k, v in zip(st_rows, (h, 100, len(fr), False, True, "complete"), strict=True):
             st_rows[k].append(v)
         for d, n in enumerate(fr):
-            vaddr = 0x1000 + 0x100 * fid[n]
-            for k, v in zip(sf, (sid, d, 0x5500_0000 + vaddr, 0, "cfi" if d else "regs",
-                                  vaddr, fid[n]), strict=True):
+            vaddr = vaddr_of(n)
+            for k, v in zip(sf, (h, 100, d, 0x5500_0000 + vaddr, "cfi" if d else "regs",
+                                 BUILD_ID, "/bin/p", vaddr, None), strict=True):
                 sf[k].append(v)
-    frames = pa.table({
-        "frame_id": pa.array(range(len(names)), pa.int32()),
-        "inline_depth": pa.array([0] * len(names), pa.uint8()),
-        "function": names, "symbol": names,
-        "offset": pa.array([0] * len(names), pa.uint64()),
-        "file": [f"{n}.c" for n in names],
-        "line": pa.array([10 + i for i in range(len(names))], pa.uint32()),
-        "column": pa.array([0] * len(names), pa.uint32()),
-        "module_id": pa.array([0] * len(names), pa.int32()),
-        "vaddr": pa.array([0x1000 + 0x100 * i for i in range(len(names))], pa.uint64()),
-        "address": pa.array([None] * len(names), pa.uint64()),
-        "reason": pa.array([None] * len(names), pa.string()),
-    })  # fmt: skip
     modules = pa.table({
-        "module_id": pa.array([0], pa.int32()), "build_id": ["ab" * 20], "path": ["/bin/p"],
-        "elf_path": ["/bin/p"], "has_debuginfo": [True], "in_artifact": [True]})  # fmt: skip
+        "module_id": pa.array([0], pa.int32()), "build_id": [BUILD_ID], "path": ["/bin/p"],
+        "elf_path": ["/bin/p"], "has_debuginfo": [True], "in_artifact": [True]},
+        schema=MODULES)  # fmt: skip
     return StageTables(
         events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
-        mappings=MAPPINGS.empty_table(),
-        processes=pa.table({
-            "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
-            "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
-            "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]]},
-            schema=PROCESSES),
-        rss=rss_timeline(pa.table({
+        life=life, mappings=MAPPINGS.empty_table(),
+        rss=effective_rss(pa.table({
             "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
-            "bytes": [4096, 65536, 8192], "external": [False] * 3}, schema=RSS), events),
+            "bytes": [4096, 65536, 8192], "external": [False] * 3}, schema=RSS), life),
         modules=modules,
-        stacks=pa.table(st_rows, schema=pa.schema([
-            ("stack_id", pa.int32()), ("stack_hash", pa.uint64()), ("pid", pa.uint32()),
-            ("depth", pa.uint16()), ("truncated", pa.bool_()), ("complete", pa.bool_()),
-            ("stop", pa.string())])),
-        stack_frames=pa.table(sf, schema=pa.schema([
-            ("stack_id", pa.int32()), ("depth", pa.uint16()), ("address", pa.uint64()),
-            ("module_id", pa.int32()), ("method", pa.string()),
-            ("lookup_vaddr", pa.uint64()), ("frame_id", pa.int32())])),
-        frames=frames,
-    ), pairing.allocations  # fmt: skip
+        stacks=pa.table(st_rows, schema=UNWOUND_STACKS),
+        stack_frames=pa.table(sf, schema=UNWOUND_STACK_FRAMES),
+    )  # fmt: skip
+
+
+def symbolize(known: pa.Table) -> pa.Table:
+    """The names of NAMES' addresses, as if read from the module: file NAME.c, line 10 + i."""
+    names = [NAMES[(v - 0x1000) // 0x100] for v in known.column("vaddr").to_pylist()]
+    n = len(names)
+    return pa.table({
+        "row": pa.array(range(n), pa.uint32()), "inline_depth": pa.array([0] * n, pa.uint8()),
+        "function": names, "symbol": names, "offset": pa.array([0] * n, pa.uint64()),
+        "file": [f"{x}.c" for x in names],
+        "line": pa.array([10 + NAMES.index(x) for x in names], pa.uint32()),
+        "column": pa.array([0] * n, pa.uint32()),
+        "reason": pa.array([None] * n, pa.string())}, schema=SYMBOLIZED_FRAMES)  # fmt: skip
 
 
 def write_run(path: Path) -> Path:
-    """A run database of EVENT_ROWS with STACKS as their stacks."""
-    tables, _ = stage_tables(events_table())
-    load(path, tables, meta_rows(start_ns=900, end_ns=END_NS, root_pid=100,
-                                 command=["p", "-x"], losses={}, counters={}))
+    """A run database of EVENT_ROWS with STACKS as their stacks, written by the load
+    stage as `process` writes it."""
+    load(path, stage_tables(events_table()), lambda _: meta_rows(
+        start_ns=900, end_ns=END_NS, root_pid=100, command=["p", "-x"], losses={},
+        counters={}), symbolize)
     return path

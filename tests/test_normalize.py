@@ -1,13 +1,19 @@
-"""Address spaces from mapping snapshots: which snapshot holds a record, vectorized
-address lookups, the next-snapshot fallback, file offsets."""
+"""Normalization: address spaces from mapping snapshots (which snapshot holds a record,
+vectorized address lookups, the next-snapshot fallback, file offsets) and the reason
+of every address that does not reach a module."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.addrspace import AddressSpaces
+from memtrack.elf import read_build_id
 from memtrack.schema import MAPPINGS
+from memtrack.schema.enums import Unresolved
+from memtrack.symbolize.modules import Module, ModuleStore
+from memtrack.symbolize.normalize import RESOLVED, AddressSpaces, Normalizer
 
 
 def _maps(rows: list[tuple[int, int, int, int, int, str, str | None]]) -> pa.Table:
@@ -71,3 +77,35 @@ def test_empty() -> None:
     sp = AddressSpaces(MAPPINGS.empty_table())
     assert sp.snapshot_of(np.array([1]), np.array([1])).tolist() == [-1]
     assert sp.find(np.array([-1]), np.array([5], np.uint64)).tolist() == [-1]
+
+
+def test_normalizer_says_why_an_address_has_no_module(tmp_path: Path) -> None:
+    libc = Path("/lib/x86_64-linux-gnu/libc.so.6")
+    bid = read_build_id(libc)
+    seg = ModuleStore(None).add_file(libc).segments
+    text = int(np.flatnonzero(seg.executable)[0])
+    t_off, t_va = int(seg.offset[text]), int(seg.vaddr[text])
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"\x7fELF" + b"\xff" * 60)
+    maps = _maps([
+        (1, 10, 0x10000, 0x20000, t_off, str(libc), bid),  # libc's text
+        (1, 10, 0x30000, 0x31000, 0x7FFF0000, str(libc), bid),  # beyond libc's segments
+        (1, 10, 0x40000, 0x41000, 0, "/data/file", None),  # a file without a build id
+        (1, 10, 0x50000, 0x51000, 0, "", None),  # anonymous
+        (1, 10, 0x60000, 0x61000, 0, "/gone/lib.so", "ee" * 20),  # not on this host
+        (1, 10, 0x70000, 0x71000, 0, str(junk), "dd" * 20),  # in the artifact, not an ELF
+    ])
+    store = ModuleStore(None, host_modules=True)
+    store._modules["dd" * 20] = Module("dd" * 20, str(junk), junk)
+    norm = Normalizer(maps, store)
+    addr = np.array([0x10010, 0x30010, 0x40010, 0x50010, 0x60010, 0x70010, 0x90000],
+                    np.uint64)
+    got = norm.normalize(norm.snapshot_of(np.full(7, 10), np.full(7, 1)), addr)
+    assert got.reason.tolist() == [RESOLVED, Unresolved.NO_SEGMENT, Unresolved.NO_BUILD_ID,
+                                   Unresolved.NO_MAPPING, Unresolved.NO_MODULE,
+                                   Unresolved.CORRUPT_ELF, Unresolved.NO_MAPPING]
+    assert got.vaddr.tolist() == [t_va + 0x10] + [-1] * 6
+    assert got.mapped.tolist() == [True, True, True, False, True, True, False]
+    assert norm.modules[got.module[0]].elf_path == libc
+    assert any("ee" * 20 in p and "not available" in p for p in norm.problems)
+    assert any(str(junk) in p for p in norm.problems)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from memtrack.symbolize.dwarf import sleb, uleb
+from memtrack.dwarf.leb128 import sleb, uleb
 
 MASK = 0xFFFFFFFFFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""`memtrack info`: what an artifact holds, without processing it."""
+"""`memtrack info ARTIFACT`: what an artifact holds, without processing it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
-from memtrack.schema import TABLES, EventKind
-from memtrack.schema.artifact import Artifact
+from memtrack.commands import CommandError
+from memtrack.schema import ALLOC_KINDS, TABLES, EventKind, StackEncoding
+from memtrack.schema.artifact import Artifact, ArtifactError
 
 
 def collect_info(path: Path) -> dict[str, Any]:
@@ -49,11 +50,12 @@ def collect_info(path: Path) -> dict[str, Any]:
 def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[str, Any]]:
     """Per process: its name and peak resident bytes (total and by member) with the time
     of the total's peak in seconds from the capture's start."""
-    from memtrack.process.rss import peaks_by_pid, rss_peaks, rss_timeline
+    from memtrack.process.lifecycle import lifecycle
+    from memtrack.process.rss import effective_rss, peaks_by_pid, rss_peaks
 
     if not rss.num_rows:
         return []
-    peaks = peaks_by_pid(rss_peaks(rss_timeline(rss, events)))
+    peaks = peaks_by_pid(rss_peaks(effective_rss(rss, lifecycle(events))))
     procs = processes.sort_by([("ts", "ascending")])
     names = dict(zip(procs["pid"].to_pylist(), procs["comm"].to_pylist(), strict=True))
     start = art.manifest.start_ns
@@ -73,16 +75,13 @@ def stack_records(stacks: Any, events: Any, top: int = 10) -> dict[str, Any]:
     without a stack, and the `top` most frequent stacks by allocations referencing them."""
     import numpy as np
 
-    from memtrack.schema import StackEncoding
-
     enc = stacks.column("encoding").to_numpy()
     ref = stacks.column("ref_hash").to_numpy()
     delta = enc == StackEncoding.DELTA
     hashes = stacks.column("hash").to_numpy()
     h = events.column("stack_hash").to_numpy() if events.num_rows else np.zeros(0, np.uint64)
     kinds = events.column("kind").to_numpy() if events.num_rows else np.zeros(0, np.uint8)
-    alloc = np.isin(kinds, [int(k) for k in (EventKind.MALLOC, EventKind.CALLOC,
-                                             EventKind.REALLOC, EventKind.ALIGNED_ALLOC)])
+    alloc = np.isin(kinds, [int(k) for k in ALLOC_KINDS])
     used, counts = np.unique(h[h != 0], return_counts=True)
     order = np.argsort(-counts, kind="stable")[:top]
     first: dict[int, int] = {}  # hash -> its first record
@@ -108,6 +107,14 @@ def stack_records(stacks: Any, events: Any, top: int = 10) -> dict[str, Any]:
         "unresolved_hashes": int(np.setdiff1d(used, hashes).size),
         "top": rows,
     }
+
+
+def run(artifact: Path, as_json: bool) -> int:
+    try:
+        show_info(artifact, as_json=as_json)
+    except ArtifactError as e:
+        raise CommandError(str(e)) from None
+    return 0
 
 
 def show_info(path: Path, *, as_json: bool = False) -> None:

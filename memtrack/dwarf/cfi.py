@@ -16,27 +16,23 @@ sections). The result is one row per change point, sorted by ELF virtual address
   another register) and so the unwinder's rare path.
 - `complex_rules[extra[i]]`: the full rule set of a complex row, expressions as bytes.
 
-Tables are cached per build id under $XDG_CACHE_HOME/memtrack/cfi/.
+`CFITable.arrays` / `CFITable.from_arrays` turn a table into flat arrays and back (the
+unwinder caches them per build id, memtrack.process.unwind.tables).
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 
-from memtrack.symbolize.dwarf import sleb, uleb
-
-CACHE_VERSION = 2  # bump when the tables built from the same file change
+from memtrack.dwarf.leb128 import sleb, uleb
+from memtrack.elf import ElfImage, ElfReadError
 
 # DWARF register numbers (x86_64).
 RBX, RBP, RSP, R12, R13, R14, R15, RIP = 3, 6, 7, 12, 13, 14, 15, 16
@@ -89,6 +85,20 @@ class CFITable:
         i[ok & (self.cfa_reg[np.maximum(i, 0)] == CFA_NONE)] = -1
         i[~ok] = -1
         return i
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The table as named flat arrays (complex rules and problems as JSON strings)."""
+        return {"pc": self.pc, "cfa_reg": self.cfa_reg, "cfa_off": self.cfa_off,
+                "rule": self.rule, "off": self.off, "flags": self.flags, "extra": self.extra,
+                "complex": np.array(_encode_complex(self.complex_rules)),
+                "problems": np.array(json.dumps(self.problems))}
+
+    @classmethod
+    def from_arrays(cls, z: Any) -> CFITable:
+        """The table `arrays` gave (any mapping of those names, an npz file too)."""
+        return cls(z["pc"], z["cfa_reg"], z["cfa_off"], z["rule"], z["off"], z["flags"],
+                   z["extra"], _decode_complex(json.loads(str(z["complex"]))),
+                   json.loads(str(z["problems"])))
 
     def row(self, i: int) -> dict[str, Any]:
         """The full rule set of row i: {"cfa": [...], "regs": {dwarf_reg: [kind, arg]}}."""
@@ -202,6 +212,13 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
     n = len(d)
     ca, da = cie.code_align, cie.data_align
 
+    def restore(r: int) -> None:
+        """DW_CFA_restore: the register's rule as the CIE's initial instructions left it."""
+        if r in initial_regs:
+            regs[r] = initial_regs[r]
+        else:
+            regs.pop(r, None)
+
     def emit() -> None:
         if rows and rows[-1][0] == loc:
             rows[-1] = (loc, cfa, dict(regs))
@@ -221,10 +238,7 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             regs[lo] = (Rule.OFFSET, v * da)
             continue
         if hi == 0xC0:
-            if lo in initial_regs:
-                regs[lo] = initial_regs[lo]
-            else:
-                regs.pop(lo, None)
+            restore(lo)
             continue
         if op == 0x00:
             continue
@@ -237,16 +251,13 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             f, k = {0x02: ("<B", 1), 0x03: ("<H", 2), 0x04: ("<I", 4)}[op]
             loc += struct.unpack_from(f, d, p)[0] * ca
             p += k
-        elif op == 0x05:
+        elif op in (0x05, 0x11):  # offset_extended, offset_extended_sf
             r, p = uleb(d, p)
-            v, p = uleb(d, p)
+            v, p = (uleb if op == 0x05 else sleb)(d, p)
             regs[r] = (Rule.OFFSET, v * da)
         elif op == 0x06:
             r, p = uleb(d, p)
-            if r in initial_regs:
-                regs[r] = initial_regs[r]
-            else:
-                regs.pop(r, None)
+            restore(r)
         elif op == 0x07:
             r, p = uleb(d, p)
             regs[r] = (Rule.UNDEFINED, 0)
@@ -284,10 +295,6 @@ def _run(cie: _CIE, insns: bytes, start: int, end: int, init_state: Any | None,
             k, p = uleb(d, p)
             regs[r] = (Rule.EXPRESSION if op == 0x10 else Rule.VAL_EXPRESSION, d[p:p + k])
             p += k
-        elif op == 0x11:
-            r, p = uleb(d, p)
-            v, p = sleb(d, p)
-            regs[r] = (Rule.OFFSET, v * da)
         elif op == 0x12:
             r, p = uleb(d, p)
             v, p = sleb(d, p)
@@ -494,57 +501,14 @@ def build_table(elf_path: Path | str, debug_path: Path | str | None = None) -> C
         if path is None:
             continue
         try:
-            with open(path, "rb") as f:
-                elf = ELFFile(f)
+            with ElfImage(path) as img:
                 for name in names:
-                    sec = elf.get_section_by_name(name)
-                    if sec is None or sec["sh_type"] == "SHT_NOBITS":
+                    sec = img.section(name)
+                    if sec is None:
                         continue
-                    got, probs = _fdes(sec.data(), sec["sh_addr"], name == ".eh_frame")
+                    got, probs = _fdes(sec[0], sec[1], name == ".eh_frame")
                     fdes += got
                     problems += [f"{path} {name}: {p}" for p in probs]
-        except (OSError, ELFError, struct.error, ValueError) as e:
-            problems.append(f"{path}: not a readable ELF file ({e})")
+        except ElfReadError as e:
+            problems.append(str(e))
     return _encode(fdes, problems)
-
-
-def cache_dir() -> Path:
-    """cfi/ under the symbolizer's cache directory ($XDG_CACHE_HOME/memtrack)."""
-    from memtrack.symbolize.cache import default_cache_dir
-
-    return default_cache_dir() / "cfi"
-
-
-_memo: dict[str, CFITable] = {}
-
-
-def load_table(build_id: str | None, elf_path: Path | str,
-               debug_path: Path | str | None = None, cache: Path | None = None) -> CFITable:
-    """The CFI table of a module, from memory, the on-disk cache (by build id) or built."""
-    if build_id and build_id in _memo:
-        return _memo[build_id]
-    cdir = cache or cache_dir()
-    cfile = cdir / f"{build_id}.v{CACHE_VERSION}.npz" if build_id else None
-    if cfile is not None and cfile.is_file():
-        try:
-            with np.load(cfile, allow_pickle=False) as z:
-                t = CFITable(z["pc"], z["cfa_reg"], z["cfa_off"], z["rule"], z["off"],
-                             z["flags"], z["extra"],
-                             _decode_complex(json.loads(str(z["complex"]))),
-                             json.loads(str(z["problems"])))
-            _memo[str(build_id)] = t
-            return t
-        except (OSError, ValueError, KeyError):
-            cfile.unlink(missing_ok=True)
-    t = build_table(elf_path, debug_path)
-    if cfile is not None:
-        cdir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cdir, prefix=".cfi.", suffix=".npz")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, pc=t.pc, cfa_reg=t.cfa_reg, cfa_off=t.cfa_off, rule=t.rule,
-                     off=t.off, flags=t.flags, extra=t.extra,
-                     complex=np.array(_encode_complex(t.complex_rules)),
-                     problems=np.array(json.dumps(t.problems)))
-        os.replace(tmp, cfile)
-        _memo[str(build_id)] = t
-    return t

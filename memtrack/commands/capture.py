@@ -1,0 +1,35 @@
+"""`memtrack capture -o OUT.memtrack -- CMD...`: record every allocation of CMD and its
+descendants (memtrack.capture.run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memtrack.commands import CommandError
+
+
+def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget: int,
+        stack_compression: str, rss: bool, track_faults: bool, modules: bool,
+        start_disabled: bool, control_fifo: Path | None, probe_placement: str,
+        events_ring_pages: int, stacks_ring_pages: int, fail_on_loss: bool,
+        timeout: float | None, program_cache: str) -> int:
+    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.run import run_capture
+    from memtrack.capture.tracker import CaptureError
+    from memtrack.schema.artifact import ArtifactError
+
+    for flag, value in (("--stacks", stacks), ("--stack-compression", stack_compression)):
+        if value not in ("on", "off"):
+            raise CommandError(f"{flag} {value}: expected on or off")
+    options = CaptureOptions(
+        stacks=stacks == "on", stack_budget=stack_budget,
+        stack_compression=stack_compression == "on",
+        rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
+        probe_placement=probe_placement, events_ring_pages=events_ring_pages,
+        stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss,
+        program_cache=program_cache)
+    try:
+        return run_capture(cmd, output, options, force=force, control=control_fifo,
+                           timeout=timeout)
+    except (CaptureError, ArtifactError, ValueError) as e:
+        raise CommandError(str(e)) from None

@@ -1,0 +1,25 @@
+"""`memtrack export RUN.duckdb --format folded|pprof|speedscope -o FILE`: a run for the
+tools that read those formats (memtrack.report.EXPORTS)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memtrack.commands import CommandError, open_run_db
+
+
+def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None) -> int:
+    from memtrack.report import EXPORT_METRICS, EXPORTS
+    from memtrack.report.reader import RunReader
+
+    if fmt not in EXPORTS:
+        raise CommandError(f"--format: expected one of {', '.join(EXPORTS)}, got {fmt!r}")
+    if metric not in EXPORT_METRICS:
+        raise CommandError(
+            f"--metric: expected one of {', '.join(EXPORT_METRICS)}, got {metric!r}")
+    data = EXPORTS[fmt](RunReader(open_run_db(run_db), pid), metric)
+    try:
+        output.write_bytes(data)
+    except OSError as e:
+        raise CommandError(f"{output}: {e.strerror or e}") from None
+    return 0

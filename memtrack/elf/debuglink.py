@@ -1,0 +1,47 @@
+"""Separate debug files: by build id under the debug roots, else by .gnu_debuglink."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+from memtrack.elf.image import ElfImage, ElfReadError, read_build_id
+
+DEBUG_ROOTS = (Path("/usr/lib/debug"),)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc & 0xFFFFFFFF
+
+
+def find_debug_file(path: str | Path, build_id: str | None = None,
+                    debug_roots: tuple[Path, ...] = DEBUG_ROOTS) -> Path | None:
+    """The separate debug file of `path`: by build id under each debug root
+    (.build-id/xx/rest.debug), then by .gnu_debuglink next to the file, in its .debug/
+    directory and under the debug roots, with the link's CRC checked."""
+    path = Path(path)
+    build_id = build_id or read_build_id(path)
+    if build_id and len(build_id) > 2:
+        for root in debug_roots:
+            cand = root / ".build-id" / build_id[:2] / f"{build_id[2:]}.debug"
+            if cand.is_file():
+                return cand
+    try:
+        with ElfImage(path) as img:
+            link = img.debuglink()
+    except ElfReadError:
+        return None
+    if link is None:
+        return None
+    name, crc = link
+    d = path.resolve().parent
+    cands = [d / name, d / ".debug" / name]
+    cands += [root / str(d).lstrip("/") / name for root in debug_roots]
+    for cand in cands:
+        if cand.is_file() and cand.resolve() != path.resolve() and _crc32(cand) == crc:
+            return cand
+    return None

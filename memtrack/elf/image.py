@@ -1,0 +1,296 @@
+"""One open ELF file: its loadable segments, sections (decompressed), symbols, build id,
+DWARF presence and .gnu_debuglink, the one reader every part of memtrack asks.
+
+pyelftools parses the headers and inflates compressed sections; symbol tables are read
+as numpy arrays (memtrack.elf.symtab), not a Python object per symbol. Every failure to
+read the file is an ElfReadError worded for one line (`PATH: problem`).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+SHF_EXECINSTR = 0x4
+SHF_COMPRESSED = 0x800
+PF_X = 0x1
+
+DWARF_SECTIONS = (
+    ".debug_info", ".debug_abbrev", ".debug_str", ".debug_line_str", ".debug_line",
+    ".debug_ranges", ".debug_rnglists", ".debug_addr", ".debug_str_offsets", ".debug_aranges",
+)  # fmt: skip
+
+ELF_ERRORS = (OSError, ELFError, struct.error, ValueError, zlib.error, KeyError, IndexError,
+              AssertionError)
+
+
+class ElfReadError(Exception):
+    """An ELF file that cannot be read (worded for one line)."""
+
+
+@dataclass
+class Segments:
+    """PT_LOAD segments as parallel arrays, sorted by file offset."""
+
+    offset: np.ndarray  # p_offset, uint64
+    vaddr: np.ndarray  # p_vaddr, uint64
+    filesz: np.ndarray  # p_filesz, uint64
+    memsz: np.ndarray  # p_memsz, uint64
+    executable: np.ndarray  # PF_X set, bool
+
+    @classmethod
+    def of(cls, elf: ELFFile) -> Segments:
+        rows = sorted(
+            (s["p_offset"], s["p_vaddr"], s["p_filesz"], s["p_memsz"], bool(s["p_flags"] & PF_X))
+            for s in elf.iter_segments()
+            if s["p_type"] == "PT_LOAD"
+        )
+        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), ()]
+        return cls(
+            np.array(cols[0], dtype=np.uint64),
+            np.array(cols[1], dtype=np.uint64),
+            np.array(cols[2], dtype=np.uint64),
+            np.array(cols[3], dtype=np.uint64),
+            np.array(cols[4], dtype=bool),
+        )
+
+    def file_offset_to_vaddr(self, offsets: np.ndarray) -> np.ndarray:
+        """ELF virtual addresses (int64) of file offsets, via the PT_LOAD holding each
+        offset (within p_filesz); -1 where no segment holds it."""
+        off = np.asarray(offsets, dtype=np.uint64)
+        out = np.full(off.shape, -1, dtype=np.int64)
+        if len(self.offset) == 0 or off.size == 0:
+            return out
+        i = np.searchsorted(self.offset, off, side="right").astype(np.int64) - 1
+        ok = i >= 0
+        ic = np.where(ok, i, 0)
+        inside = ok & (off - self.offset[ic] < self.filesz[ic]) & (off >= self.offset[ic])
+        # Overlapping segments (a page shared by text and data) are rare; a later
+        # segment starting inside an earlier one wins, like the loader's mapping.
+        out[inside] = (self.vaddr[ic] + (off - self.offset[ic]))[inside].astype(np.int64)
+        return out
+
+    def vaddr_to_offset(self, vaddr: int) -> int | None:
+        """The file offset of a virtual address inside a segment's file bytes."""
+        for off, va, size in zip(self.offset.tolist(), self.vaddr.tolist(),
+                                 self.filesz.tolist(), strict=True):
+            if va <= vaddr < va + size:
+                return vaddr - va + off
+        return None
+
+
+class ElfImage:
+    """An open ELF file (or image in memory). Use as a context manager, or close()."""
+
+    def __init__(self, path: Path | str, data: bytes | None = None) -> None:
+        self.path = Path(path)
+        try:
+            self._f: IO[bytes] = io.BytesIO(data) if data is not None else open(  # noqa: SIM115
+                self.path, "rb")
+        except OSError as e:
+            raise ElfReadError(f"{path}: not a readable ELF file ({e})") from None
+        try:
+            self.elf = ELFFile(self._f)
+            self.sections = {s.name: s for s in self.elf.iter_sections()}
+        except ELF_ERRORS as e:
+            self._f.close()
+            raise ElfReadError(f"{path}: not a readable ELF file ({e})") from None
+        self._segments: Segments | None = None
+
+    @classmethod
+    def of_bytes(cls, data: bytes, name: str = "[memory]") -> ElfImage:
+        """An ELF image held in memory (the vDSO)."""
+        return cls(name, data)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> ElfImage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- headers -------------------------------------------------------------------
+    @property
+    def elf_type(self) -> str:
+        """e_type: "ET_DYN" (shared object or PIE), "ET_EXEC", ..."""
+        return str(self.elf["e_type"])
+
+    @property
+    def segments(self) -> Segments:
+        if self._segments is None:
+            try:
+                self._segments = Segments.of(self.elf)
+            except ELF_ERRORS as e:
+                raise ElfReadError(f"{self.path}: program headers unreadable ({e})") from None
+        return self._segments
+
+    @property
+    def build_id(self) -> str | None:
+        """The GNU build id as lowercase hex, or None: from the PT_NOTE segments, else
+        the .note.gnu.build-id section (a debug file's notes are not in a segment)."""
+        try:
+            for seg in self.elf.iter_segments():
+                if seg["p_type"] != "PT_NOTE":
+                    continue
+                for note in seg.iter_notes():
+                    if note["n_type"] == "NT_GNU_BUILD_ID" and note["n_name"] == "GNU":
+                        return str(note["n_desc"]).lower()
+            sec = self.sections.get(".note.gnu.build-id")
+            if sec is not None:
+                for note in sec.iter_notes():
+                    if note["n_type"] == "NT_GNU_BUILD_ID":
+                        return str(note["n_desc"]).lower()
+        except ELF_ERRORS:
+            return None
+        return None
+
+    def debuglink(self) -> tuple[str, int] | None:
+        """(file name, CRC32) of the .gnu_debuglink section, or None."""
+        sec = self.sections.get(".gnu_debuglink")
+        if sec is None:
+            return None
+        try:
+            data = sec.data()
+            end = data.index(b"\0")
+            (crc,) = struct.unpack_from("<I", data, (end + 4) & ~3)
+        except ELF_ERRORS:
+            return None
+        return data[:end].decode(errors="replace"), crc
+
+    # ---- sections ------------------------------------------------------------------
+    def exec_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) virtual address ranges of the executable sections, sorted."""
+        out = []
+        for s in self.elf.iter_sections():
+            if s["sh_flags"] & SHF_EXECINSTR and s["sh_size"]:
+                out.append((s["sh_addr"], s["sh_addr"] + s["sh_size"]))
+        return sorted(out)
+
+    def has(self, name: str) -> bool:
+        """Whether section `name` (or its old .zdebug form) holds bytes."""
+        s = self.sections.get(name) or self.sections.get(".z" + name[1:])
+        return s is not None and s["sh_type"] != "SHT_NOBITS" and s["sh_size"] > 0
+
+    @property
+    def has_dwarf(self) -> bool:
+        """Whether the file holds DWARF debug information (.debug_info with bytes;
+        compressed or .zdebug sections count, a debug stub's NOBITS one does not)."""
+        return self.has(".debug_info")
+
+    def section_bytes(self, name: str) -> bytes:
+        """A section's contents, decompressed (SHF_COMPRESSED or the old .zdebug form)."""
+        s = self.sections.get(name)
+        if s is not None and s["sh_type"] != "SHT_NOBITS":
+            try:
+                return bytes(s.data())  # pyelftools inflates SHF_COMPRESSED sections
+            except ELF_ERRORS as e:
+                raise ElfReadError(f"{self.path}: section {name} unreadable ({e})") from None
+        z = self.sections.get(".z" + name[1:])
+        if z is not None:
+            raw = z.data()
+            if raw[:4] != b"ZLIB":
+                raise ElfReadError(f"{self.path}: section {z.name} has no ZLIB header")
+            try:
+                return zlib.decompress(raw[12:])
+            except zlib.error as e:
+                raise ElfReadError(f"{self.path}: section {z.name} corrupt ({e})") from None
+        return b""
+
+    def dwarf_sections(self) -> dict[str, bytes]:
+        return {n: self.section_bytes(n) for n in DWARF_SECTIONS if self.has(n)}
+
+    def section(self, name: str) -> tuple[bytes, int] | None:
+        """(bytes, sh_addr) of a section with contents, or None (absent or NOBITS)."""
+        sec = self.sections.get(name)
+        if sec is None or sec["sh_type"] == "SHT_NOBITS":
+            return None
+        try:
+            return bytes(sec.data()), int(sec["sh_addr"])
+        except ELF_ERRORS as e:
+            raise ElfReadError(f"{self.path}: section {name} unreadable ({e})") from None
+
+    # ---- code ----------------------------------------------------------------------
+    def code(self, vaddr: int, size: int) -> bytes:
+        """Up to `size` file bytes from virtual address `vaddr` (b'' outside the
+        segments' file bytes)."""
+        seg = self.segments
+        off = self.segments.vaddr_to_offset(vaddr)
+        if off is None or size <= 0:
+            return b""
+        i = int(np.searchsorted(seg.offset, np.uint64(off), side="right")) - 1
+        end = int(seg.offset[i] + seg.filesz[i])
+        try:
+            self._f.seek(off)
+            return self._f.read(min(size, end - off))
+        except OSError:
+            return b""
+
+    def executable_bytes(self) -> list[tuple[int, bytes]]:
+        """(vaddr, file bytes) of each executable PT_LOAD segment."""
+        seg = self.segments
+        out = []
+        for off, va, size, x in zip(seg.offset.tolist(), seg.vaddr.tolist(),
+                                    seg.filesz.tolist(), seg.executable.tolist(), strict=True):
+            if x and size:
+                try:
+                    self._f.seek(off)
+                    out.append((va, self._f.read(size)))
+                except OSError as e:
+                    raise ElfReadError(f"{self.path}: segment at {off:#x} unreadable "
+                                       f"({e})") from None
+        return out
+
+    # ---- symbols -------------------------------------------------------------------
+    def symbol_table(self) -> tuple[Any, str]:
+        """(SymbolTable, source section name): .symtab, else .dynsym; ('' when none)."""
+        from memtrack.elf.symtab import read_symbol_table
+
+        return read_symbol_table(self)
+
+    def functions(self, names: set[str], *, ifunc: bool = False) -> dict[str, tuple[int, int]]:
+        """Defined functions among `names` -> (vaddr, size), from .dynsym and .symtab
+        (the first definition in section order wins; `name@VERSION` matches `name`).
+        STT_GNU_IFUNC symbols only with `ifunc` (their address is the resolver's)."""
+        from memtrack.elf.symtab import defined_functions
+
+        return defined_functions(self, names, ifunc=ifunc)
+
+    def function_code(self, symbol: str) -> tuple[bytes, int]:
+        """The machine code of a function symbol (st_size bytes, 256 when unsized) and
+        its address; ValueError when it is missing or not in a loaded segment."""
+        found = self.functions({symbol}, ifunc=True).get(symbol)
+        if found is None:
+            raise ValueError(f"{self.path}: no function symbol {symbol!r}")
+        vaddr, size = found
+        code = self.code(vaddr, size or 256)
+        if not code:
+            raise ValueError(f"{self.path}: {symbol} at {vaddr:#x} is not in a loaded segment")
+        return code, vaddr
+
+
+def read_build_id(path: str | Path) -> str | None:
+    """The GNU build id of an ELF file as lowercase hex, or None (no note, not an ELF)."""
+    try:
+        with ElfImage(path) as img:
+            return img.build_id
+    except ElfReadError:
+        return None
+
+
+def build_id_of_bytes(data: bytes) -> str | None:
+    """The build id of an ELF image held in memory (the vDSO)."""
+    try:
+        with ElfImage.of_bytes(data) as img:
+            return img.build_id
+    except ElfReadError:
+        return None

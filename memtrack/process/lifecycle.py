@@ -1,0 +1,234 @@
+"""Process and thread lifecycle, derived once from the events (FORK, EXEC, EXIT) and the
+artifact's processes rows; pairing, the RSS stage, the anon replay, the processes and
+threads tables and memory_metadata.json all read it from here.
+
+A process *life* runs from its fork (or from when it was first seen) to its exit; a
+pid the kernel hands out again during the capture starts a second life. A child that
+never exec'd and was never snapshotted carries its parent's identity (a fork copies it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.schema.enums import CLONE_THREAD, EXIT_PROCESS, EventKind
+
+
+@dataclass
+class Life:
+    """One life of a process."""
+
+    pid: int
+    start_ns: int | None
+    ppid: int | None = None
+    exit_ns: int | None = None
+    exit_raw: int | None = None  # the kernel's exit_code: status << 8 | signal
+    idents: list[dict[str, Any]] = field(default_factory=list)  # processes rows, in time
+    execs: list[int] = field(default_factory=list)
+
+    def identity(self, by_pid: dict[int, list[Life]]) -> dict[str, Any]:
+        """comm/exe/cmdline of the life: its latest processes row, else its parent's
+        at the fork (up the tree until one has a row)."""
+        if self.idents:
+            return _ident(self.idents[-1])
+        seen = {id(self)}
+        parent: Life = self
+        start = self.start_ns or 0
+        while parent.ppid is not None:
+            cands = [p for p in by_pid.get(parent.ppid, []) if (p.start_ns or 0) <= start]
+            if not cands or id(cands[-1]) in seen:
+                break
+            parent = cands[-1]
+            seen.add(id(parent))
+            before = [r for r in parent.idents if r["ts"] <= start] or parent.idents
+            if before:
+                return _ident(before[-1])
+        return {"comm": None, "exe": None, "cmdline": None}
+
+
+def _ident(row: dict[str, Any]) -> dict[str, Any]:
+    return {"comm": row["comm"], "exe": row["exe"], "cmdline": row["cmdline"]}
+
+
+def exit_status(raw: int | None) -> dict[str, int | None] | None:
+    """{"code", "signal"} of the kernel's exit_code (status << 8 | signal)."""
+    if raw is None:
+        return None
+    sig = raw & 0x7F
+    return {"code": None if sig else (raw >> 8) & 0xFF, "signal": sig or None}
+
+
+@dataclass
+class Lifecycle:
+    """The lifecycle events as tables (ts-ordered), and the process lives."""
+
+    clones: pa.Table  # every FORK: event_id, ts, pid, tid (the parent), child, thread
+    execs: pa.Table  # event_id, ts, pid
+    exits: pa.Table  # every EXIT: event_id, ts, pid, tid, status, process (whole process)
+    lives: list[Life]  # by start, then pid
+
+    @property
+    def forks(self) -> pa.Table:
+        """Process forks (not new threads): event_id, ts, parent, child."""
+        t = self.clones.filter(pa.array(~self.clones["thread"].to_numpy(zero_copy_only=False)))
+        return pa.table({"event_id": t["event_id"], "ts": t["ts"], "parent": t["pid"],
+                         "child": t["child"]})
+
+    @property
+    def process_exits(self) -> pa.Table:
+        """Whole-process exits: event_id, ts, pid, status."""
+        t = self.exits.filter(self.exits["process"])
+        return t.select(["event_id", "ts", "pid", "status"])
+
+    def by_pid(self) -> dict[int, list[Life]]:
+        out: dict[int, list[Life]] = defaultdict(list)
+        for lf in self.lives:
+            out[lf.pid].append(lf)
+        return out
+
+    def processes_table(self) -> pa.Table:
+        """The run database's processes rows, one per pid: its last life, named by its
+        latest processes row (any life's), else by its ancestors'."""
+        by_pid = self.by_pid()
+        last = sorted((ls[-1] for ls in by_pid.values()), key=lambda lf: (lf.start_ns or 0,
+                                                                           lf.pid))
+        rows = []
+        for lf in last:
+            named = [x for x in by_pid[lf.pid] if x.idents]
+            ident = named[-1].identity(by_pid) if named else lf.identity(by_pid)
+            raw = lf.exit_raw
+            rows.append({"pid": lf.pid, "ppid": lf.ppid, "name": ident["comm"],
+                         "exe": ident["exe"], "cmdline": ident["cmdline"],
+                         "start_ts": lf.start_ns, "exit_ts": lf.exit_ns, "exit_status": raw,
+                         "exit_code": None if raw is None else (raw >> 8) & 0xFF,
+                         "exit_signal": (raw & 0x7F) or None if raw is not None else None})
+        return pa.Table.from_pylist(rows, schema=PROCESS_ROWS)
+
+
+PROCESS_ROWS = pa.schema([
+    ("pid", pa.uint32()), ("ppid", pa.uint32()), ("name", pa.string()), ("exe", pa.string()),
+    ("cmdline", pa.list_(pa.string())), ("start_ts", pa.uint64()), ("exit_ts", pa.uint64()),
+    ("exit_status", pa.int32()), ("exit_code", pa.int32()), ("exit_signal", pa.int32()),
+])  # fmt: skip
+
+
+def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: int = 0,
+              start_ns: int = 0) -> Lifecycle:
+    """The lifecycle of a capture from its events (any order; `event_id` when they have
+    one, else their position) and processes rows; `root_pid` and `start_ns` (the
+    manifest's) give the root a life even when nothing else names it."""
+    n = events.num_rows
+    ts = events["ts"].to_numpy()
+    order = np.argsort(ts, kind="stable")
+    col = {c: events[c].to_numpy()[order] for c in ("ts", "pid", "tid", "kind", "flags",
+                                                     "addr", "size")}
+    eid = (events["event_id"].to_numpy()[order] if "event_id" in events.column_names
+           else order.astype(np.uint64))
+    kind, flags = col["kind"], col["flags"]
+    fk = kind == EventKind.FORK
+    clones = pa.table({
+        "event_id": pa.array(eid[fk], pa.uint64()), "ts": pa.array(col["ts"][fk], pa.uint64()),
+        "pid": pa.array(col["pid"][fk], pa.uint32()), "tid": pa.array(col["tid"][fk], pa.uint32()),
+        "child": pa.array(col["addr"][fk].astype(np.uint32), pa.uint32()),
+        "thread": pa.array((flags[fk] & CLONE_THREAD) != 0)})  # fmt: skip
+    ex = kind == EventKind.EXEC
+    execs = pa.table({"event_id": pa.array(eid[ex], pa.uint64()),
+                      "ts": pa.array(col["ts"][ex], pa.uint64()),
+                      "pid": pa.array(col["pid"][ex], pa.uint32())})
+    xt = kind == EventKind.EXIT
+    exits = pa.table({
+        "event_id": pa.array(eid[xt], pa.uint64()), "ts": pa.array(col["ts"][xt], pa.uint64()),
+        "pid": pa.array(col["pid"][xt], pa.uint32()), "tid": pa.array(col["tid"][xt], pa.uint32()),
+        "status": pa.array(col["size"][xt].astype(np.int64).astype(np.int32), pa.int32()),
+        "process": pa.array((flags[xt] & EXIT_PROCESS) != 0)})  # fmt: skip
+    first_seen: dict[int, int] = {}
+    if n:
+        pids, first = np.unique(col["pid"], return_index=True)
+        first_seen = dict(zip(pids.tolist(), col["ts"][first].tolist(), strict=True))
+    lc = Lifecycle(clones, execs, exits, [])
+    lc.lives = _lives(lc, processes, first_seen, root_pid, start_ns)
+    return lc
+
+
+def _lives(lc: Lifecycle, processes: pa.Table | None, first_seen: dict[int, int],
+           root_pid: int, start_ns: int) -> list[Life]:
+    """The lives: forks start them, exits end them, execs and processes rows (who each
+    process was, at start and after each exec) fall in the life that holds them."""
+    lives: dict[int, list[Life]] = defaultdict(list)
+
+    def current(pid: int, ts: int) -> Life:
+        if not lives[pid] or (lives[pid][-1].exit_ns is not None and lives[pid][-1].exit_ns < ts):
+            lives[pid].append(Life(pid, None))
+        return lives[pid][-1]
+
+    forks, pexits, execs = lc.forks, lc.process_exits, lc.execs
+    steps = [(e, t, 0, p, c, 0) for e, t, p, c in zip(
+        forks["event_id"].to_pylist(), forks["ts"].to_pylist(), forks["parent"].to_pylist(),
+        forks["child"].to_pylist(), strict=True)]
+    steps += [(e, t, 1, p, 0, 0) for e, t, p in zip(
+        execs["event_id"].to_pylist(), execs["ts"].to_pylist(), execs["pid"].to_pylist(),
+        strict=True)]
+    steps += [(e, t, 2, p, 0, s) for e, t, p, s in zip(
+        pexits["event_id"].to_pylist(), pexits["ts"].to_pylist(), pexits["pid"].to_pylist(),
+        pexits["status"].to_pylist(), strict=True)]
+    steps.sort(key=lambda x: (x[1], x[0]))  # in time, then in event order
+    for _, ts, what, pid, child, status in steps:
+        if what == 0:
+            if lives[child] and lives[child][-1].exit_ns is None \
+                    and lives[child][-1].start_ns is None:
+                life = lives[child][-1]  # seen (processes row) before its fork event
+                life.start_ns, life.ppid = ts, pid
+            else:
+                lives[child].append(Life(child, ts, ppid=pid))
+        elif what == 1:
+            current(pid, ts).execs.append(ts)
+        else:
+            life = current(pid, ts)
+            life.exit_ns, life.exit_raw = ts, status
+    rows = processes.sort_by([("ts", "ascending")]).to_pylist() if processes is not None \
+        else []
+    for row in rows:
+        pid = row["pid"]
+        cands = [lf for lf in lives[pid] if lf.start_ns is None or lf.start_ns <= row["ts"]]
+        life = cands[-1] if cands else current(pid, row["ts"])
+        if life.ppid is None and row["ppid"]:
+            life.ppid = row["ppid"]
+        life.idents.append(row)
+    if root_pid and not lives[root_pid]:
+        lives[root_pid].append(Life(root_pid, start_ns or None))
+    for pid, ts in first_seen.items():  # a pid only its events name
+        if not lives[pid]:
+            lives[pid].append(Life(pid, ts))
+    out = [lf for ls in lives.values() for lf in ls]
+    for lf in out:
+        if lf.start_ns is None:
+            seen = [t for t in (lf.idents[0]["ts"] if lf.idents else None,
+                                first_seen.get(lf.pid)) if t is not None]
+            lf.start_ns = min(seen) if seen else (start_ns or None)
+    out.sort(key=lambda lf: (lf.start_ns or 0, lf.pid))
+    return out
+
+
+def fork_depths(forks: pa.Table) -> dict[int, int]:
+    """Child pid -> its depth below the first traced ancestor (1 = its parent was not
+    itself forked during the capture). A reused pid takes its latest fork."""
+    parent_of = dict(zip(forks["child"].to_pylist(), forks["parent"].to_pylist(), strict=True))
+    depth: dict[int, int] = {}
+    for child in parent_of:
+        chain: list[int] = []
+        seen: set[int] = set()
+        x = child
+        while x in parent_of and x not in depth and x not in seen:
+            chain.append(x)
+            seen.add(x)
+            x = parent_of[x]
+        d = depth.get(x, 0)
+        for y in reversed(chain):
+            d += 1
+            depth[y] = d
+    return depth

@@ -1,0 +1,95 @@
+"""The unwind stage: decoded stack records -> stacks and their physical frames.
+
+Per process, an address space of mapped modules (memtrack.symbolize.normalize) with
+compact CFI rows extracted from each module once (memtrack.process.unwind.tables), a
+small DWARF expression evaluator for the rare rows that need one, pc - 1 lookups for
+every frame but the first and the one after a signal frame, the frame-pointer fallback
+where CFI is missing, and a per-frame record of which method produced it
+(memtrack.process.unwind.walk). Each distinct stack hash is unwound once: the first
+record of it (`first_records`); the same bytes recorded again, by a forked child or
+after the in-kernel dedupe forgot them, unwind the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.process.unwind.tables import ModuleRows, extract
+from memtrack.process.unwind.walk import METHODS, STOPS, Walk
+from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
+from memtrack.symbolize.modules import ModuleStore
+from memtrack.symbolize.normalize import Normalizer
+
+__all__ = ["METHODS", "STOPS", "Unwinder", "UnwoundStacks", "first_records", "unwind"]
+
+
+@dataclass
+class UnwoundStacks:
+    stacks: pa.Table  # UNWOUND_STACKS: one row per distinct stack hash
+    stack_frames: pa.Table  # UNWOUND_STACK_FRAMES, by stack and depth
+    counters: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # modules that could not be used
+
+
+def first_records(records: pa.Table, seen: np.ndarray | None = None
+                  ) -> tuple[pa.Table, np.ndarray]:
+    """The first record of each stack hash not in `seen` (sorted hashes), in table order,
+    and the hashes seen now."""
+    h = records.column("stack_hash").to_numpy().astype(np.uint64)
+    _, first = np.unique(h, return_index=True)
+    keep = np.zeros(len(h), dtype=bool)
+    keep[first] = True
+    if seen is not None and len(seen):
+        keep &= ~np.isin(h, seen)
+    out = records if keep.all() else records.filter(pa.array(keep))
+    return out, np.union1d(seen if seen is not None else np.zeros(0, np.uint64), h)
+
+
+class Unwinder:
+    """Unwinds batches of decoded stack records against one artifact's mappings: each
+    stack hash once, in the first batch that holds it, and the module rows extracted
+    for one batch serve the next (`memtrack process` goes run by run)."""
+
+    def __init__(self, mappings: pa.Table, store: ModuleStore, max_depth: int = 512) -> None:
+        self.normalizer = Normalizer(mappings, store)
+        self.max_depth = max_depth
+        self.rows: dict[int, ModuleRows | None] = {}
+        self.seen = np.zeros(0, np.uint64)  # sorted stack hashes unwound so far
+
+    def _extract(self, modules: np.ndarray) -> None:
+        """Module rows for the module indices not extracted yet (reads their files)."""
+        for m in np.unique(modules[modules >= 0]).tolist():
+            if m not in self.rows:
+                mod = self.normalizer.modules[m]
+                self.rows[m] = extract(mod) if mod is not None else None
+
+    @property
+    def problems(self) -> list[str]:
+        out = list(self.normalizer.problems)
+        for r in self.rows.values():
+            if r is not None:
+                out.extend(p for p in r.cfi.problems if p not in out)
+        return out
+
+    def unwind(self, records: pa.Table) -> UnwoundStacks:
+        """Unwind the first record of each stack hash of `records` (DECODED_RECORDS) not
+        unwound by an earlier call."""
+        records, self.seen = first_records(records, self.seen)
+        if records.num_rows == 0:
+            return UnwoundStacks(UNWOUND_STACKS.empty_table(),
+                                 UNWOUND_STACK_FRAMES.empty_table(), {}, self.problems)
+        walk = Walk(records, self.normalizer, self.rows, self._extract, self.max_depth)
+        walk.run()
+        stacks, frames = walk.result()
+        return UnwoundStacks(stacks, frames, walk.counters, self.problems)
+
+
+def unwind(records: pa.Table, mappings: pa.Table, store: ModuleStore,
+           max_depth: int = 512) -> UnwoundStacks:
+    """Unwind every distinct stack hash of a decoded stack-record table
+    (DECODED_RECORDS: stack_hash, pid, ts, sp, regs in DWARF order, the stack bytes from
+    sp upward, fp_chain) against the artifact's mapping snapshots."""
+    return Unwinder(mappings, store, max_depth).unwind(records)

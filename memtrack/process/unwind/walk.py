@@ -1,0 +1,509 @@
+"""The lockstep walk: all stacks of a batch advance together, one frame depth at a time,
+with numpy. The registers of every live stack are one (n, 17) array; each step looks
+the CFI row of every pc up per module with one searchsorted and reads the saved
+registers out of the stack copies with one gather. Rows that need more than "CFA =
+rsp|rbp + k, registers at CFA + k" (DWARF expressions: PLT entries, signal trampolines;
+a CFA on another register) take a per-stack path through the DWARF expression
+evaluator. Where no CFI covers a pc the step follows the frame pointer, except at a
+signal-return sequence (a trampoline without CFI) and, for frame 0, where the
+prologue/epilogue row says rbp is not the frame yet or any more; where the copied
+bytes end, the kernel's frame-pointer chain continues the stack.
+
+A step is a lookup and a gather: the module rows it reads (memtrack.process.unwind.
+tables) are extracted when a depth first lands in a module, the frame-0 rows
+(memtrack.process.unwind.frame0) before the walk starts.
+
+Stop rules (memtrack.schema.enums.Stop): RA undefined (`_start`, thread start: the
+stack is complete), the CFA does not advance, a read leaves the copied bytes
+(truncated), an address outside any file-backed mapping (no-mapping), ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memtrack.dwarf.cfi import (
+    COMPLEX,
+    RBP,
+    RIP,
+    RSP,
+    SIGNAL,
+    TRACKED,
+    CFITable,
+    Rule,
+)
+from memtrack.dwarf.expr import DwarfExprError, evaluate
+from memtrack.process.unwind.frame0 import frame0_rows
+from memtrack.process.unwind.tables import ModuleRows
+from memtrack.schema import NUM_REGS
+from memtrack.schema.enums import Method, Stop, Unresolved, names
+from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
+from memtrack.symbolize.normalize import Normalized, Normalizer
+
+METHODS = names(Method)
+STOPS = names(Stop)
+UNRESOLVED = names(Unresolved)
+M_REGS, M_CFI, M_FP, M_KERNEL = Method
+S_NONE, S_COMPLETE, S_TRUNCATED, S_NO_MAPPING, S_NO_ADVANCE, S_NO_RULE, S_BAD_REG, \
+    S_BAD_ADDR, S_BAD_EXPR, S_MAX_DEPTH, S_NULL = Stop
+
+CALLER_SAVED = (0, 1, 2, 4, 5, 8, 9, 10, 11)
+# rt_sigframe: uc_mcontext starts 40 bytes above the sp __restore_rt runs with; its
+# register array is r8..r15, rdi, rsi, rbp, rbx, rdx, rax, rcx, rsp, rip.
+_SIGCTX = {8: 0, 9: 1, 10: 2, 11: 3, 12: 4, 13: 5, 14: 6, 15: 7, 5: 8, 4: 9, 6: 10, 3: 11,
+           1: 12, 0: 13, 2: 14, 7: 15, 16: 16}
+
+
+def _sleb(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if (v == 0 and not b & 0x40) or (v == -1 and b & 0x40):
+            return bytes(out + bytes([b]))
+        out.append(b | 0x80)
+
+
+SIGRETURN_RULES: dict[str, Any] = {
+    "cfa": ["expr", bytes([0x77]) + _sleb(40 + 8 * 15) + bytes([0x06])],
+    "regs": {r: [int(Rule.EXPRESSION), bytes([0x77]) + _sleb(40 + 8 * i)]
+             for r, i in _SIGCTX.items()},
+}
+
+_SAME, _OFFSET, _UNDEFINED, _VAL_OFFSET = (int(Rule.SAME), int(Rule.OFFSET),
+                                          int(Rule.UNDEFINED), int(Rule.VAL_OFFSET))
+
+# The frame-pointer step as a compact CFI row: CFA = rbp + 16, RA at CFA - 8, rbp at
+# CFA - 16; other callee-saved registers are unknown afterwards.
+_K = len(TRACKED)
+_FP_RULE = np.array([Rule.OFFSET, *[Rule.UNDEFINED] * (_K - 1)], dtype=np.int8)
+_FP_RULE[TRACKED.index(RBP)] = Rule.OFFSET
+_FP_OFF = np.zeros(_K, dtype=np.int64)
+_FP_OFF[0] = -8
+_FP_OFF[TRACKED.index(RBP)] = -16
+
+
+class Memory:
+    """The stack copies of a batch of stacks, one byte array, read by (stack, address)."""
+
+    def __init__(self, records: pa.Table) -> None:
+        col = records.column("stack").cast(pa.large_binary()).combine_chunks()
+        bufs = col.buffers()
+        offs = np.frombuffer(bufs[1], dtype=np.int64)[col.offset:col.offset + len(col) + 1] \
+            if len(col) else np.zeros(1, np.int64)
+        self.buf = np.frombuffer(bufs[2], dtype=np.uint8) if len(col) and bufs[2] is not None \
+            else np.zeros(0, np.uint8)
+        self.base = offs[:-1].astype(np.int64)
+        self.ln = (offs[1:] - offs[:-1]).astype(np.uint64)
+        self.sp = records.column("sp").to_numpy().astype(np.uint64)
+
+    def read(self, idx: np.ndarray, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                               np.ndarray]:
+        """(value, ok, beyond): 8 bytes at each address of each stack's copy; `beyond`
+        where the address is above the copy's end (the copy was too short)."""
+        sp = self.sp[idx]
+        ln = self.ln[idx]
+        above = addr >= sp
+        off = addr - sp
+        ok = above & (off < ln) & (ln - off >= np.uint64(8))
+        beyond = above & ~ok
+        val = np.zeros(len(idx), dtype=np.uint64)
+        if ok.any():
+            pos = self.base[idx[ok]] + off[ok].astype(np.int64)
+            b = self.buf[pos[:, None] + np.arange(8)]
+            val[ok] = np.ascontiguousarray(b).view("<u8").ravel()
+        return val, ok, beyond
+
+    def read_one(self, i: int, addr: int, size: int) -> int:
+        off = addr - int(self.sp[i])
+        if off < 0 or off + size > int(self.ln[i]):
+            raise _Beyond(addr) if off >= 0 else DwarfExprError(f"{addr:#x} below the copy")
+        p = int(self.base[i]) + off
+        return int.from_bytes(self.buf[p:p + size].tobytes(), "little")
+
+
+class _Beyond(DwarfExprError):
+    """A read above the end of the stack copy."""
+
+
+class Walk:
+    """One batch of distinct stacks (decoded records, one per stack hash), walked by
+    `run` and turned into the unwind stage's tables by `result`."""
+
+    def __init__(self, records: pa.Table, normalizer: Normalizer,
+                 rows: dict[int, ModuleRows | None], extract: Any, max_depth: int) -> None:
+        self.n = n = records.num_rows
+        self.hash = records.column("stack_hash").to_numpy().astype(np.uint64)
+        self.pid = records.column("pid").to_numpy().astype(np.uint32)
+        ts = records.column("ts").to_numpy().astype(np.uint64)
+        regs_col = records.column("regs").combine_chunks()
+        flat = regs_col.flatten().to_numpy(zero_copy_only=False).astype(np.uint64)
+        self.regs = flat.reshape(-1, NUM_REGS).copy() if n else np.zeros(
+            (0, NUM_REGS), np.uint64)
+        self.valid = np.ones((n, NUM_REGS), dtype=bool)
+        fpc = pc.fill_null(records.column("fp_chain"), pa.scalar([], pa.list_(pa.uint64())))
+        fpc = fpc.combine_chunks()
+        self.fp_offsets = fpc.offsets.to_numpy().astype(np.int64)
+        self.fp_values = fpc.values.to_numpy(zero_copy_only=False).astype(np.uint64)
+        self.mem = Memory(records)
+        self.norm = normalizer
+        self.snap = normalizer.snapshot_of(self.pid, ts)
+        self.rows = rows  # module index -> its rows (None: no CFI usable)
+        self.extract = extract  # ensures rows[m] for the module indices given
+        self.max_depth = max_depth
+        self.counters: dict[str, int] = {"unwind_stacks": n, "unwind_expr_rows": 0,
+                                         "unwind_sigreturn_by_code": 0}
+        # Frames, appended per depth: parallel lists of arrays.
+        self.f_stack: list[np.ndarray] = []
+        self.f_depth: list[np.ndarray] = []
+        self.f_addr: list[np.ndarray] = []
+        self.f_method: list[np.ndarray] = []
+        self.f_row: list[np.ndarray] = []
+        self.f_lookup: list[np.ndarray] = []
+        self.f_reason: list[np.ndarray] = []
+        self.nframes = np.zeros(n, dtype=np.int64)
+        self.last_addr = np.zeros(n, dtype=np.uint64)
+        self.stop = np.zeros(n, dtype=np.int8)
+        self.frame0: dict[int, tuple[int, dict[int, int]]] = {}
+
+    def _lookup(self, norm: Normalized, minus1: np.ndarray) -> np.ndarray:
+        """The vaddr each frame is looked up at (pc - 1 but for frame 0 and the frame
+        after a signal frame); -1 where normalization failed."""
+        return np.where(norm.vaddr >= 0, norm.vaddr - minus1.astype(np.int64), -1)
+
+    def _prepare_frame0(self, norm: Normalized) -> None:
+        """Frame-0 rows for the stacks whose first pc no CFI row covers."""
+        self.extract(norm.module)
+        uncovered = np.zeros(self.n, dtype=bool)
+        for m in np.unique(norm.module[norm.module >= 0]).tolist():
+            r = self.rows.get(m)
+            sel = np.flatnonzero((norm.module == m) & (norm.vaddr >= 0))
+            if r is None or len(r.cfi) == 0:
+                uncovered[sel] = True
+            else:
+                uncovered[sel] = r.cfi.lookup(norm.vaddr[sel].astype(np.uint64)) < 0
+        sel = np.flatnonzero(uncovered)
+        signal = np.zeros(len(sel), dtype=bool)
+        for m in np.unique(norm.module[sel]).tolist():
+            r = self.rows.get(m)
+            if r is not None:
+                here = norm.module[sel] == m
+                signal[here] = r.is_signal(norm.vaddr[sel][here])
+        sel = sel[~signal]
+        got = frame0_rows(self.norm.modules, norm.module[sel], norm.vaddr[sel])
+        self.frame0 = {int(sel[j]): rule for j, rule in got.items()}
+
+    # -- the lockstep loop -------------------------------------------------------------
+    def run(self) -> None:
+        active = np.arange(self.n, dtype=np.int64)
+        method = np.full(self.n, M_REGS, dtype=np.int8)
+        minus1 = np.zeros(self.n, dtype=bool)
+        depth = 0
+        norm = self.norm.normalize(self.snap, self.regs[:, RIP])
+        self._prepare_frame0(norm)
+        while len(active):
+            if depth >= self.max_depth:
+                self.stop[active] = S_MAX_DEPTH
+                break
+            pcs = self.regs[active, RIP]
+            if depth:
+                norm = self.norm.normalize(self.snap[active], pcs)
+                self.extract(norm.module)
+            lookup = self._lookup(norm, minus1[active])
+            self._emit(active, depth, pcs, method[active], norm, lookup)
+            known = norm.mapped
+            self.stop[active[~known]] = S_NO_MAPPING
+            stepped = np.flatnonzero(known)
+            active, mod, lookup, vaddr = (active[known], norm.module[known], lookup[known],
+                                          norm.vaddr[known])
+            nxt_method, nxt_minus1 = self._step(active, mod, lookup, vaddr, depth,
+                                                minus1[active])
+            # A signal trampoline is not called: the handler returns to its first
+            # instruction. Its CFI is found at pc - 1 (glibc starts the FDE a byte early),
+            # but it is named at pc.
+            tramp = ~nxt_minus1 & minus1[active] & (lookup >= 0)
+            self.f_lookup[-1][stepped[tramp]] += 1
+            method[active] = nxt_method
+            minus1[active] = nxt_minus1
+            active = active[self.stop[active] == S_NONE]
+            depth += 1
+        self._kernel_chains()
+
+    def _emit(self, idx: np.ndarray, depth: int, addr: np.ndarray, method: np.ndarray,
+              norm: Normalized, lookup: np.ndarray) -> None:
+        self.f_stack.append(idx)
+        self.f_depth.append(np.full(len(idx), depth, dtype=np.int64))
+        self.f_addr.append(addr.copy())
+        self.f_method.append(method.astype(np.int8))
+        self.f_row.append(norm.row)
+        self.f_lookup.append(lookup)
+        self.f_reason.append(norm.reason)
+        self.nframes[idx] = depth + 1
+        self.last_addr[idx] = addr
+
+    def _step(self, idx: np.ndarray, mod: np.ndarray, lookup: np.ndarray, vaddr: np.ndarray,
+              depth: int, was_minus1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Advance each stack by one frame; return (method, pc-1 lookup) of the next."""
+        n = len(idx)
+        edge = np.zeros(n, dtype=bool)
+        crow = np.full(n, -1, dtype=np.int64)
+        cfa_reg = np.full(n, RBP, dtype=np.int64)
+        cfa_off = np.full(n, 16, dtype=np.int64)
+        rule = np.tile(_FP_RULE, (n, 1))
+        off = np.tile(_FP_OFF, (n, 1))
+        flags = np.zeros(n, dtype=np.uint8)
+        signal = np.zeros(n, dtype=bool)
+        tables: list[CFITable | None] = [None] * n
+        for m in np.unique(mod[mod >= 0]).tolist():
+            rows = self.rows.get(m)
+            if rows is None:
+                continue
+            here = np.flatnonzero((mod == m) & (vaddr >= 0))
+            signal[here] = rows.is_signal(vaddr[here])
+            t = rows.cfi
+            if len(t) == 0:
+                continue
+            sel = np.flatnonzero((mod == m) & (lookup >= 0))
+            r = t.lookup(lookup[sel].astype(np.uint64))
+            hit = r >= 0
+            s, r = sel[hit], r[hit]
+            crow[s] = r
+            cfa_reg[s] = t.cfa_reg[r]
+            cfa_off[s] = t.cfa_off[r]
+            rule[s] = t.rule[r]
+            off[s] = t.off[r]
+            flags[s] = t.flags[r]
+            for j in s[(t.flags[r] & COMPLEX) != 0].tolist():
+                tables[j] = t
+            # pc - 1 in the last row of an FDE that ends at pc: the pc may be a signal
+            # trampoline without CFI right after that function (musl's __restore_rt).
+            nxt = np.minimum(r + 1, len(t) - 1)
+            edge[s] = was_minus1[s] & (r + 1 < len(t)) & (t.pc[nxt] == lookup[s] + 1)
+        method = np.where(crow >= 0, M_CFI, M_FP).astype(np.int8)
+        minus1 = np.ones(n, dtype=bool)
+        rare: dict[int, dict[str, Any]] = {}
+        for j in np.flatnonzero(((crow < 0) | edge) & signal).tolist():
+            rare[j] = SIGRETURN_RULES
+            flags[j] = SIGNAL
+            method[j] = M_CFI
+            self.counters["unwind_sigreturn_by_code"] += 1
+        if depth == 0:
+            for j in np.flatnonzero((crow < 0) & ~signal).tolist():
+                frame = self.frame0.get(int(idx[j]))
+                if frame is not None:
+                    cfa_reg[j], cfa_off[j] = RSP, frame[0]
+                    rule[j], off[j] = Rule.SAME, 0
+                    rule[j, 0], off[j, 0] = Rule.OFFSET, -8
+                    for reg, at in frame[1].items():
+                        rule[j, TRACKED.index(reg)] = Rule.OFFSET
+                        off[j, TRACKED.index(reg)] = at
+        for j in np.flatnonzero(flags & COMPLEX).tolist():
+            if j in rare:
+                continue
+            t = tables[j]
+            assert t is not None
+            rare[j] = t.row(int(crow[j]))
+            self.counters["unwind_expr_rows"] += 1
+        simple = np.ones(n, dtype=bool)
+        simple[list(rare)] = False
+        s = np.flatnonzero(simple)
+        self._simple(idx[s], cfa_reg[s], cfa_off[s], rule[s], off[s], fp=crow[s] < 0)
+        for j, rules in rare.items():
+            self._complex(int(idx[j]), rules)
+        minus1[(flags & SIGNAL) != 0] = False
+        return method, minus1
+
+    def _simple(self, idx: np.ndarray, cfa_reg: np.ndarray, cfa_off: np.ndarray,
+                rule: np.ndarray, off: np.ndarray, fp: np.ndarray) -> None:
+        if not len(idx):
+            return
+        base = self.regs[idx, cfa_reg]  # simple rows: cfa_reg is rsp or rbp
+        bvalid = self.valid[idx, cfa_reg]
+        cfa = base + cfa_off.astype(np.uint64)
+        old_sp = self.regs[idx, RSP]
+        new = self.regs[idx].copy()
+        nvalid = self.valid[idx].copy()
+        stop = np.zeros(len(idx), dtype=np.int8)
+        stop[rule[:, 0] == _UNDEFINED] = S_COMPLETE
+        stop[(stop == 0) & ~bvalid] = S_BAD_REG
+        # The frame-pointer step needs rbp inside the frame above sp.
+        stop[(stop == 0) & fp & (base < old_sp)] = S_BAD_REG
+        stop[(stop == 0) & (cfa <= old_sp)] = S_NO_ADVANCE
+        for k, reg in enumerate(TRACKED):
+            kind = rule[:, k]
+            addr = cfa + off[:, k].astype(np.uint64)
+            is_off = kind == _OFFSET
+            is_val = kind == _VAL_OFFSET
+            val = np.zeros(len(idx), dtype=np.uint64)
+            ok = np.zeros(len(idx), dtype=bool)
+            beyond = np.zeros(len(idx), dtype=bool)
+            if is_off.any():
+                val[is_off], ok[is_off], beyond[is_off] = self.mem.read(idx[is_off],
+                                                                        addr[is_off])
+            if k == 0:
+                stop[(stop == 0) & ~is_off & ~is_val] = S_NO_RULE
+                stop[(stop == 0) & is_off & beyond] = S_TRUNCATED
+                stop[(stop == 0) & is_off & ~ok] = S_BAD_ADDR
+            new[:, reg] = np.where(is_off, val, np.where(is_val, addr, new[:, reg]))
+            nvalid[:, reg] = np.where(is_off, ok, is_val | ((kind == _SAME) & nvalid[:, reg]))
+        stop[(stop == 0) & (new[:, RIP] == 0)] = S_NULL
+        new[:, RSP] = cfa
+        nvalid[:, RSP] = True
+        nvalid[:, list(CALLER_SAVED)] = False
+        go = stop == 0
+        self.regs[idx[go]] = new[go]
+        self.valid[idx[go]] = nvalid[go]
+        self.stop[idx[~go]] = stop[~go]
+
+    def _complex(self, i: int, rules: dict[str, Any]) -> None:
+        """One step of one stack through the full rule set and the expression evaluator."""
+        regs, valid = self.regs[i], self.valid[i]
+
+        def reg(r: int) -> int:
+            if not 0 <= r < NUM_REGS or not valid[r]:
+                raise DwarfExprError(f"register {r} is unknown in this frame")
+            return int(regs[r])
+
+        def read(addr: int, size: int) -> int:
+            return self.mem.read_one(i, addr, size)
+
+        rip_rule = rules["regs"].get(RIP, [Rule.SAME, 0])
+        if rip_rule[0] == Rule.UNDEFINED:
+            self.stop[i] = S_COMPLETE
+            return
+        try:
+            c = rules["cfa"]
+            cfa = evaluate(c[1], reg, read) if c[0] == "expr" else (reg(c[1]) + c[2]) & (
+                (1 << 64) - 1)
+            if cfa <= int(regs[RSP]):
+                self.stop[i] = S_NO_ADVANCE
+                return
+            new = regs.copy()
+            nvalid = valid.copy()
+            nvalid[list(CALLER_SAVED)] = False
+            new[RSP], nvalid[RSP] = cfa, True
+            for r, (kind, arg) in rules["regs"].items():
+                if not 0 <= r < NUM_REGS:
+                    continue
+                if kind == Rule.OFFSET:
+                    new[r], nvalid[r] = read((cfa + arg) & ((1 << 64) - 1), 8), True
+                elif kind == Rule.VAL_OFFSET:
+                    new[r], nvalid[r] = (cfa + arg) & ((1 << 64) - 1), True
+                elif kind == Rule.REGISTER:
+                    new[r], nvalid[r] = reg(arg), True
+                elif kind == Rule.EXPRESSION:
+                    new[r], nvalid[r] = read(evaluate(arg, reg, read, (cfa,)), 8), True
+                elif kind == Rule.VAL_EXPRESSION:
+                    new[r], nvalid[r] = evaluate(arg, reg, read, (cfa,)), True
+                elif kind == Rule.UNDEFINED:
+                    nvalid[r] = False
+                elif kind == Rule.SAME:
+                    new[r], nvalid[r] = regs[r], valid[r]
+        except _Beyond:
+            self.stop[i] = S_TRUNCATED
+            return
+        except DwarfExprError:
+            self.stop[i] = S_BAD_EXPR
+            return
+        if rip_rule[0] == Rule.SAME or not nvalid[RIP]:
+            self.stop[i] = S_NO_RULE
+        elif int(new[RIP]) == 0:
+            self.stop[i] = S_NULL
+        else:
+            self.regs[i], self.valid[i] = new, nvalid
+
+    def _kernel_chains(self) -> None:
+        """Continue stacks the copy could not finish with the kernel's fp chain."""
+        idx_l: list[int] = []
+        addr_l: list[np.ndarray] = []
+        start_l: list[int] = []
+        for i in np.flatnonzero((self.stop != S_COMPLETE) & (self.stop != S_MAX_DEPTH)
+                                ).tolist():
+            chain = self.fp_values[self.fp_offsets[i]:self.fp_offsets[i + 1]]
+            if len(chain) < 2:
+                continue
+            d = int(self.nframes[i]) - 1
+            hits = np.flatnonzero(chain == self.last_addr[i])
+            hits = hits[hits > 0] if d > 0 else hits
+            if not len(hits):
+                continue
+            j = int(hits[np.argmin(np.abs(hits - (d - 1)) * 2 - (hits >= d - 1))])
+            rest = chain[j + 1:self.max_depth - d - 1 + j + 1]
+            rest = rest[: int(np.argmax(rest == 0)) if (rest == 0).any() else len(rest)]
+            if len(rest):
+                idx_l.append(i)
+                addr_l.append(rest.astype(np.uint64))
+                start_l.append(d + 1)
+        if not idx_l:
+            return
+        lens = np.array([len(a) for a in addr_l])
+        idx = np.repeat(np.array(idx_l, dtype=np.int64), lens)
+        addr = np.concatenate(addr_l)
+        depth = np.concatenate([np.arange(s, s + k) for s, k in zip(start_l, lens,
+                                                                       strict=True)])
+        norm = self.norm.normalize(self.snap[idx], addr)
+        lookup = self._lookup(norm, np.ones(len(idx), dtype=bool))
+        self.f_stack.append(idx)
+        self.f_depth.append(depth)
+        self.f_addr.append(addr)
+        self.f_method.append(np.full(len(idx), M_KERNEL, dtype=np.int8))
+        self.f_row.append(norm.row)
+        self.f_lookup.append(lookup)
+        self.f_reason.append(norm.reason)
+        np.maximum.at(self.nframes, idx, depth + 1)
+        self.counters["unwind_kernel_frames"] = len(idx)
+
+    # -- output --------------------------------------------------------------------------
+    def result(self) -> tuple[pa.Table, pa.Table]:
+        """(stacks, stack frames) of the walk (UNWOUND_STACKS, UNWOUND_STACK_FRAMES)."""
+        if self.f_stack:
+            st = np.concatenate(self.f_stack)
+            dp = np.concatenate(self.f_depth)
+            order = np.lexsort((dp, st))
+            st, dp = st[order], dp[order]
+            addr = np.concatenate(self.f_addr)[order]
+            meth = np.concatenate(self.f_method)[order]
+            row = np.concatenate(self.f_row)[order]
+            look = np.concatenate(self.f_lookup)[order]
+            why = np.concatenate(self.f_reason)[order]
+        else:
+            st = dp = row = look = np.zeros(0, np.int64)
+            addr = np.zeros(0, np.uint64)
+            meth = why = np.zeros(0, np.int8)
+        spaces = self.norm.spaces
+        frames = pa.table({
+            "stack_hash": pa.array(self.hash[st], pa.uint64()),
+            "pid": pa.array(self.pid[st], pa.uint32()),
+            "depth": pa.array(dp.astype(np.uint16), pa.uint16()),
+            "address": pa.array(addr, pa.uint64()),
+            "method": _labels(meth, METHODS),
+            "build_id": spaces.build_ids(row),
+            "path": spaces.paths(row),
+            "lookup_vaddr": pa.array(np.maximum(look, 0).astype(np.uint64), pa.uint64(),
+                                     mask=look < 0),
+            "reason": _labels(why, UNRESOLVED),
+        }, schema=UNWOUND_STACK_FRAMES)
+        stacks = pa.table({
+            "stack_hash": pa.array(self.hash, pa.uint64()),
+            "pid": pa.array(self.pid, pa.uint32()),
+            "depth": pa.array(self.nframes.astype(np.uint16), pa.uint16()),
+            "truncated": pa.array(self.stop == S_TRUNCATED),
+            "complete": pa.array(self.stop == S_COMPLETE),
+            "stop": _labels(self.stop, STOPS),
+        }, schema=UNWOUND_STACKS)
+        for k, name in enumerate(METHODS):
+            self.counters[f"unwind_frames_{name.replace('-', '_')}"] = int((meth == k).sum())
+        for k, name in enumerate(STOPS[1:], start=1):
+            self.counters[f"unwind_stop_{name.replace('-', '_')}"] = int((self.stop == k).sum())
+        return stacks, frames
+
+
+def _labels(codes: np.ndarray, labels: list[str]) -> pa.Array:
+    """Codes as their labels (strings); negative codes as nulls."""
+    c = np.asarray(codes).astype(np.int32)
+    return pa.DictionaryArray.from_arrays(pa.array(c, mask=c < 0), pa.array(labels)).cast(
+        pa.string())

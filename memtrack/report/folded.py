@@ -1,0 +1,23 @@
+"""Folded stacks (flamegraph.pl, inferno): one line per stack, `process;outermost;...;site
+VALUE`, for one metric."""
+
+from __future__ import annotations
+
+from memtrack.report.reader import Costs, RunReader
+
+
+def folded(c: Costs, metric: str) -> str:
+    """flamegraph.pl / inferno input: `process;outermost;...;site VALUE` per line."""
+    acc: dict[str, int] = {}
+    for row in c.rows:
+        v = row.value(metric)
+        if v <= 0:
+            continue
+        names = [c.root(row.pid), *reversed(c.names(row.backtrace))]
+        key = ";".join(n.replace(";", ":").replace("\n", " ") for n in names)
+        acc[key] = acc.get(key, 0) + v
+    return "".join(f"{k} {v}\n" for k, v in sorted(acc.items()))
+
+
+def render(run: RunReader, metric: str) -> bytes:
+    return folded(run.costs(), metric).encode()

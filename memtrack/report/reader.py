@@ -1,0 +1,303 @@
+"""One reader of a run database for every report and export: named queries over the
+run database's views (memtrack.schema.ddl), optionally for one process.
+
+The per-stack costs come from the `stack_costs` view and the backtraces from the
+`backtraces` table (a backtrace: a stack's frames from its allocation site outward, the
+allocator itself left out where it has callers; stack records whose bytes differed
+but that unwound to the same frames are one backtrace). Text, JSON, HTML, folded,
+pprof and speedscope all read what this gives.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from memtrack.schema.ddl import SITE_DEPTH
+
+NO_STACK = "[no stack]"
+
+# A metric per allocation, as a column of stack_costs: the report's sections and the
+# exports' --metric name them the same.
+METRICS = {
+    "allocated": "bytes",  # bytes allocated
+    "calls": "calls",  # calls to allocation functions
+    "peak": "peak_bytes",  # bytes alive at the process's heap peak
+    "leaked": "leaked_bytes",  # bytes never freed
+    "temporary": "temporary",  # allocations freed by their thread's next allocator event
+}
+# The allocations a metric counts (its value may be 0 for some, as malloc(0)'s bytes).
+COUNTED = {"allocated": "calls", "calls": "calls", "peak": "peak_calls",
+           "leaked": "leaked_calls", "temporary": "temporary"}
+
+Backtrace = tuple[int, ...]  # frame ids from the allocation site outward
+
+
+@dataclass
+class Cost:
+    """Every metric of one (backtrace, process); backtrace None: no stack captured."""
+
+    backtrace: Backtrace | None
+    pid: int
+    calls: int
+    allocated: int
+    temporary: int
+    peak_calls: int
+    peak: int
+    leaked_calls: int
+    leaked: int
+
+    def value(self, metric: str) -> int:
+        return int(getattr(self, metric))
+
+
+@dataclass
+class Costs:
+    """The costs of a run per (backtrace, pid), and what names their frames."""
+
+    rows: list[Cost]
+    # frame_id -> inline levels innermost first: (name, file, line, module_id)
+    frames: dict[int, list[tuple[str, str | None, int | None, int | None]]]
+    processes: dict[int, str]  # pid -> name
+    modules: list[tuple[int, str, str | None]]  # module_id, path, build_id
+
+    def levels(self, key: Backtrace | None) -> list[tuple[str, str | None, int | None]]:
+        """Logical frames (name, file, line) from the allocation site outward."""
+        out = [lv[:3] for f in key or () for lv in self.frames[f]]
+        return out or [(NO_STACK, None, None)]
+
+    def names(self, key: Backtrace | None) -> list[str]:
+        return [lv[0] for lv in self.levels(key)]
+
+    def root(self, pid: int) -> str:
+        """The name a process's stacks hang from: `name (pid)`."""
+        return f"{self.processes.get(pid, '?')} ({pid})"
+
+
+class RunReader:
+    """Named queries over a run database, for every process or one (`pid`)."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, pid: int | None = None) -> None:
+        self.con = con
+        self.pid = pid
+
+    def where(self, alias: str = "") -> str:
+        """The SQL predicate selecting the reader's processes."""
+        return "TRUE" if self.pid is None else f"{alias}pid = {int(self.pid)}"
+
+    def one(self, sql: str, params: list[Any] | None = None) -> Any:
+        row = self.con.execute(sql, params or []).fetchone()
+        return row[0] if row else None
+
+    @functools.cached_property
+    def meta(self) -> dict[str, str]:
+        return dict(self.con.execute("SELECT key, value FROM meta").fetchall())
+
+    @property
+    def start_ns(self) -> int:
+        return int(self.meta.get("start_ns", 0) or 0)
+
+    @property
+    def command(self) -> list[str]:
+        return json.loads(self.meta.get("command", "[]"))
+
+    def has_process(self) -> bool:
+        return bool(self.one(f"SELECT count(*) FROM processes WHERE {self.where()}"))
+
+    # ---- totals ------------------------------------------------------------------
+    def totals(self) -> dict[str, Any]:
+        pids = self.where()
+        start, end = self.start_ns, int(self.meta.get("end_ns", 0) or 0)
+        if self.pid is not None:
+            span = self.con.execute(
+                f"SELECT min(start_ts), max(exit_ts) FROM processes WHERE {pids}").fetchone()
+            start = span[0] if span and span[0] is not None else start
+            end = span[1] if span and span[1] is not None else end
+        runtime = max(end - start, 0) / 1e9
+        sums = self.con.execute(f"""
+            SELECT coalesce(sum(calls), 0), coalesce(sum(bytes), 0),
+                   coalesce(sum(temporary), 0), coalesce(sum(leaked_calls), 0),
+                   coalesce(sum(leaked_bytes), 0)
+            FROM stack_costs WHERE {pids}""").fetchone()
+        calls, allocated, temporary, leaked_n, leaked = (int(v) for v in sums)  # type: ignore[union-attr]
+        # Peak of the heap of the selected processes together, at event granularity.
+        npids = self.one(f"SELECT count(DISTINCT pid) FROM heap_peak WHERE {pids}")
+        if npids <= 1:
+            peak = self.con.execute(
+                f"SELECT peak_bytes, peak_ts FROM heap_peak WHERE {pids}").fetchone()
+        else:
+            peak = self.con.execute(f"""
+                SELECT heap, ts FROM (
+                    SELECT ts, sum(sum(delta)) OVER (ORDER BY event_id) AS heap
+                    FROM heap_timeline WHERE {pids} GROUP BY event_id, ts)
+                ORDER BY heap DESC, ts LIMIT 1""").fetchone()
+        # RSS of the selected processes together: each update's change, summed over time.
+        rss = self.con.execute(f"""
+            SELECT total, ts FROM (
+                SELECT ts, sum(sum(d)) OVER (ORDER BY ts) AS total FROM (
+                    SELECT ts, rss - coalesce(lag(rss) OVER (PARTITION BY pid ORDER BY ts), 0)
+                           AS d
+                    FROM rss_timeline WHERE {pids})
+                GROUP BY ts)
+            ORDER BY total DESC, ts LIMIT 1""").fetchone()
+
+        def per_s(n: int) -> float:
+            return n / runtime if runtime > 0 else 0.0
+
+        def rel(ts: int | None) -> float | None:
+            return (ts - start) / 1e9 if ts is not None else None
+
+        return {
+            "runtime_s": runtime,
+            "calls": calls,
+            "calls_per_s": per_s(calls),
+            "allocated_bytes": allocated,
+            "temporary": temporary,
+            "temporary_per_s": per_s(temporary),
+            "peak_heap_bytes": int(peak[0]) if peak and peak[0] is not None else 0,
+            "peak_heap_at_s": rel(peak[1]) if peak else None,
+            "peak_rss_bytes": int(rss[0]) if rss and rss[0] is not None else None,
+            "peak_rss_at_s": rel(rss[1]) if rss else None,
+            "leaked_bytes": leaked,
+            "leaked_allocations": leaked_n,
+        }
+
+    def processes(self) -> list[dict[str, Any]]:
+        rows = self.con.execute(f"""
+            WITH c AS (SELECT pid, sum(calls) AS calls, sum(leaked_bytes) AS leaked
+                       FROM stack_costs GROUP BY pid),
+            r AS (SELECT pid, max(rss) AS rss FROM rss_timeline GROUP BY pid)
+            SELECT p.pid, p.ppid, p.name, p.exe, p.exit_code, p.exit_signal,
+                   coalesce(h.peak_bytes, 0), (h.peak_ts::DOUBLE - ?) / 1e9,
+                   coalesce(c.calls, 0)::BIGINT, coalesce(c.leaked, 0)::BIGINT, r.rss
+            FROM processes p LEFT JOIN heap_peak h USING (pid) LEFT JOIN c USING (pid)
+                LEFT JOIN r USING (pid)
+            WHERE {self.where("p.")} ORDER BY p.start_ts, p.pid""",
+                                [float(self.start_ns)]).fetchall()
+        keys = ("pid", "ppid", "name", "exe", "exit_code", "exit_signal", "peak_heap_bytes",
+                "peak_heap_at_s", "calls", "leaked_bytes", "peak_rss_bytes")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    # ---- costs -------------------------------------------------------------------
+    @functools.cache  # noqa: B019 - a reader lives as long as one report
+    def costs(self) -> Costs:
+        """Every metric per (backtrace, pid)."""
+        where = self.where("c.")
+        raw = self.con.execute(f"""
+            SELECT b.backtrace_id, c.pid, sum(c.calls)::BIGINT, sum(c.bytes)::BIGINT,
+                   sum(c.temporary)::BIGINT, sum(c.peak_calls)::BIGINT,
+                   sum(c.peak_bytes)::BIGINT, sum(c.leaked_calls)::BIGINT,
+                   sum(c.leaked_bytes)::BIGINT
+            FROM stack_costs c LEFT JOIN backtraces b USING (stack_id)
+            WHERE {where} GROUP BY 1, 2""").fetchall()
+        # the frames of each backtrace, as rows (a list aggregate per group is slower)
+        reps = f"""SELECT DISTINCT b.backtrace_id AS stack_id FROM stack_costs c
+                   JOIN backtraces b USING (stack_id) WHERE {where}"""
+        seq = self.con.execute(f"""
+            SELECT sf.stack_id, sf.frame_id FROM backtrace_frames sf JOIN ({reps}) r
+            USING (stack_id) ORDER BY sf.stack_id, sf.depth""").to_arrow_table()
+        sid = seq.column("stack_id").to_numpy()
+        fid = seq.column("frame_id").to_numpy()
+        cut = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]]) if len(sid) else sid
+        keys: dict[int, Backtrace] = {
+            int(sid[a]): tuple(f.tolist()) for a, f in zip(cut.tolist(), np.split(fid, cut[1:]),
+                                                           strict=True)}
+        rows = sorted((Cost(keys[bt] if bt is not None else None, *rest) for bt, *rest in raw),
+                      key=lambda r: (r.pid, r.backtrace is not None, r.backtrace or ()))
+        frames: dict[int, list[tuple[str, str | None, int | None, int | None]]] = {}
+        for fid_, name, file, line, mid in self.con.execute(f"""
+                SELECT frame_id, name, file, line, module_id FROM frames
+                WHERE frame_id IN (SELECT DISTINCT sf.frame_id FROM backtrace_frames sf
+                                   JOIN ({reps}) r USING (stack_id))
+                ORDER BY frame_id, inline_depth""").fetchall():
+            frames.setdefault(fid_, []).append((name, file, line, mid))
+        procs = {p: n or "?" for p, n in self.con.execute(
+            "SELECT pid, name FROM processes").fetchall()}
+        modules = self.con.execute(
+            "SELECT module_id, path, build_id FROM modules ORDER BY 1").fetchall()
+        return Costs(rows, frames, procs, modules)
+
+    def sites(self, metric: str, top: int = 10, backtraces: int = 3) -> list[dict[str, Any]]:
+        """The `top` allocation sites by `metric`, each with its `backtraces` costliest
+        backtraces (frames from the site outward)."""
+        col, counted = METRICS[metric], COUNTED[metric]
+        rows = self.con.execute(f"""
+            WITH per_stack AS (
+                SELECT stack_id, sum({col}) AS v FROM stack_costs WHERE {self.where()}
+                GROUP BY stack_id HAVING sum({counted}) > 0),
+            per_backtrace AS (
+                SELECT b.backtrace_id AS stack_id, sum(s.v) AS v
+                FROM per_stack s LEFT JOIN backtraces b USING (stack_id)
+                GROUP BY b.backtrace_id),
+            loc AS (
+                SELECT coalesce(l.name, '{NO_STACK}') AS location, l.file, l.line,
+                       s.stack_id, s.v
+                FROM per_backtrace s LEFT JOIN stack_location l USING (stack_id))
+            SELECT location, arg_max(file, v), arg_max(line, v), sum(v)::BIGINT AS total,
+                   list(stack_id ORDER BY v DESC, stack_id)[1:{int(backtraces)}],
+                   list(v::BIGINT ORDER BY v DESC, stack_id)[1:{int(backtraces)}],
+                   count(*)
+            FROM loc GROUP BY location HAVING sum(v) > 0
+            ORDER BY total DESC, location LIMIT {int(top)}""").fetchall()
+        out = []
+        for location, file, line, total, sids, vals, nstacks in rows:
+            bts = [{"stack_id": s, "value": v, "frames": self.backtrace(s)}
+                   for s, v in zip(sids, vals, strict=True)]
+            out.append({"location": location, "file": file, "line": line, "value": total,
+                        "stacks": nstacks, "backtraces": bts})
+        return out
+
+    def backtrace(self, stack_id: int | None) -> list[dict[str, Any]]:
+        """A stack's logical frames from the allocation site outward."""
+        if stack_id is None:
+            return []
+        rows = self.con.execute(f"""
+            SELECT l.name, l.file, l.line, m.path FROM stack_lines l
+            JOIN stacks s USING (stack_id) LEFT JOIN modules m USING (module_id)
+            WHERE l.stack_id = ? AND l.depth >= {SITE_DEPTH}
+            ORDER BY l.position""", [stack_id]).fetchall()
+        return [{"function": n, "file": f, "line": ln, "module": m} for n, f, ln, m in rows]
+
+    def hotspots(self, limit: int = 50) -> list[list[Any]]:
+        """Per function: self and inclusive calls and bytes (the hotspots view)."""
+        return [list(r) for r in self.con.execute(f"""
+            SELECT function, self_calls, self_bytes, self_peak_bytes, self_leaked_bytes,
+                   incl_calls, incl_bytes FROM hotspots
+            ORDER BY self_bytes DESC, incl_bytes DESC LIMIT {int(limit)}""").fetchall()]
+
+    # ---- timelines ---------------------------------------------------------------
+    def timelines(self, points: int) -> list[dict[str, Any]]:
+        """Per process: heap bytes and RSS over time (seconds from the run's start), each
+        series cut to at most `points` (the maximum of each bucket kept)."""
+        out = []
+        for p, name in self.con.execute(
+                f"SELECT pid, name FROM processes WHERE {self.where()} "
+                "ORDER BY start_ts, pid").fetchall():
+            series = {}
+            for key, sql in (
+                ("heap", "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = ? "
+                         "ORDER BY event_id"),
+                ("rss", "SELECT ts, rss FROM rss_timeline WHERE pid = ? ORDER BY ts"),
+            ):
+                series[key] = self._downsample(sql, p, points)
+            if series["heap"] or series["rss"]:
+                out.append({"pid": p, "name": name or "?", **series})
+        return out
+
+    def _downsample(self, sql: str, pid: int, points: int) -> list[list[float | int]]:
+        n = self.one(f"SELECT count(*) FROM ({sql})", [pid])
+        if n <= points:
+            rows = self.con.execute(sql, [pid]).fetchall()
+        else:
+            # Keep each bucket's maximum so that no peak disappears from the plot.
+            rows = self.con.execute(f"""
+                SELECT arg_max(ts, v), max(v) FROM (
+                    SELECT ts, v, (row_number() OVER (ORDER BY ts) - 1) * {points} // {n} AS b
+                    FROM ({sql}) s(ts, v)) GROUP BY b ORDER BY 1""", [pid]).fetchall()
+        start = self.start_ns
+        return [[round((t - start) / 1e9, 9), int(v)] for t, v in rows]
