@@ -56,7 +56,8 @@ _CAPTURE_ENV = (
     "MEMTRACK_STACKS, MEMTRACK_STACK_BUDGET, MEMTRACK_STACK_COMPRESSION, MEMTRACK_RSS, "
     "MEMTRACK_TRACK_FAULTS, MEMTRACK_MODULES, MEMTRACK_START_DISABLED, "
     "MEMTRACK_CONTROL_FIFO, MEMTRACK_PROBE_PLACEMENT, MEMTRACK_EVENTS_RING_PAGES, "
-    "MEMTRACK_STACKS_RING_PAGES, MEMTRACK_FAIL_ON_LOSS, MEMTRACK_TIMEOUT. "
+    "MEMTRACK_STACKS_RING_PAGES, MEMTRACK_ON_RING_FULL, MEMTRACK_FAIL_ON_LOSS, "
+    "MEMTRACK_TIMEOUT. "
     "CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
     "(one line) to the first, read 'ok' from the second."
 )
@@ -93,12 +94,19 @@ def capture(
     probe_placement: Annotated[str, typer.Option(
         "--probe-placement", envvar="MEMTRACK_PROBE_PLACEMENT",
         help="Where entry probes go: auto (a cheap instruction) or entry.")] = "auto",
-    events_ring_pages: Annotated[int, typer.Option(
-        "--events-ring-pages", envvar="MEMTRACK_EVENTS_RING_PAGES",
-        help="Events ring size in pages (a power of two).")] = 4096,
-    stacks_ring_pages: Annotated[int, typer.Option(
-        "--stacks-ring-pages", envvar="MEMTRACK_STACKS_RING_PAGES",
-        help="Stack ring size in pages (a power of two).")] = 8192,
+    events_ring_pages: Annotated[int | None, typer.Option(
+        "--events-ring-pages", envvar="MEMTRACK_EVENTS_RING_PAGES", show_default=False,
+        help="Events ring size in pages (a power of two; default: 16 MiB per CPU, at "
+             "most 1/256 of the memory).")] = None,
+    stacks_ring_pages: Annotated[int | None, typer.Option(
+        "--stacks-ring-pages", envvar="MEMTRACK_STACKS_RING_PAGES", show_default=False,
+        help="Stack ring size in pages (a power of two; default: 32 MiB per CPU, at "
+             "most 1/256 of the memory).")] = None,
+    on_ring_full: Annotated[str, typer.Option(
+        "--on-ring-full", envvar="MEMTRACK_ON_RING_FULL",
+        help="When a ring fills faster than it drains: pause (stop the producing "
+             "process until it has drained: nothing lost) or drop (count the lost "
+             "records).")] = "pause",
     fail_on_loss: Annotated[bool, typer.Option(
         "--fail-on-loss", envvar="MEMTRACK_FAIL_ON_LOSS",
         help="Exit with status 1 when any event was lost.")] = False,
@@ -114,12 +122,14 @@ def capture(
     for flag, value in (("--stacks", stacks), ("--stack-compression", stack_compression)):
         if value not in ("on", "off"):
             raise fail(f"{flag} {value}: expected on or off")
+    rings = {k: v for k, v in (("events_ring_pages", events_ring_pages),
+                               ("stacks_ring_pages", stacks_ring_pages)) if v is not None}
     options = CaptureOptions(
         stacks=stacks == "on", stack_budget=stack_budget,
         stack_compression=stack_compression == "on",
         rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
-        probe_placement=probe_placement, events_ring_pages=events_ring_pages,
-        stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss)
+        probe_placement=probe_placement, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
+        **rings)
     try:
         status = run_capture(cmd, output, options, force=force, control=control_fifo,
                              timeout=timeout)

@@ -13,7 +13,7 @@ import enum
 import numpy as np
 import pyarrow as pa
 
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
