@@ -115,6 +115,9 @@ def capture(
         help="Kill CMD after this many seconds.")] = None,
 ) -> None:
     """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
+    from memtrack.capture.cmdenv import own_environment
+
+    own_environment(sys.argv)
     from memtrack.capture.parts import CaptureOptions
     from memtrack.capture.run import run_capture
     from memtrack.capture.tracker import CaptureError

@@ -12,14 +12,18 @@ fill, and the producers pause (or drop, with --on-ring-full drop) instead of mem
 growing without end.
 
 A thread, not a process: the drain's work between two reads is a few numpy copies, and
-the GIL waits it sees (the writer compresses outside the GIL) stay far below the time a
-ring takes to fill; bench/bench_lossless.py prints its worst gap between two reads under
-two CPU hogs, and the manifest's `drain` section records it for every capture.
+it runs at a higher priority (DRAIN_NICE) so that CPU hogs do not delay its wakeups. It
+still shares the GIL with the writer and the main thread: under two CPU hogs on a 2-core
+machine its worst gap between two reads was 40-200 ms (the GIL holder preempted), which
+a ring of the default size absorbs (its high watermark is ~90 ms of every CPU
+allocating flat out, far more under load); bench/bench_lossless.py prints the worst gap,
+and the manifest's `drain` section records it for every capture.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +35,9 @@ import numpy as np
 from memtrack.capture.parts import Ring
 from memtrack.capture.ringbuf import RingReader
 
-DRAIN_SECONDS = 0.002  # between two drain rounds
+DRAIN_SECONDS = 0.002  # between two drain rounds while records arrive
+IDLE_SECONDS = 0.016  # at most, doubling from DRAIN_SECONDS while none do
+DRAIN_NICE = -10  # the drain thread's priority (as root): it wakes ahead of CPU hogs
 BATCH_ROWS = 65536  # fixed-size records per batch, at most
 BATCH_BYTES = 8 << 20  # variable-size record bytes per batch, at most
 BATCH_SECONDS = 0.5  # and at least one batch this often while records arrive
@@ -65,6 +71,8 @@ class Source:
 
     def read(self) -> tuple[Any, int, int]:
         """(records, how many, bytes) of everything committed."""
+        if not self.reader.pending():
+            return (), 0, 0
         if self.ring.dtype is not None:
             arr = self.reader.read_fixed(self.ring.dtype)
             return arr, len(arr), arr.nbytes
@@ -135,11 +143,16 @@ class Drain:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DRAIN_NICE)
+        except OSError:  # not root: the default priority
+            pass
         cpu0 = time.thread_time_ns()
         try:
+            wait = self.interval
             while not self._stop.is_set():
-                self.round()
-                self._stop.wait(self.interval)
+                wait = self.interval if self.round() else min(2 * wait, IDLE_SECONDS)
+                self._stop.wait(wait)
         except BaseException as e:  # noqa: BLE001 - reported by the session
             self.error = e
         self.cpu_ns = time.thread_time_ns() - cpu0

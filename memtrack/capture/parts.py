@@ -6,8 +6,8 @@ followed by the `sources()` of each enabled part, in the order the parts are giv
 calls each part's `attach`. While the command runs and once more after it exits, the
 session's drain thread reads every ring a part declares in `rings()` (bytes only:
 `memtrack.capture.ringbuf.RingReader`, `read_fixed(dtype) -> numpy array` for rings
-whose records all have one size, `read_records() -> list[bytes]` for variable-size
-ones) and its writer thread hands what was read, in ring order and coalesced into
+whose records all have one size, `read_records() -> list[memoryview]` for
+variable-size ones) and its writer thread hands what was read, in ring order and coalesced into
 batches, to the part's `write`. A part without `rings()` has its `drain` (read and
 write in one) called from the writer thread instead. At the end `losses` adds the
 part's loss counters to the manifest.
@@ -125,7 +125,7 @@ class CapturePart(Protocol):
 
     def write(self, bpf: Any, writer: ArtifactWriter, ring: Ring, records: Any) -> int:
         """Append what the drain read from `ring` (a numpy array of ring.dtype, or a
-        list of record bytes) as batches; returns records written."""
+        list of record bytes, memoryviews) as batches; returns records written."""
         ...
 
     def drain(self, bpf: Any, writer: ArtifactWriter) -> int:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from memtrack.capture.cmdenv import command_environment
 from memtrack.capture.drain import min_ring_bytes
 from memtrack.capture.parts import ON_RING_FULL, CaptureOptions
 from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker
@@ -67,7 +68,8 @@ def run_capture(cmd: list[str], output: Path, options: CaptureOptions, *, force:
     check_options(options)
     live = err if err.isatty() else None
     with Tracker(options) as tracker:
-        session = tracker.spawn(cmd, output, overwrite=force, control=control, live=live)
+        session = tracker.spawn(cmd, output, env=command_environment(), overwrite=force,
+                                control=control, live=live)
         result = session.wait(timeout=timeout)
     for line in summary(result, cmd):
         print(line, file=err)
