@@ -186,12 +186,15 @@ class Drain:
         nothing produces any more)."""
         self._stop.set()
         self._thread.join()
-        while True:
-            self._last = time.monotonic_ns()  # the final reads are not gaps
-            while self.backlog.full():
-                time.sleep(0.005)
-            if not self.round():
-                break
+        try:
+            while self.error is None:  # a failed drain reads no more (the session says why)
+                self._last = time.monotonic_ns()  # the final reads are not gaps
+                while self.backlog.full():
+                    time.sleep(0.005)
+                if not self.round():
+                    break
+        except Exception as e:  # noqa: BLE001 - reported by the session
+            self.error = e
 
 
 class BatchWriter:
