@@ -53,7 +53,10 @@ class TableWriter:
         self.schema = schema
         self.rows = 0
         self._lock = threading.Lock()
-        self._sink = pa.OSFile(str(path), "wb")
+        # not pa.OSFile: its fd would be inherited by the traced program (no O_CLOEXEC,
+        # and OSFile.fileno() cannot say which it is); Python's open() sets it
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        self._sink = pa.PythonFile(self._file, mode="w")
         self._writer = pa.ipc.new_stream(self._sink, schema, options=_WRITE_OPTIONS)
         # the stream writer puts the schema out with the first batch: a valid (empty)
         # stream from the start
@@ -82,6 +85,7 @@ class TableWriter:
             if self._writer is not None:
                 self._writer.close()
                 self._sink.close()
+                self._file.close()
                 self._writer = None  # type: ignore[assignment]
 
 
