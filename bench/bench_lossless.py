@@ -14,6 +14,11 @@ difference between the modes, which lies in the run. Printed per configuration
 against drop run by run, events written and lost, the pauses and the time paused,
 and the drain thread's worst gap between two reads (the maximum) and its share of a
 core (from the manifest's `drain` section).
+
+Then (--bpf, or alone with --only-bpf) the BPF run time per hit (kernel.bpf_stats) of
+the programs that write events, drop mode (the watermark check returns at once)
+against pause mode (it queries the ring), on a malloc/free loop over a private libc
+as bench_capture.py does.
 """
 
 from __future__ import annotations
@@ -87,14 +92,50 @@ def captured(loops: int, mode: str, rings: list[str], out: Path) -> dict:
             "gap_ms": d["worst_gap_ns"] / 1e6, "cpu": d["cpu_ns"] / 1e9 / run_s}
 
 
+def bpf_cost(allocs: int = 200_000, repeat: int = 2) -> None:
+    sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+    import bench_capture as bc
+
+    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.tracker import Tracker
+
+    loop = bc.build(["capture/loop.c"])
+    names = ("mt_ret", "mt_f_libc_free")
+    per: dict[tuple[str, str], list[float]] = {}
+    old = bc.STATS.read_text().strip()
+    bc.STATS.write_text("1")
+    try:
+        for _ in range(repeat):
+            for mode in ("drop", "pause"):
+                opts = CaptureOptions(stacks=False, rss=False, modules=False, on_ring_full=mode)
+                with Tracker(opts) as t, tempfile.TemporaryDirectory() as d:
+                    bc.captured_loop(t, [str(loop), "loop", str(allocs)], bc.private_libc(d))
+                    for name in names:
+                        rt, cnt = bc.prog_stats(t.bpf.funcs[name.encode()].fd)
+                        per.setdefault((name, mode), []).append(rt / cnt)
+    finally:
+        bc.STATS.write_text(old)
+    print(f"BPF time per hit, malloc/free loop of {allocs:,} pairs, median of {repeat}:")
+    for name in names:
+        drop = statistics.median(per[(name, "drop")])
+        pause = statistics.median(per[(name, "pause")])
+        print(f"   {name:16s} drop {drop:6.0f} ns  pause {pause:6.0f} ns  "
+              f"(+{pause - drop:.0f} ns, {pause / drop:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loops", type=int, default=300_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--bpf", action="store_true", help="also the BPF cost of the check")
+    ap.add_argument("--only-bpf", action="store_true", help="only the BPF cost of the check")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_lossless: needs root (BPF)")
+    if args.only_bpf:
+        bpf_cost()
+        return
     configs = {"default rings": [], "256 KiB rings": SMALL}
     results: dict[tuple[str, str], list[dict]] = {}
     bares: list[float] = []
@@ -129,6 +170,8 @@ def main() -> None:
                   f"{statistics.median(r['cpu'] for r in rs):5.1%}")
     print("worst gap: the drain thread's longest time between two reads (max over rounds); "
           "drain: its CPU time over the program's run")
+    if args.bpf:
+        bpf_cost()
 
 
 if __name__ == "__main__":
