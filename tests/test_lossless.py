@@ -352,3 +352,31 @@ def test_status_line_stays_out_of_the_program_output(tmp_path: Path) -> None:
                    if r.startswith("program")), final
     finally:
         subprocess.run([*base, "kill-server"], capture_output=True)
+
+
+@pytest.mark.bpf
+def test_killed_capture_gives_the_terminal_back(tmp_path: Path) -> None:
+    """kill -9 of capture while its status line is up: the supervisor resets the scroll
+    region and clears the line, so what follows scrolls the whole screen again."""
+    tmux = shutil.which("tmux")
+    assert tmux, "tmux missing: run scripts/setup"
+    sock, pidf = f"memtrack-test-{os.getpid()}-kill", tmp_path / "pid"
+    cmd = " ".join([*MEMTRACK, "capture", "-o", str(tmp_path / "k.memtrack"), "--stacks",
+                    "off", "--no-rss", "--no-modules", "--", "sleep", "8"])
+    base = [tmux, "-L", sock, "-f", "/dev/null"]
+    subprocess.run([*base, "new-session", "-d", "-x", "80", "-y", "11", "-c", str(ROOT),
+                    f"{cmd} & echo $! > {pidf}; wait; sleep 1; seq 1 30; sleep 60", ";",
+                    "set", "status", "off"], check=True, env=os.environ)
+    try:
+        def screen() -> list[str]:
+            return subprocess.run([*base, "capture-pane", "-p"], capture_output=True,
+                                  text=True, check=True).stdout.split("\n")[:11]
+
+        wait_for(lambda: "ev/s" in screen()[-1], 300, "the status line")
+        os.kill(int(pidf.read_text()), signal.SIGKILL)
+        wait_for(lambda: "30" in screen(), 60, "the shell to go on")
+        rows = screen()
+        assert rows[-2:] == ["30", ""], rows  # the last row scrolls again
+        assert not any("ev/s" in r for r in rows), rows
+    finally:
+        subprocess.run([*base, "kill-server"], capture_output=True)

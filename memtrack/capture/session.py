@@ -185,9 +185,12 @@ class Session:
         m.start_ns = self.start_ns
         if self.status is not None:
             self.status.start()
+            if self.status.fd is not None:  # killed, memtrack leaves the terminal as it was
+                tracker.supervisor.watch_tty(self.status.fd)
         try:
             self.pid = self._spawn(cmd, child_env, cwd, user)
         except BaseException:
+            self._close_status()
             self._close_io()
             self._discard_artifact()
             raise
@@ -483,8 +486,7 @@ class Session:
         self._drain_legacy()
         self._check_pipeline()
         self._show_status()
-        if self.status is not None:
-            self.status.close()
+        self._close_status()
         self.done = True
         end = time.monotonic_ns()
         status = self._status or 0
@@ -503,6 +505,12 @@ class Session:
         if self._failure is not None:
             raise CaptureError(self._failure)
         return self.result
+
+    def _close_status(self) -> None:
+        if self.status is not None:
+            if self.status.fd is not None:
+                self.tracker.supervisor.watch_tty(None)
+            self.status.close()
 
     def _close_io(self) -> None:
         for s in self.sources:

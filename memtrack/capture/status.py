@@ -16,6 +16,11 @@ from typing import TextIO
 SAVE, RESTORE, CLEAR_LINE = "\0337", "\0338", "\033[2K"
 
 
+def reset_sequence(rows: int) -> str:
+    """Clear the bottom row and give the whole screen back to scrolling."""
+    return f"{SAVE}\033[{rows};1H{CLEAR_LINE}\033[r{RESTORE}"
+
+
 class StatusLine:
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
@@ -66,8 +71,7 @@ class StatusLine:
         if self.fd is None or not self.rows:
             return
         rows, _ = self._size()
-        rows = rows or self.rows
-        self._write(f"{SAVE}\033[{rows};1H{CLEAR_LINE}\033[r{RESTORE}")
+        self._write(reset_sequence(rows or self.rows))
         self.rows = 0
 
     def _write(self, out: str) -> None:

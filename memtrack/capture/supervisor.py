@@ -14,6 +14,8 @@ When memtrack exits without saying "done" first (killed, crashed) the supervisor
 sends SIGCONT to every pid in those maps and every pid it was told of. It acts once
 memtrack has exited (its pidfd is readable): by then the kernel has closed all of
 memtrack's fds, the probes are gone, and nothing can stop a traced process again.
+A terminal with memtrack's status line on it (sent as an fd while the line is up) gets
+its scroll region reset and the line cleared.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ class Supervisor:
     def watch_pid(self, pid: int) -> None:
         self.sock.send(b"pid %d" % pid)
 
+    def watch_tty(self, fd: int | None) -> None:
+        """The terminal the status line is on (None: it is gone)."""
+        if fd is None:
+            self.sock.send(b"no tty")
+        else:
+            socket.send_fds(self.sock, [b"tty"], [fd])
+
     def close(self) -> None:
         """memtrack is done: the supervisor exits without touching anything."""
         if self.sock.fileno() < 0:
@@ -105,6 +114,15 @@ def _continue_all(maps: list[int], pids: set[int]) -> None:
             pass
 
 
+def _reset_tty(fd: int) -> None:
+    from memtrack.capture.status import reset_sequence
+
+    try:
+        os.write(fd, reset_sequence(os.get_terminal_size(fd).lines).encode())
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP,
               signal.SIGPIPE):
@@ -116,6 +134,7 @@ def main(argv: list[str]) -> int:
         pidfd = None
     maps: list[int] = []
     pids: set[int] = set()
+    tty: int | None = None
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     if pidfd is not None:
@@ -132,12 +151,19 @@ def main(argv: list[str]) -> int:
                 maps.extend(fds)
             elif msg.startswith(b"pid "):
                 pids.add(int(msg[4:]))
+            elif msg == b"tty":
+                tty = fds[0]
+            elif msg == b"no tty" and tty is not None:
+                os.close(tty)
+                tty = None
             elif not msg:  # the socket closed without "done", memtrack lives on
                 _continue_all(maps, pids)
                 if pidfd is not None:
                     select.select([pidfd], [], [], 2.0)
                 break
     _continue_all(maps, pids)
+    if tty is not None:
+        _reset_tty(tty)
     return 0
 
 
