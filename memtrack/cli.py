@@ -86,12 +86,19 @@ def capture(
     probe_placement: Annotated[str, typer.Option(
         "--probe-placement", envvar="MEMTRACK_PROBE_PLACEMENT",
         help="Where entry probes go: auto (a cheap instruction) or entry.")] = "auto",
-    events_ring_pages: Annotated[int, typer.Option(
-        "--events-ring-pages", envvar="MEMTRACK_EVENTS_RING_PAGES",
-        help="Events ring size in pages (a power of two).")] = 4096,
-    stacks_ring_pages: Annotated[int, typer.Option(
-        "--stacks-ring-pages", envvar="MEMTRACK_STACKS_RING_PAGES",
-        help="Stack ring size in pages (a power of two).")] = 8192,
+    events_ring_pages: Annotated[int | None, typer.Option(
+        "--events-ring-pages", envvar="MEMTRACK_EVENTS_RING_PAGES", show_default=False,
+        help="Events ring size in pages (a power of two; default: 16 MiB per CPU, at "
+             "most 1/256 of the memory).")] = None,
+    stacks_ring_pages: Annotated[int | None, typer.Option(
+        "--stacks-ring-pages", envvar="MEMTRACK_STACKS_RING_PAGES", show_default=False,
+        help="Stack ring size in pages (a power of two; default: 32 MiB per CPU, at "
+             "most 1/256 of the memory).")] = None,
+    on_ring_full: Annotated[str, typer.Option(
+        "--on-ring-full", envvar="MEMTRACK_ON_RING_FULL",
+        help="When a ring fills faster than it drains: pause (stop the producing "
+             "process until it has drained: nothing lost) or drop (count the lost "
+             "records).")] = "pause",
     fail_on_loss: Annotated[bool, typer.Option(
         "--fail-on-loss", envvar="MEMTRACK_FAIL_ON_LOSS",
         help="Exit with status 1 when any event was lost.")] = False,
@@ -110,8 +117,8 @@ def capture(
          stack_compression=stack_compression, rss=rss, track_faults=track_faults,
          modules=modules, start_disabled=start_disabled, control_fifo=control_fifo,
          probe_placement=probe_placement, events_ring_pages=events_ring_pages,
-         stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss, timeout=timeout,
-         program_cache=program_cache)
+         stacks_ring_pages=stacks_ring_pages, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
+         timeout=timeout, program_cache=program_cache)
 
 
 def envvars(fn: Callable[..., object]) -> list[str]:

@@ -90,7 +90,8 @@ def test_files_use_zstd_streams(tmp_path: Path) -> None:
     make_artifact(path)
     with pa.ipc.open_stream(pa.memory_map(str(path / table_file("events")))) as r:
         batches = list(r)
-    assert len(batches) == 3
+    # the empty batch written at creation (a valid stream from the start), then the data
+    assert [b.num_rows for b in batches] == [0, 50, 50, 50]
     raw = (path / table_file("events")).read_bytes()
     # An uncompressed stream would hold the sample's repeated column names and zero runs;
     # zstd frames start with this magic number.
@@ -103,8 +104,8 @@ def test_truncated_events_file_reads_whole_batches(tmp_path: Path) -> None:
     f = path / table_file("events")
     data = f.read_bytes()
     with pa.ipc.open_stream(pa.py_buffer(data)) as r:
-        sizes = [b.nbytes for b in r]
-    assert len(sizes) == 4
+        sizes = [b.num_rows for b in r]
+    assert sizes == [0, 200, 200, 200, 200]
     f.write_bytes(data[: len(data) - 40])  # cut inside the last batch
     art = Artifact.open(path)
     r = art.read("events")
@@ -123,7 +124,47 @@ def test_capture_killed_before_manifest_complete(tmp_path: Path) -> None:
     art = Artifact.open(path)
     assert not art.manifest.complete
     assert art.read("events").table.num_rows == 10
-    assert any("did not finish" in x for x in art.warnings)
+    assert any("the capture was cut short" in x for x in art.warnings)
+
+
+def test_every_table_is_a_valid_stream_from_the_start(tmp_path: Path) -> None:
+    """A capture killed right after it created the artifact leaves readable tables."""
+    path = tmp_path / "run.memtrack"
+    w = ArtifactWriter(path)
+    w.write_manifest()
+    for name, schema in TABLES.items():
+        with pa.ipc.open_stream(pa.memory_map(str(path / table_file(name)))) as r:
+            assert r.schema.equals(schema)
+            assert r.read_all().num_rows == 0
+    art = Artifact.open(path)
+    for name in TABLES:
+        r = art.read(name)
+        assert r.table.num_rows == 0 and not r.truncated
+    r = run_info(path)
+    assert r.returncode == 0, r.stderr
+    assert "the capture was cut short" in r.stdout
+
+
+def test_empty_table_file_of_a_cut_short_capture_reads_as_no_rows(tmp_path: Path) -> None:
+    """What an older memtrack killed mid-run left: faults.arrow of 0 bytes beside intact
+    events; the events read, the empty file is a warning. In a complete artifact the
+    same file is damage."""
+    path = tmp_path / "run.memtrack"
+    w = ArtifactWriter(path)
+    w.write("events", sample_rows("events", 10))
+    w.write_manifest()
+    (path / table_file("faults")).write_bytes(b"")
+    art = Artifact.open(path)
+    assert art.read("events").table.num_rows == 10
+    faults = art.read("faults")
+    assert faults.table.num_rows == 0 and faults.truncated
+    assert any("faults.arrow: empty; read as no rows" in x for x in art.warnings)
+    r = run_info(path)
+    assert r.returncode == 0, r.stderr
+    w.close()
+    (path / table_file("faults")).write_bytes(b"")
+    with pytest.raises(ArtifactError, match="faults.arrow: empty"):
+        Artifact.open(path).read("faults")
 
 
 def test_writer_refuses_existing_directory(tmp_path: Path) -> None:

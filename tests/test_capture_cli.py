@@ -19,8 +19,8 @@ ENV_VARS = ("MEMTRACK_OUTPUT", "MEMTRACK_FORCE", "MEMTRACK_STACKS", "MEMTRACK_ST
             "MEMTRACK_STACK_COMPRESSION", "MEMTRACK_RSS", "MEMTRACK_TRACK_FAULTS",
             "MEMTRACK_MODULES", "MEMTRACK_START_DISABLED", "MEMTRACK_CONTROL_FIFO",
             "MEMTRACK_PROBE_PLACEMENT", "MEMTRACK_EVENTS_RING_PAGES",
-            "MEMTRACK_STACKS_RING_PAGES", "MEMTRACK_FAIL_ON_LOSS", "MEMTRACK_TIMEOUT",
-            "MEMTRACK_PROGRAM_CACHE")
+            "MEMTRACK_STACKS_RING_PAGES", "MEMTRACK_ON_RING_FULL", "MEMTRACK_FAIL_ON_LOSS",
+            "MEMTRACK_TIMEOUT", "MEMTRACK_PROGRAM_CACHE")
 
 
 def capture(args: list[str], env: dict[str, str] | None = None
@@ -62,6 +62,15 @@ def test_bad_options_fail_in_one_line(tmp_path: Path) -> None:
     r = capture(["-o", str(tmp_path / "x"), "--stack-compression", "no", "--", "true"])
     assert r.returncode == 2
     assert r.stderr.strip() == "memtrack: --stack-compression no: expected on or off"
+    r = capture(["-o", str(tmp_path / "x"), "--on-ring-full", "block", "--", "true"])
+    assert r.returncode == 2
+    assert r.stderr.strip() == "memtrack: --on-ring-full block: expected pause or drop"
+    # a stack ring that cannot hold what the producers write before they stop
+    r = capture(["-o", str(tmp_path / "x"), "--stacks-ring-pages", "2", "--", "true"])
+    assert r.returncode == 2
+    assert r.stderr.startswith("memtrack: --stacks-ring-pages 2: too small to pause the "
+                               "producers in time")
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.bpf
@@ -88,10 +97,12 @@ def test_exit_status_env_options_and_info(tmp_path: Path) -> None:
 
 @pytest.mark.bpf
 def test_ring_full_is_counted_printed_and_fails_on_loss(tmp_path: Path) -> None:
+    """--on-ring-full drop: a ring too small for the program drops records, counted."""
     exe = build(["capture/threads.c"], libs=("-lpthread",))
     out = tmp_path / "l.memtrack"
     r = capture(["-o", str(out), "--stacks", "off", "--no-rss", "--no-modules",
-                 "--events-ring-pages", "1", "--fail-on-loss", "--", str(exe)])
+                 "--events-ring-pages", "1", "--on-ring-full", "drop", "--fail-on-loss",
+                 "--", str(exe)])
     assert r.returncode == 1, r.stderr
     assert "LOST events_ring_full" in r.stderr and "--fail-on-loss" in r.stderr
     art = Artifact.open(out)
@@ -100,6 +111,9 @@ def test_ring_full_is_counted_printed_and_fails_on_loss(tmp_path: Path) -> None:
     assert lost > 0 and events > 0
     # nothing vanishes silently: recorded + lost covers at least the 8000 heap calls
     assert events + lost >= 8000
+    assert art.manifest.backpressure["mode"] == "drop"
+    assert not any(art.manifest.backpressure["pauses"].values())
+    assert "paused" not in r.stderr
 
 
 @pytest.mark.bpf

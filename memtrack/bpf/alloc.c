@@ -67,6 +67,7 @@ static __always_inline void mt_loss(int idx) {
 
 static __always_inline void mt_emit(u32 pid, u32 tid, u8 kind, u8 allocator, u64 flags,
                                     u64 addr, u64 old_addr, u64 size, u64 stack_hash) {
+    mt_backpressure(MT_RING_EVENTS);
     struct mt_event *e = mt_events.ringbuf_reserve(sizeof(struct mt_event));
     if (!e) {
         mt_loss(MT_L_EVENTS_RING_FULL);

@@ -60,6 +60,49 @@ static __always_inline int mt_is_tracked(u32 tgid) {
     return mt_tracked.lookup(&tgid) != 0;
 }
 
+/* Backpressure (--on-ring-full pause): a producer that finds a ring's unconsumed data
+ * at or above its high watermark is stopped (SIGSTOP to its process, once: mt_paused
+ * holds the pids stopped and when) and its current record is still written; the
+ * session's drain resumes it once the rings are below their low watermark. Every ring
+ * write calls mt_backpressure(its MT_RING_* id) first. The session puts each ring in
+ * mt_rings (bcc 0.26 has no ring.ringbuf_query(): an array of maps gives the helper
+ * the map) and its high watermark in bytes in mt_pause_at (0: --on-ring-full drop). */
+#define MT_SIGSTOP 19
+#define MT_RING_EVENTS 0
+#define MT_RING_STACKS 1
+#define MT_RING_RSS 2
+#define MT_RING_RSS_EVENTS 3
+#define MT_RING_FAULTS 4
+#define MT_NRINGS 8
+BPF_RINGBUF_OUTPUT(mt_ring_template, 1);
+BPF_ARRAY_OF_MAPS(mt_rings, "mt_ring_template", MT_NRINGS);
+BPF_ARRAY(mt_pause_at, u64, MT_NRINGS);
+BPF_HASH(mt_paused, u32, u64, 65536);
+BPF_PERCPU_ARRAY(mt_pauses, u64, MT_NRINGS); /* pauses per ring */
+
+static __always_inline void mt_backpressure(int ring) {
+    u64 *at = mt_pause_at.lookup(&ring);
+    if (!at || !*at)
+        return;
+    void *rb = mt_rings.lookup(&ring);
+    if (!rb || bpf_ringbuf_query(rb, BPF_RB_AVAIL_DATA) < *at)
+        return;
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    if (!mt_is_tracked(pid))
+        return;
+    u64 now = bpf_ktime_get_ns();
+    if (mt_paused.insert(&pid, &now))
+        return; /* stopped already, not resumed yet */
+    if (bpf_send_signal(MT_SIGSTOP)) {
+        /* an exiting task cannot be stopped: let another of its threads try */
+        mt_paused.delete(&pid);
+        return;
+    }
+    u64 *n = mt_pauses.lookup(&ring);
+    if (n)
+        (*n)++;
+}
+
 static __always_inline int mt_is_enabled(void) {
     int k = 0;
     u64 *v = mt_config.lookup(&k);

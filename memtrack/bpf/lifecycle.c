@@ -11,7 +11,6 @@
 #define MT_ATTACH_PAGES 64
 #endif
 
-#define MT_SIGSTOP 19
 #define MT_PROT_EXEC 0x4
 #define MT_MAP_ANONYMOUS 0x20
 #define MT_CLONE_THREAD 0x10000

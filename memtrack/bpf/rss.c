@@ -81,6 +81,7 @@ int mt_rss_stat(void *ctx) {
     }
     if (!mt_is_enabled())
         return 0;
+    mt_backpressure(MT_RING_RSS);
     struct mt_rss_rec *r = mt_rss_ring.ringbuf_reserve(sizeof(struct mt_rss_rec));
     if (!r) {
         mt_rss_count_loss(MT_LOST_RSS);
@@ -116,6 +117,7 @@ static __always_inline int mt_rss_stash(u64 a0, u64 a1, u64 a2, u64 a3, u64 a4) 
 
 static __always_inline int mt_rss_emit(u8 kind, u64 addr, u64 old_addr, u64 size, u64 flags) {
     u64 id = bpf_get_current_pid_tgid();
+    mt_backpressure(MT_RING_RSS_EVENTS);
     struct mt_event *e = mt_rss_events.ringbuf_reserve(sizeof(struct mt_event));
     if (!e) {
         mt_rss_count_loss(MT_LOST_RSS_EVENTS);
@@ -186,6 +188,7 @@ static __always_inline int mt_fault(void *ctx, u32 kernel) {
     u64 address = MT_TP(ctx, MT_OFF_FAULT_ADDRESS, u64);
     if (address >= 0x800000000000ULL)
         return 0;
+    mt_backpressure(MT_RING_FAULTS);
     struct mt_fault_rec *f = mt_faults_ring.ringbuf_reserve(sizeof(struct mt_fault_rec));
     if (!f) {
         mt_rss_count_loss(MT_LOST_FAULTS);

@@ -422,6 +422,7 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     u64 len = pos * 8;
     if (len > 2 * MT_STACK_OUT_WORDS * 8)
         len = 2 * MT_STACK_OUT_WORDS * 8;
+    mt_backpressure(MT_RING_STACKS);
     if (mt_stack_ring.ringbuf_output((void *)&s->out[0], len, 0)) {
         mt_stack_count(MT_SS_RING_FULL);
         return h;

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.parts import RING_EVENTS, CaptureOptions, Ring
 from memtrack.capture.ringbuf import RingReader
 from memtrack.schema import EVENT_DTYPE, EVENTS
 from memtrack.schema.artifact import ArtifactWriter
@@ -36,6 +36,7 @@ REQ_EXEC = 2
 # bpf/alloc.c mt_core_losses slots -> manifest loss counters
 LOSS_SLOTS = ("events_ring_full", "attach_requests_dropped", "unpaired_returns")
 ATTACH_RING_PAGES = 64
+EVENTS_RING = Ring("mt_events", RING_EVENTS, EVENT_DTYPE, EVENT_DTYPE.itemsize)
 
 
 def events_batch(rec: np.ndarray) -> pa.RecordBatch:
@@ -71,12 +72,17 @@ class CorePart:
         assert self.events is not None, "CorePart.attach was not called"
         return self.events.read_fixed(EVENT_DTYPE)
 
+    def rings(self) -> list[Ring]:
+        return [EVENTS_RING]
+
+    def write(self, bpf: Any, writer: ArtifactWriter, ring: Ring, records: Any) -> int:
+        if len(records):
+            writer.write("events", events_batch(records))
+            self.written += len(records)
+        return len(records)
+
     def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
-        rec = self.read_events()
-        if rec.size:
-            writer.write("events", events_batch(rec))
-            self.written += rec.size
-        return int(rec.size)
+        return self.write(bpf, writer, EVENTS_RING, self.read_events())
 
     def losses(self, bpf: Any) -> dict[str, int]:
         """Totals since the program was loaded (a session subtracts its start values)."""

@@ -3,27 +3,70 @@
 The capture core (tracker/session) builds one bcc program from `memtrack/bpf/common.h`
 followed by the `sources()` of each enabled part, in the order the parts are given
 (stacks first: the allocator probes call its `mt_stack_capture`). After loading it
-calls each part's `attach`, then, from its drain loop while the command runs and once
-more after it exits, each part's `drain`; at the end `losses` adds the part's loss
-counters to the manifest.
+calls each part's `attach`. While the command runs and once more after it exits, the
+session's drain thread reads every ring a part declares in `rings()` (bytes only:
+`memtrack.capture.ringbuf.RingReader`, `read_fixed(dtype) -> numpy array` for rings
+whose records all have one size, `read_records() -> list[memoryview]` for
+variable-size ones) and its writer thread hands what was read, in ring order and coalesced into
+batches, to the part's `write`. A part without `rings()` has its `drain` (read and
+write in one) called from the writer thread instead. At the end `losses` adds the
+part's loss counters to the manifest.
+
+Every ring write in BPF calls `mt_backpressure(MT_RING_*)` (common.h) first; `Ring.ring_id`
+is that id, so that the session can put the ring's high watermark in place.
 
 Parts: the allocator probes and lifecycle/syscall events (capture core), stack capture
 (`memtrack.capture.stacks`), resident memory (`memtrack.capture.rss`).
-
-Rings are read in bulk with `memtrack.capture.ringbuf.RingReader(bpf, map_name)`:
-`read_fixed(dtype) -> numpy array` for rings whose records all have one size, and
-`read_records() -> list[bytes]` for variable-size ones.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from memtrack.schema.artifact import ArtifactWriter
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+
+# common.h MT_RING_*: a ring's slot in mt_rings / mt_pause_at / mt_pauses.
+RING_EVENTS, RING_STACKS, RING_RSS, RING_RSS_EVENTS, RING_FAULTS = range(5)
+RING_NAMES = ("events", "stacks", "rss", "rss_events", "faults")
+ON_RING_FULL = ("pause", "drop")
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def default_ring_pages(per_cpu: int, *, memory: int | None = None,
+                       cpus: int | None = None) -> int:
+    """Ring size in pages from the machine: `per_cpu` bytes for every CPU (the producers
+    a drain round may have to absorb), at most 1/256 of the memory and 1 GiB, at least
+    4 MiB; a power of two."""
+    memory = _memory_bytes() if memory is None else memory
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    size = min(max(cpus, 1) * per_cpu, memory // 256, 1 << 30)
+    return _floor_pow2(max(size, 4 << 20)) // mmap.PAGESIZE
+
+
+def _events_ring_pages() -> int:
+    return default_ring_pages(16 << 20)
+
+
+def _stacks_ring_pages() -> int:
+    return default_ring_pages(32 << 20)
 
 
 @dataclass
@@ -38,11 +81,27 @@ class CaptureOptions:
     modules: bool = True
     start_disabled: bool = False
     probe_placement: str = "auto"  # "auto" or "entry"
-    events_ring_pages: int = 4096  # 16 MiB
-    stacks_ring_pages: int = 8192  # 32 MiB
+    # ring sizes: 16 / 32 MiB per CPU, at most 1/256 of the memory (default_ring_pages)
+    events_ring_pages: int = field(default_factory=_events_ring_pages)
+    stacks_ring_pages: int = field(default_factory=_stacks_ring_pages)
+    on_ring_full: str = "pause"  # "pause": stop the producer until drained; "drop"
     fail_on_loss: bool = False
     program_cache: str = ""  # where compiled programs are kept ("": the default, "off")
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One BPF ring buffer of a part, read by the session's drain thread."""
+
+    map_name: str  # its BPF_RINGBUF_OUTPUT
+    ring_id: int  # RING_* (common.h MT_RING_*)
+    dtype: np.dtype | None  # every record this one size (read as one array), or None
+    max_record: int  # bytes of its largest record (the headroom above a high watermark)
+
+    @property
+    def name(self) -> str:
+        return RING_NAMES[self.ring_id]
 
 
 class CapturePart(Protocol):
@@ -61,8 +120,18 @@ class CapturePart(Protocol):
         warning and never stops allocation capture."""
         ...
 
+    def rings(self) -> list[Ring]:
+        """The rings the session's drain thread reads for this part (after attach)."""
+        ...
+
+    def write(self, bpf: Any, writer: ArtifactWriter, ring: Ring, records: Any) -> int:
+        """Append what the drain read from `ring` (a numpy array of ring.dtype, or a
+        list of record bytes, memoryviews) as batches; returns records written."""
+        ...
+
     def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
-        """Bulk-read this part's rings and append batches; returns records written."""
+        """Bulk-read this part's rings and append batches; returns records written
+        (for parts without rings(), and callers that read and write in one go)."""
         ...
 
     def losses(self, bpf: Any) -> dict[str, int]:

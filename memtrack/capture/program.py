@@ -69,6 +69,7 @@ class MapSpec:
     flags: int
     key_desc: str  # bcc's JSON description of the C type (ctypes Key/Leaf come from it)
     leaf_desc: str
+    inner: str = ""  # a map of maps: the map its values are shaped like
 
 
 @dataclass
@@ -135,6 +136,9 @@ def _libbcc() -> Any:
     return lib
 
 
+_MAP_OF_MAPS_RE = re.compile(r'BPF_(?:ARRAY|HASH)_OF_MAPS\(\s*(\w+)\s*,\s*"(\w+)"')
+
+
 def compile_image(text: str, cflags: list[str]) -> Image:
     """Run bcc over `text` and take what it produced (nothing is loaded or attached)."""
     from bcc import BPF
@@ -148,6 +152,8 @@ def compile_image(text: str, cflags: list[str]) -> Image:
     except Exception as e:  # noqa: BLE001 - bcc raises plain Exception
         raise LoadError(f"cannot compile the BPF program: {e}") from None
     lib = _libbcc()
+    # bcc keeps a map of maps' inner map to itself: read it where the source declares it
+    inner = dict(_MAP_OF_MAPS_RE.findall(text))
     try:
         m = b.module
         maps, index = [], {}
@@ -157,6 +163,7 @@ def compile_image(text: str, cflags: list[str]) -> Image:
                            lib.bpf_table_max_entries_id(m, i), lib.bpf_table_flags_id(m, i),
                            lib.bpf_table_key_desc_id(m, i).decode(),
                            lib.bpf_table_leaf_desc_id(m, i).decode())
+            spec.inner = inner.get(spec.name, "")
             index[lib.bpf_table_fd_id(m, i)] = len(maps)
             maps.append(spec)
         functions, relocations = {}, {}
@@ -305,10 +312,10 @@ def _obj_name(name: str) -> bytes:
     return re.sub(r"[^A-Za-z0-9_.]", "_", name).encode()[:BPF_OBJ_NAME_LEN - 1]
 
 
-def _create_map(spec: MapSpec) -> int:
+def _create_map(spec: MapSpec, inner_fd: int = 0) -> int:
     attr = (ct.c_uint8 * 72)()
-    struct.pack_into("<IIIII", attr, 0, spec.type, spec.key_size, spec.value_size,
-                     spec.max_entries, spec.flags)
+    struct.pack_into("<IIIIII", attr, 0, spec.type, spec.key_size, spec.value_size,
+                     spec.max_entries, spec.flags, inner_fd)
     ct.memmove(ct.addressof(attr) + 28, _obj_name(spec.name), len(_obj_name(spec.name)))
     fd = _bpf(BPF_MAP_CREATE, attr)
     if fd < 0:
@@ -337,8 +344,11 @@ class Program:
         self.tables: dict[str, Table] = {}
         self._map_fds: list[int] = []
         try:
+            by_name: dict[str, int] = {}
             for spec in image.maps:
-                self._map_fds.append(_create_map(spec))
+                inner = by_name[spec.inner] if spec.inner else 0
+                self._map_fds.append(_create_map(spec, inner))
+                by_name[spec.name] = self._map_fds[-1]
             for name in image.functions:
                 if name.startswith("tracepoint__"):
                     tp = name[len("tracepoint__"):].replace("__", ":")

@@ -7,7 +7,7 @@ header: its length with a busy bit (31, still being written) and a discard bit (
 
 `read_fixed` turns every committed record of a ring whose records all have one size
 into one numpy array in a handful of vectorized operations; `read_records` returns the
-records of a ring with variable-size records as bytes.
+records of a ring with variable-size records as views of one bytes copy.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ HEADER = 8
 
 def _gather(base: np.ndarray, n: int, stride: int, rec: int) -> np.ndarray:
     """The n record bodies after their headers, copied into one contiguous block
-    (as whole 8-byte words when the sizes allow: far faster than a structured copy)."""
+    (as whole 8-byte words when the sizes allow: far faster than a structured copy).
+    Always a copy: one record's body is contiguous already, and a view of the ring
+    would be overwritten once the consumer position moves past it."""
     if stride % 8 == 0 and rec % 8 == 0:
         words = np.ndarray((n, stride // 8), dtype=np.uint64, buffer=base)
-        return np.ascontiguousarray(words[:, HEADER // 8:HEADER // 8 + rec // 8])
+        return words[:, HEADER // 8:HEADER // 8 + rec // 8].copy()
     raw = np.ndarray((n, stride), dtype=np.uint8, buffer=base)
-    return np.ascontiguousarray(raw[:, HEADER:HEADER + rec])
+    return raw[:, HEADER:HEADER + rec].copy()
 
 
 class RingReader:
@@ -51,6 +53,8 @@ class RingReader:
         self._cons = np.frombuffer(self._cons_map, dtype=np.uint64, count=1)
         self._prod = np.frombuffer(self._prod_map, dtype=np.uint64, count=1)
         self._data = np.frombuffer(self._prod_map, dtype=np.uint8, offset=page)
+        self._bytes = memoryview(self._prod_map)[page:]
+        self._hdrs = self._bytes.cast("I")  # u32 words: record headers are 8-aligned
 
     def pending(self) -> int:
         """Bytes written by producers and not consumed yet."""
@@ -62,23 +66,25 @@ class RingReader:
     def read_fixed(self, dtype: np.dtype) -> np.ndarray:
         """Every committed record, each exactly dtype.itemsize bytes, as one array.
 
-        Stops at the first record still being written. A record of another size or a
+        Stops at the first record still being written, and at what was produced when
+        it started (records written meanwhile are the next call's: chasing a busy
+        producer would make many small copies). A record of another size or a
         discarded one is skipped through the slow path (never produced by memtrack's
         programs, handled for safety)."""
         dtype = np.dtype(dtype)
         rec = dtype.itemsize
         stride = (rec + HEADER + 7) & ~7
         out: list[np.ndarray] = []
+        end = int(self._prod[0])
         while True:
             cons = int(self._cons[0])
-            prod = int(self._prod[0])
-            span = prod - cons
+            span = end - cons
             if span <= 0:
                 break
             start = cons & self.mask
             n = span // stride
             if n == 0:
-                if not self._read_one_odd(rec, out, dtype):
+                if not self._read_one_odd(rec, out, dtype, end):
                     break
                 continue
             base = self._data[start:start + n * stride]
@@ -89,16 +95,17 @@ class RingReader:
                 out.append(_gather(base, good, stride, rec).view(dtype).reshape(good))
                 self._advance(cons + good * stride)
             if good < n or span % stride:
-                if not self._read_one_odd(rec, out, dtype):
+                if not self._read_one_odd(rec, out, dtype, end):
                     break
         if not out:
             return np.empty(0, dtype=dtype)
         return out[0] if len(out) == 1 else np.concatenate(out)
 
-    def _read_one_odd(self, rec: int, out: list[np.ndarray], dtype: np.dtype) -> bool:
+    def _read_one_odd(self, rec: int, out: list[np.ndarray], dtype: np.dtype,
+                      end: int) -> bool:
         """Handle the record at the consumer position one by one; False if busy."""
         cons = int(self._cons[0])
-        if int(self._prod[0]) - cons < HEADER:
+        if end - cons < HEADER:
             return False
         start = cons & self.mask
         hdr = int(self._data[start:start + 4].view(np.uint32)[0])
@@ -111,27 +118,35 @@ class RingReader:
         self._advance(cons + ((length + HEADER + 7) & ~7))
         return True
 
-    def read_records(self) -> list[bytes]:
-        """Every committed record as bytes (rings with variable-size records)."""
-        out: list[bytes] = []
-        cons = int(self._cons[0])
+    def read_records(self) -> list[memoryview]:
+        """Every committed record (rings with variable-size records), up to what was
+        produced when it started (as read_fixed): views into one bytes copy of the
+        span read. The headers are walked one by one (a record's length says where
+        the next starts) through a memoryview (a numpy scalar read per header costs
+        ~4x as much); the span is copied once, not record by record (a bytes object
+        per record meant a malloc, and so a trap into the probed allocator, for each)."""
+        cons = first = int(self._cons[0])
         prod = int(self._prod[0])
-        data = self._data
+        hdrs, mask = self._hdrs, self.mask
+        spans: list[tuple[int, int]] = []
         while prod - cons >= HEADER:
-            start = cons & self.mask
-            hdr = int(data[start:start + 4].view(np.uint32)[0])
+            hdr = hdrs[(cons & mask) >> 2]
             if hdr & BUSY:
                 break
             length = hdr & ~(BUSY | DISCARD)
             if not hdr & DISCARD:
-                out.append(data[start + HEADER:start + HEADER + length].tobytes())
+                spans.append((cons - first + HEADER, length))
             cons += (length + HEADER + 7) & ~7
-            if prod - cons < HEADER:
-                prod = int(self._prod[0])
+        if cons == first:
+            return []
+        start = first & mask
+        blob = memoryview(bytes(self._bytes[start:start + cons - first]))
         self._advance(cons)
-        return out
+        return [blob[o:o + n] for o, n in spans]
 
     def close(self) -> None:
+        self._hdrs.release()
+        self._bytes.release()
         self._cons = self._prod = self._data = None  # type: ignore[assignment]
         self._cons_map.close()
         self._prod_map.close()

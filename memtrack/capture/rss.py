@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.parts import RING_FAULTS, RING_RSS, RING_RSS_EVENTS, CaptureOptions, Ring
 from memtrack.schema import EVENT_DTYPE, EVENTS, FAULTS, RSS
 from memtrack.schema.artifact import ArtifactWriter
 
@@ -58,6 +58,13 @@ assert FAULT_DTYPE.itemsize == 32
 # Ring sizes in pages (BPF_RINGBUF_OUTPUT takes pages); CaptureOptions.extra may set
 # "rss_ring_pages", "rss_events_ring_pages", "faults_ring_pages".
 RING_PAGES = {"rss_ring_pages": 2048, "rss_events_ring_pages": 256, "faults_ring_pages": 4096}
+
+# The rings of each role, and the table each one's records go to.
+RINGS = {
+    "rss": Ring("mt_rss_ring", RING_RSS, RSS_DTYPE, RSS_DTYPE.itemsize),
+    "events": Ring("mt_rss_events", RING_RSS_EVENTS, EVENT_DTYPE, EVENT_DTYPE.itemsize),
+    "faults": Ring("mt_faults_ring", RING_FAULTS, FAULT_DTYPE, FAULT_DTYPE.itemsize),
+}
 
 # bpf/rss.c mt_rss_lost slots -> manifest loss counters.
 LOST_SLOTS = ("rss_ring_full", "rss_events_ring_full", "faults_ring_full",
@@ -218,30 +225,29 @@ class RssPart:
             r = self._readers[ring] = self._reader_factory(bpf, ring)
         return r.read_fixed(dtype)
 
+    def rings(self) -> list[Ring]:
+        return [RINGS[role] for role in ("rss", "events", "faults") if role in self.roles]
+
+    def write(self, bpf: Any, writer: ArtifactWriter, ring: Ring, rec: Any) -> int:
+        if not len(rec):
+            return 0
+        if ring.ring_id == RING_RSS:
+            writer.write("rss", pa.RecordBatch.from_arrays(
+                [pa.array(rec["ts"]), pa.array(rec["pid"]), pa.array(rec["member"]),
+                 pa.array(rec["bytes"]), pa.array(rec["external"].astype(bool))],
+                schema=RSS))
+        elif ring.ring_id == RING_RSS_EVENTS:
+            writer.write("events", _events_batch(rec))
+        else:
+            writer.write("faults", pa.RecordBatch.from_arrays(
+                [pa.array(rec["ts"]), pa.array(rec["pid"]), pa.array(rec["tid"]),
+                 pa.array(rec["address"]), pa.array(rec["error_code"]),
+                 pa.array(rec["kernel"].astype(bool))], schema=FAULTS))
+        return len(rec)
+
     def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
-        n = 0
-        if "rss" in self.roles:
-            rec = self._read(bpf, "mt_rss_ring", RSS_DTYPE)
-            if len(rec):
-                writer.write("rss", pa.RecordBatch.from_arrays(
-                    [pa.array(rec["ts"]), pa.array(rec["pid"]), pa.array(rec["member"]),
-                     pa.array(rec["bytes"]), pa.array(rec["external"].astype(bool))],
-                    schema=RSS))
-                n += len(rec)
-        if "events" in self.roles:
-            rec = self._read(bpf, "mt_rss_events", EVENT_DTYPE)
-            if len(rec):
-                writer.write("events", _events_batch(rec))
-                n += len(rec)
-        if "faults" in self.roles:
-            rec = self._read(bpf, "mt_faults_ring", FAULT_DTYPE)
-            if len(rec):
-                writer.write("faults", pa.RecordBatch.from_arrays(
-                    [pa.array(rec["ts"]), pa.array(rec["pid"]), pa.array(rec["tid"]),
-                     pa.array(rec["address"]), pa.array(rec["error_code"]),
-                     pa.array(rec["kernel"].astype(bool))], schema=FAULTS))
-                n += len(rec)
-        return n
+        return sum(self.write(bpf, writer, r, self._read(bpf, r.map_name, r.dtype))
+                   for r in self.rings())
 
     def close(self) -> None:
         """Unmap the rings (the capture core calls this before unloading the program)."""

@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.cmdenv import command_environment
+from memtrack.capture.drain import min_ring_bytes
+from memtrack.capture.parts import ON_RING_FULL, CaptureOptions
 from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker, find_command
+from memtrack.schema import EVENT_DTYPE
 
 
 def check_options(options: CaptureOptions) -> None:
     """One-line errors for option values capture cannot use."""
-    for name, pages in (("--events-ring-pages", options.events_ring_pages),
-                        ("--stacks-ring-pages", options.stacks_ring_pages)):
+    from memtrack.capture.stacks import HDR_MAX_WORDS
+
+    cpus = os.cpu_count() or 1
+    for name, pages, record in (
+            ("--events-ring-pages", options.events_ring_pages, EVENT_DTYPE.itemsize),
+            ("--stacks-ring-pages", options.stacks_ring_pages,
+             HDR_MAX_WORDS * 8 + options.stack_budget)):
         if pages <= 0 or pages & (pages - 1):
             raise CaptureError(f"{name} {pages}: must be a power of two (pages)")
+        need = -(-min_ring_bytes(record, cpus) // mmap.PAGESIZE)
+        if options.on_ring_full == "pause" and pages < need and (
+                name != "--stacks-ring-pages" or options.stacks):
+            raise CaptureError(f"{name} {pages}: too small to pause the producers in time "
+                               f"on {cpus} CPUs (at least {1 << (need - 1).bit_length()})")
     if options.probe_placement not in ("auto", "entry"):
         raise CaptureError(f"--probe-placement {options.probe_placement}: "
                            "expected auto or entry")
+    if options.on_ring_full not in ON_RING_FULL:
+        raise CaptureError(f"--on-ring-full {options.on_ring_full}: expected pause or drop")
 
 
 def summary(result: CaptureResult, cmd: list[str]) -> list[str]:
@@ -26,6 +43,12 @@ def summary(result: CaptureResult, cmd: list[str]) -> list[str]:
            else f"exited with status {result.exit_code}")
     lines = [f"memtrack: {cmd[0]} {how}; {result.events:,} events in "
              f"{result.duration_s:.2f} s written to {result.artifact}"]
+    pauses = {k: v for k, v in result.pauses.items() if v}
+    if pauses:
+        rings = ", ".join(f"{k} ring {v:,}" for k, v in pauses.items())
+        lines.append(f"memtrack: paused the traced processes {sum(pauses.values()):,} times "
+                     f"({rings}) for {result.paused_s:.2f} s in all while the rings drained "
+                     "(larger rings pause less)")
     for k, v in result.nonzero_losses().items():
         lines.append(f"memtrack: LOST {k} = {v:,}")
     for k, v in result.fidelity_notes().items():
@@ -40,14 +63,16 @@ def run_capture(cmd: list[str], output: Path, options: CaptureOptions, *, force:
                 control: Path | None = None, timeout: float | None = None,
                 err: TextIO = sys.stderr) -> int:
     """Capture `cmd` into `output`; returns the exit status for the shell (CMD's, or 1
-    when --fail-on-loss finds a loss)."""
+    when --fail-on-loss finds a loss). The status line is drawn only when `err` is a
+    terminal (memtrack.capture.status)."""
     check_options(options)
     if not cmd:
         raise CaptureError("no command given")
     find_command(cmd[0])  # before anything is loaded: a typo fails at once
     live = err if err.isatty() else None
     with Tracker(options, progress=err) as tracker:
-        session = tracker.spawn(cmd, output, overwrite=force, control=control, live=live)
+        session = tracker.spawn(cmd, output, env=command_environment(), overwrite=force,
+                                control=control, live=live)
         result = session.wait(timeout=timeout)
     for line in summary(result, cmd):
         print(line, file=err)

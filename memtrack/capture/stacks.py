@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.parts import RING_STACKS, CaptureOptions, Ring
 from memtrack.capture.stackring import records_to_batch
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.stackrecord import MAX_BUDGET, MIN_BUDGET
@@ -103,17 +103,23 @@ class StacksPart:
     def attach(self, bpf: Any) -> list[str]:
         return []
 
-    def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
-        if self._reader is None:
-            from memtrack.capture.ringbuf import RingReader
+    def rings(self) -> list[Ring]:
+        # a record is at most its largest header and body words plus the copy
+        return [Ring(RING, RING_STACKS, None, HDR_MAX_WORDS * 8 + self.budget)]
 
-            self._reader = RingReader(bpf, RING)
-        records = self._reader.read_records()
+    def write(self, bpf: Any, writer: ArtifactWriter, ring: Ring, records: Any) -> int:
         if not records:
             return 0
         batch = self.ingest(bpf, records)
         writer.write("stacks", batch)
         return batch.num_rows
+
+    def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
+        if self._reader is None:
+            from memtrack.capture.ringbuf import RingReader
+
+            self._reader = RingReader(bpf, RING)
+        return self.write(bpf, writer, self.rings()[0], self._reader.read_records())
 
     def ingest(self, bpf: Any, records: list[bytes]) -> pa.RecordBatch:
         """Parse ring records into a STACKS batch; forget the kernel state of broken chains."""

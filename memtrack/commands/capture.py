@@ -11,8 +11,14 @@ from memtrack.commands import CommandError
 def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget: int,
         stack_compression: str, rss: bool, track_faults: bool, modules: bool,
         start_disabled: bool, control_fifo: Path | None, probe_placement: str,
-        events_ring_pages: int, stacks_ring_pages: int, fail_on_loss: bool,
+        events_ring_pages: int | None, stacks_ring_pages: int | None, on_ring_full: str,
+        fail_on_loss: bool,
         timeout: float | None, program_cache: str) -> int:
+    import sys
+
+    from memtrack.capture.cmdenv import own_environment
+
+    own_environment(sys.argv)
     from memtrack.capture.parts import CaptureOptions
     from memtrack.capture.run import run_capture
     from memtrack.capture.tracker import CaptureError
@@ -21,13 +27,14 @@ def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget:
     for flag, value in (("--stacks", stacks), ("--stack-compression", stack_compression)):
         if value not in ("on", "off"):
             raise CommandError(f"{flag} {value}: expected on or off")
+    rings = {k: v for k, v in (("events_ring_pages", events_ring_pages),
+                               ("stacks_ring_pages", stacks_ring_pages)) if v is not None}
     options = CaptureOptions(
         stacks=stacks == "on", stack_budget=stack_budget,
         stack_compression=stack_compression == "on",
         rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
-        probe_placement=probe_placement, events_ring_pages=events_ring_pages,
-        stacks_ring_pages=stacks_ring_pages, fail_on_loss=fail_on_loss,
-        program_cache=program_cache)
+        probe_placement=probe_placement, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
+        program_cache=program_cache, **rings)
     try:
         return run_capture(cmd, output, options, force=force, control=control_fifo,
                            timeout=timeout)

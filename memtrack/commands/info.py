@@ -126,6 +126,7 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
     m = data["manifest"]
     es = m["exit_status"]
     status = (
+        "capture cut short" if not m["complete"] else
         f"signal {es['signal']}" if es.get("signal") else
         (f"exit {es['code']}" if es.get("code") is not None else "unknown")
     )

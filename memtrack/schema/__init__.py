@@ -18,7 +18,7 @@ from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember, 
 # the codes of the artifact's columns, re-exported: the contract is read from here
 __all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember", "StackEncoding"]
 
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"

@@ -2,7 +2,11 @@
 
 Every table is an Arrow IPC *stream* with zstd-compressed buffers. A stream has no
 footer, so batches can be appended as they arrive and a file cut short by a killed
-capture is still readable up to its last whole batch.
+capture is still readable up to its last whole batch. Each file is a valid stream from
+the moment it is created (its schema and an empty batch are written and flushed at
+once), and the manifest is written at the start and rewritten while capture runs
+(`complete` only at the end), so a capture killed at any point leaves an artifact
+that reads as "cut short", never as damaged.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,14 +46,22 @@ _WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
 
 
 class TableWriter:
-    """Appends record batches of one schema to one IPC stream file."""
+    """Appends record batches of one schema to one IPC stream file (from any thread)."""
 
     def __init__(self, path: Path, schema: pa.Schema) -> None:
         self.path = path
         self.schema = schema
         self.rows = 0
-        self._sink = pa.OSFile(str(path), "wb")
+        self._lock = threading.Lock()
+        # not pa.OSFile: its fd would be inherited by the traced program (no O_CLOEXEC,
+        # and OSFile.fileno() cannot say which it is); Python's open() sets it
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        self._sink = pa.PythonFile(self._file, mode="w")
         self._writer = pa.ipc.new_stream(self._sink, schema, options=_WRITE_OPTIONS)
+        # the stream writer puts the schema out with the first batch: a valid (empty)
+        # stream from the start
+        self._writer.write_batch(pa.RecordBatch.from_pylist([], schema=schema))
+        self._sink.flush()
 
     def write(self, data: pa.RecordBatch | pa.Table | dict[str, Any]) -> None:
         if isinstance(data, dict):
@@ -59,17 +72,21 @@ class TableWriter:
             ).cast(self.schema)
         if data.num_rows == 0:
             return
-        self._writer.write(data)
-        self.rows += data.num_rows
+        with self._lock:
+            self._writer.write(data)
+            self.rows += data.num_rows
 
     def flush(self) -> None:
-        self._sink.flush()
+        with self._lock:
+            self._sink.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self._writer = None  # type: ignore[assignment]
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._sink.close()
+                self._file.close()
+                self._writer = None  # type: ignore[assignment]
 
 
 class ArtifactWriter:
@@ -186,7 +203,8 @@ class Artifact:
             raise ArtifactError(mpath, f"malformed manifest ({e})") from None
         art = cls(path=path, manifest=manifest)
         if not manifest.complete:
-            art.warnings.append(f"{mpath}: capture did not finish (killed?); files may be short")
+            art.warnings.append(f"{path}: the capture was cut short (memtrack killed?): "
+                                "tables hold what was written up to their last whole batch")
         return art
 
     def read(self, name: str, *, required: bool = True) -> TableRead:
@@ -200,6 +218,10 @@ class Artifact:
         batches: list[pa.RecordBatch] = []
         truncated = False
         problem = ""
+        if fpath.stat().st_size == 0 and not self.manifest.complete:
+            # a capture killed before this table's first batch (older memtrack)
+            self.warnings.append(f"{fpath}: empty; read as no rows")
+            return TableRead(schema.empty_table(), True, "empty")
         try:
             reader = pa.ipc.open_stream(pa.memory_map(str(fpath)))
         except (pa.ArrowInvalid, OSError) as e:

@@ -86,6 +86,13 @@ class Manifest:
     modules: list[dict[str, Any]] = field(default_factory=list)
     # Capabilities capture found missing on the host and what that disabled.
     warnings: list[str] = field(default_factory=list)
+    # --on-ring-full and what it cost (not losses): {"mode": "pause" | "drop",
+    # "pauses": {ring: times a process was stopped for it}, "paused_ns": time the
+    # traced processes spent stopped so, summed over them}.
+    backpressure: dict[str, Any] = field(default_factory=dict)
+    # The drain thread: {"rounds", "bytes" read, "worst_gap_ns" between two reads,
+    # "cpu_ns", "backlog_peak_bytes" (read, not written yet)}.
+    drain: dict[str, int] = field(default_factory=dict)
     complete: bool = False  # set when capture finished writing every file
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,533 @@
+"""One capture session: a spawned command, its process tree, its event pipeline and
+its artifact.
+
+A session spawns its command stopped (fork, SIGSTOP, exec), arms tracking for the pid
+(from its exec on) and resumes it. Every exec and every executable file mapping of
+the tracked tree stops the process in BPF (SIGSTOP) and files an attach request; the
+session then snapshots the process's mappings, classifies the new file, attaches the
+allocator probes it needs and sends SIGCONT, so a library's first allocation is seen.
+
+Three threads share the work, so that the rings are read whatever else is going on:
+- the drain thread (drain.Drain) only copies ring records into memory, and resumes
+  the processes a ring pause stopped once the rings have room (stops.Pauses);
+- the writer thread (drain.BatchWriter) turns them into Arrow batches and writes them;
+- the caller's thread (poll/wait) serves attach requests and the control FIFO, copies
+  modules, reaps the command, refreshes the status line and the manifest.
+Whatever stops a process goes through one StopRegistry (stops.py); the tracker's
+supervisor (supervisor.py) continues every tracked process if memtrack dies.
+
+Limits (kernel facts, not bugs to fix here):
+- The attach stops and ring pauses are real SIGSTOP/SIGCONT: a parent that waits with
+  WUNTRACED or WCONTINUED, or handles SIGCHLD, sees them.
+- A process's mappings are snapshotted at its exec and at each attach stop, not at its
+  exit (it cannot be stopped there).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import select
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.capture.control import ControlError, ControlFifo
+from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC
+from memtrack.capture.drain import Backlog, BatchWriter, Drain, Source, min_ring_bytes
+from memtrack.capture.modules import ModuleRecorder
+from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
+from memtrack.capture.procfs import map_file, read_identity, wait_stopped
+from memtrack.capture.ringbuf import RingReader
+from memtrack.capture.status import StatusLine
+from memtrack.capture.stops import ATTACH, Pauses, StopRegistry
+from memtrack.schema import PROCESSES, EventKind, is_loss
+from memtrack.schema.artifact import ArtifactWriter
+from memtrack.schema.manifest import Clock, ExitStatus, Host
+
+if TYPE_CHECKING:
+    from memtrack.capture.tracker import Tracker
+
+CLONE_THREAD = 0x10000
+STATUS_SECONDS = 0.5  # between two status line updates
+MANIFEST_SECONDS = 1.0  # between two manifest rewrites while the command runs
+EVENT_RINGS = (RING_EVENTS, RING_RSS_EVENTS)  # rings whose records go to events.arrow
+
+
+class CaptureError(Exception):
+    """Capture cannot go on; the message is one line for the user."""
+
+
+@dataclass
+class CaptureResult:
+    artifact: Path
+    pid: int
+    exit_code: int | None  # exit(code), None when killed
+    signal: int | None  # the signal that killed it
+    events: int
+    losses: dict[str, int]
+    duration_s: float
+    warnings: list[str] = field(default_factory=list)
+    pauses: dict[str, int] = field(default_factory=dict)  # ring pauses, by ring
+    paused_s: float = 0.0  # time the traced processes spent paused, summed
+
+    @property
+    def status(self) -> int:
+        """The exit status a shell would report: code, or 128 + signal."""
+        if self.signal is not None:
+            return 128 + self.signal
+        return self.exit_code or 0
+
+    def nonzero_losses(self) -> dict[str, int]:
+        """Counters of lost data that are not zero (see schema.FIDELITY_COUNTERS)."""
+        return {k: v for k, v in self.losses.items() if v and is_loss(k)}
+
+    def fidelity_notes(self) -> dict[str, int]:
+        return {k: v for k, v in self.losses.items() if v and not is_loss(k)}
+
+
+def _sudo_user() -> tuple[int, int] | None:
+    if os.geteuid() != 0 or "SUDO_UID" not in os.environ:
+        return None
+    try:
+        return int(os.environ["SUDO_UID"]), int(os.environ.get("SUDO_GID", "0"))
+    except ValueError:
+        return None
+
+
+def backlog_limit() -> int:
+    """Bytes the writer may fall behind the drain: 1/32 of the memory, 64..512 MiB."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 4 << 30
+    return min(max(memory // 32, 64 << 20), 512 << 20)
+
+
+class Session:
+    """One spawned command: its process tree, its event pipeline, its artifact."""
+
+    def __init__(self, tracker: Tracker, cmd: list[str], output: Path, *,
+                 env: dict[str, str] | None, cwd: str | Path | None, overwrite: bool,
+                 user: tuple[int, int] | None, control: Path | None,
+                 live: TextIO | None, start_disabled: bool | None = None) -> None:
+        self.tracker = tracker
+        self.bpf = tracker.bpf
+        self.cmd = cmd
+        self.output = output
+        self.done = False
+        self.result: CaptureResult | None = None
+        self._status: int | None = None
+        self._identity: dict[int, tuple[str, str, list[str]]] = {}
+        self._interrupts = 0
+        self._last_status = 0.0
+        self._last_manifest = 0.0
+        self._failure: str | None = None
+        self.writer = ArtifactWriter(output, overwrite=overwrite)
+        opts = tracker.options
+        m = self.writer.manifest
+        m.host = Host.current()
+        m.clock = Clock.current()
+        m.command = list(cmd)
+        m.options = asdict(opts)
+        if start_disabled is not None:
+            m.options["start_disabled"] = start_disabled
+        else:
+            start_disabled = opts.start_disabled
+        m.warnings = list(tracker.warnings)
+        self.modules = ModuleRecorder(self.writer, copy_modules=opts.modules)
+        self._loss_base = tracker.loss_totals()
+        self.stops = StopRegistry()
+        self.pauses = Pauses(self.bpf, self.stops)
+        self._pause_base = self.pauses.counts()
+        self._tmpdir = tempfile.mkdtemp(prefix="memtrack-")
+        user = user if user is not None else _sudo_user()
+        try:
+            self.control = ControlFifo(Path(self._tmpdir), control, user)
+        except ControlError as e:
+            self._discard_artifact()
+            raise CaptureError(str(e)) from None
+        self._epoll = select.epoll()
+        self._epoll.register(self.control.fileno(), select.EPOLLIN)
+        # The data rings never wake us (the drain thread polls them); attach requests do.
+        assert tracker.core.attach_requests is not None
+        self._epoll.register(tracker.core.attach_requests.fd, select.EPOLLIN)
+        self.sources = [Source(p, r, RingReader(self.bpf, r.map_name))
+                        for p in tracker.parts if hasattr(p, "rings") for r in p.rings()]
+        self._legacy = [p for p in tracker.parts if not hasattr(p, "rings")]
+        pause = opts.on_ring_full == "pause"
+        self.pauses.configure([(s.ring.ring_id, s.reader.fd, s.high) for s in self.sources],
+                              pause)
+        m.backpressure = {"mode": opts.on_ring_full}
+        cpus = os.cpu_count() or 1
+        for s in self.sources:
+            need = min_ring_bytes(s.ring.max_record, cpus)
+            if pause and s.reader.size < need:
+                m.warnings.append(f"the {s.ring.name} ring ({s.reader.size} bytes) is too "
+                                  f"small to pause in time on {cpus} CPUs (at least "
+                                  f"{need}): it may drop records")
+        self.backlog = Backlog(backlog_limit())
+        self.drain = Drain(self.sources, self.backlog, self.pauses.after_round)
+        self.batches = BatchWriter(self.backlog, self._write, idle=self._drain_legacy)
+        self.status = StatusLine(live) if live is not None else None
+        tracker.set_enabled(not start_disabled)
+        child_env = dict(os.environ if env is None else env)
+        child_env.update(self.control.env())
+        self.start_ns = time.monotonic_ns()
+        m.start_ns = self.start_ns
+        if self.status is not None:
+            self.status.start()
+            if self.status.fd is not None:  # killed, memtrack leaves the terminal as it was
+                tracker.supervisor.watch_tty(self.status.fd)
+        try:
+            self.pid = self._spawn(cmd, child_env, cwd, user)
+        except BaseException:
+            self._close_status()
+            self._close_io()
+            self._discard_artifact()
+            raise
+        # threads only after the fork: the child runs Python until its exec
+        self.batches.start()
+        self.drain.start()
+        m.root_pid = self.pid
+        self.writer.write_manifest()
+
+    # -- setup ----------------------------------------------------------------------
+
+    def _spawn(self, cmd: list[str], env: dict[str, str], cwd: str | Path | None,
+               user: tuple[int, int] | None) -> int:
+        """Fork, stop the child, arm tracking from its exec on, resume it."""
+        supervisor = self.tracker.supervisor.fileno()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: only async-signal-safe-ish work until exec
+            try:
+                os.close(r)
+                os.close(supervisor)  # its end must close when memtrack dies
+                signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                if user is not None:
+                    uid, gid = user
+                    try:
+                        os.initgroups(pwd.getpwuid(uid).pw_name, gid)
+                    except KeyError:
+                        os.setgroups([gid])
+                    os.setgid(gid)
+                    os.setuid(uid)
+                if cwd is not None:
+                    os.chdir(cwd)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                os.execvpe(cmd[0], cmd, env)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                os.write(w, msg.encode(errors="replace"))
+            finally:
+                os._exit(127)
+        os.close(w)
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):
+            with os.fdopen(r, "rb") as f:
+                why = f.read().decode(errors="replace") or "the child exited before exec"
+            raise CaptureError(f"cannot start {cmd[0]}: {why}")
+        self.tracker.supervisor.watch_pid(pid)
+        pending = self.bpf["mt_pending"]
+        pending[pending.Key(pid)] = pending.Leaf(1)
+        os.kill(pid, signal.SIGCONT)
+        with os.fdopen(r, "rb") as f:
+            err = f.read()
+        if err:
+            os.waitpid(pid, 0)
+            raise CaptureError(f"cannot run {cmd[0]}: {err.decode(errors='replace')}")
+        return pid
+
+    # -- the loop -------------------------------------------------------------------
+
+    def enable(self, on: bool = True) -> None:
+        """Switch recording on (or off) for the whole tree."""
+        self.tracker.set_enabled(on)
+
+    def disable(self) -> None:
+        self.enable(False)
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to the root process (if it still runs)."""
+        if self._status is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def poll(self, timeout: float = 0.02) -> bool:
+        """One round of the caller's thread: wait up to `timeout` s for an attach request
+        or a control command and serve them, reap the command, refresh the status line
+        and the manifest. Returns False once the root process has exited."""
+        if self.done:
+            return False
+        try:
+            ready = self._epoll.poll(timeout)
+        except InterruptedError:
+            ready = []
+        if any(fd == self.control.fileno() for fd, _ in ready):
+            self.control.serve(self.enable)
+        self._serve_attach()
+        if self._status is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid == self.pid:
+                self._status = status
+        self._check_pipeline()
+        now = time.monotonic()
+        if now - self._last_status >= STATUS_SECONDS:
+            self._last_status = now
+            self._show_status()
+        if now - self._last_manifest >= MANIFEST_SECONDS:
+            self._last_manifest = now
+            self._update_manifest()
+            self.writer.write_manifest()
+        return self._status is None
+
+    def wait(self, timeout: float | None = None) -> CaptureResult:
+        """Drain until the command exits, then write the artifact and return the result.
+        SIGINT/SIGTERM received meanwhile are passed to the command (a second one kills
+        it). With `timeout`, the command is killed after that many seconds."""
+        if self.result is not None:
+            return self.result
+        deadline = None if timeout is None else time.monotonic() + timeout
+        old = self._install_signals()
+        try:
+            while self.poll():
+                if deadline is not None and time.monotonic() > deadline:
+                    self.kill(signal.SIGKILL)
+                    deadline = None
+        finally:
+            self._restore_signals(old)
+        return self._finish()
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def forward(sig: int, _frame: object) -> None:
+            self._interrupts += 1
+            self.kill(sig if self._interrupts == 1 else signal.SIGKILL)
+
+        return {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _restore_signals(old: dict[int, Any]) -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    def _check_pipeline(self) -> None:
+        """A failed drain or writer thread: stop recording and let every paused process
+        go on (the command runs to its end untraced); wait() then raises."""
+        err = self.drain.error or self.batches.error
+        if err is None or self._failure is not None:
+            return
+        what = "reading the rings" if self.drain.error else "writing the artifact"
+        self._failure = f"capture stopped: {what} failed ({err})"
+        self.writer.manifest.warnings.append(self._failure)
+        self.tracker.set_enabled(False)
+        self.pauses.finish()
+
+    # -- the pipeline (writer thread) -----------------------------------------------
+
+    def _write(self, src: Source, records: Any) -> None:
+        if src.part is self.tracker.core:
+            self._note_forks(records)
+        src.part.write(self.bpf, self.writer, src.ring, records)
+
+    def _drain_legacy(self) -> None:
+        """Parts without rings(): their own drain, on the writer thread."""
+        for part in self._legacy:
+            part.drain(self.bpf, self.writer)
+
+    def _note_forks(self, rec: np.ndarray) -> None:
+        """processes.arrow rows for new child processes (they start as their parent)."""
+        forks = rec[(rec["kind"] == EventKind.FORK) & ((rec["flags"] & CLONE_THREAD) == 0)]
+        for ts, parent, child in zip(forks["ts"].tolist(), forks["pid"].tolist(),
+                                     forks["addr"].tolist(), strict=True):
+            comm, exe, cmdline = self._identity.get(parent, ("", "", []))
+            self._identity.setdefault(child, (comm, exe, cmdline))
+            self._write_process(ts, child, parent, comm, exe, cmdline)
+
+    def _write_process(self, ts: int, pid: int, ppid: int, comm: str, exe: str,
+                       cmdline: list[str]) -> None:
+        self.writer.write("processes", pa.RecordBatch.from_pydict({
+            "ts": [ts], "pid": [pid], "ppid": [ppid], "comm": [comm], "exe": [exe],
+            "cmdline": [cmdline]}, schema=PROCESSES))
+
+    @property
+    def events(self) -> int:
+        """Records drained so far that go to events.arrow."""
+        return sum(s.records for s in self.sources if s.ring.ring_id in EVENT_RINGS)
+
+    # -- on-demand attach -----------------------------------------------------------
+
+    def _serve_attach(self) -> None:
+        reader = self.tracker.core.attach_requests
+        assert reader is not None
+        reqs = reader.read_fixed(ATTACH_DTYPE)
+        if not reqs.size:
+            return
+        stopped: dict[int, bool] = {}
+        batches = [reqs]
+        # Fixpoint: once a process is stopped, every request its threads filed is in
+        # the ring; more processes may have stopped meanwhile.
+        while reqs.size:
+            for pid in np.unique(reqs["pid"]).tolist():
+                if pid not in stopped:
+                    self.stops.hold(pid, ATTACH, int(reqs["ts"][reqs["pid"] == pid].min()))
+                    stopped[pid] = wait_stopped(pid)
+            reqs = reader.read_fixed(ATTACH_DTYPE)
+            if reqs.size:
+                batches.append(reqs)
+        allreqs = np.concatenate(batches) if len(batches) > 1 else batches[0]
+        for r in allreqs[allreqs["reason"] == REQ_EXEC]:
+            pid = int(r["pid"])
+            if stopped[pid]:
+                self._on_exec(pid, int(r["ts"]))
+        now = time.monotonic_ns()
+        for pid, ok in stopped.items():
+            if ok:
+                maps = self.modules.snapshot(pid, now)
+                for m in maps or ():
+                    if "x" in m.perms and m.path.startswith("/") and m.inode:
+                        src = str(map_file(pid, m))
+                        self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m))
+        for pid in stopped:
+            self.stops.release(pid, ATTACH)
+        self.modules.copy_pending()
+
+    def _on_exec(self, pid: int, ts: int) -> None:
+        ident = read_identity(pid)
+        if ident is None:
+            return
+        ppid, comm, exe, cmdline = ident
+        self._identity[pid] = (comm, exe, cmdline)
+        self._write_process(ts, pid, ppid, comm, exe, cmdline)
+
+    # -- counters, status line, manifest --------------------------------------------
+
+    def losses(self) -> dict[str, int]:
+        totals = self.tracker.loss_totals()
+        losses = {k: v - self._loss_base.get(k, 0) for k, v in totals.items()}
+        losses["module_copy_failed"] = losses.get("module_copy_failed", 0) + \
+            self.modules.copy_failed
+        return losses
+
+    def pause_counts(self) -> dict[str, int]:
+        return {k: v - self._pause_base.get(k, 0) for k, v in self.pauses.counts().items()}
+
+    def _show_status(self) -> None:
+        if self.status is None:
+            return
+        elapsed = (time.monotonic_ns() - self.start_ns) / 1e9
+        events = self.events
+        rate = events / elapsed if elapsed > 0 else 0.0
+        lost = sum(v for k, v in self.losses().items() if is_loss(k))
+        text = (f"memtrack: {elapsed:7.1f} s  {events:>12,} events  {rate:>11,.0f} ev/s")
+        pauses = sum(self.pause_counts().values())
+        if pauses:
+            text += f"  paused {pauses:,}x {self.pauses.paused_ns / 1e9:.2f} s"
+        self.status.update(text + f"  lost {lost:,}")
+
+    def _update_manifest(self) -> None:
+        m = self.writer.manifest
+        m.losses = self.losses()
+        m.probes = list(self.tracker.probes)
+        m.backpressure = {"mode": self.tracker.options.on_ring_full,
+                          "pauses": self.pause_counts(), "paused_ns": self.pauses.paused_ns}
+        d = self.drain
+        m.drain = {"rounds": d.rounds, "bytes": d.bytes, "worst_gap_ns": d.worst_gap_ns,
+                   "cpu_ns": d.cpu_ns, "backlog_peak_bytes": self.backlog.peak}
+
+    # -- the end --------------------------------------------------------------------
+
+    def _release_stragglers(self) -> None:
+        """Stop tracking whatever outlives the root and let stopped ones go on."""
+        self.pauses.finish()
+        tracked = self.bpf["mt_tracked"]
+        pids = [k.value for k in tracked.keys()]
+        for k in list(tracked.keys()):
+            try:
+                del tracked[k]
+            except KeyError:
+                pass
+        for name in ("mt_pending", "mt_calls"):
+            table = self.bpf[name]
+            for k in list(table.keys()):
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
+        self._serve_attach()
+        self.stops.release_all()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def _finish(self) -> CaptureResult:
+        self._release_stragglers()
+        self.drain.stop()
+        self.batches.stop()
+        self._drain_legacy()
+        self._check_pipeline()
+        self._show_status()
+        self._close_status()
+        self.done = True
+        end = time.monotonic_ns()
+        status = self._status or 0
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        self._update_manifest()
+        m = self.writer.manifest
+        m.end_ns = end
+        m.exit_status = ExitStatus(code=code, signal=sig)
+        self.writer.close()
+        self._close_io()
+        self.result = CaptureResult(self.output, self.pid, code, sig, self.events,
+                                    dict(m.losses), (end - self.start_ns) / 1e9,
+                                    list(m.warnings), dict(m.backpressure["pauses"]),
+                                    self.pauses.paused_ns / 1e9)
+        if self._failure is not None:
+            raise CaptureError(self._failure)
+        return self.result
+
+    def _close_status(self) -> None:
+        if self.status is not None:
+            if self.status.fd is not None:
+                self.tracker.supervisor.watch_tty(None)
+            self.status.close()
+
+    def _close_io(self) -> None:
+        for s in self.sources:
+            s.reader.close()
+        self._epoll.close()
+        self.control.close()
+        try:
+            os.rmdir(self._tmpdir)
+        except OSError:
+            pass
+
+    def _discard_artifact(self) -> None:
+        """A session that never started leaves nothing behind."""
+        for t in self.writer.tables.values():
+            t.close()
+        shutil.rmtree(self.output, ignore_errors=True)
+        try:
+            os.rmdir(self._tmpdir)
+        except OSError:
+            pass
