@@ -13,6 +13,8 @@ import pytest
 from conftest import build
 from support.capture import A, C, F, M, R, check_no_loss, run
 
+from memtrack.schema import Allocator
+
 pytestmark = pytest.mark.bpf
 
 
@@ -114,3 +116,22 @@ def test_rest_of_the_family_and_failed_calls(tracker: Any, allocs: Path, tmp_pat
         (F, 0, a, 0), (F, 0, b, 0), (F, 0, c, 0), (F, 0, d, 0)]
     assert b % 32 == 0 and c % 4096 == 0 and d % 4096 == 0
     check_no_loss(r)
+
+
+def test_function_the_kernel_refuses_to_probe(tracker: Any, tmp_path: Path) -> None:
+    """A lock-prefixed first instruction cannot be probed (ENOTSUPP): that function is
+    named in a warning and in manifest.probes, every other one of the module is probed,
+    and the capture goes on."""
+    lib = build(["capture/refused.S"], name="librefused", shared=True)
+    exe = build(["capture/refused.c"], libs=("-ldl",))
+    r = run(tracker, tmp_path, [str(exe), str(lib)])
+    assert r.result.status == 0
+    ours = [e for e in r.heap() if e["allocator"] == Allocator.OTHER]
+    assert [(e["kind"], e["addr"]) for e in ours] == [(F, 0x5000), (F, 0x5010), (F, 0x5020)]
+    probes = {p["function"]: p for p in r.art.manifest.probes if p["path"] == str(lib)}
+    assert set(probes) == {"malloc", "free"}
+    assert probes["malloc"]["probe_offset"] == 0 and probes["malloc"]["refused"]
+    assert "refused" not in probes["free"]
+    assert [w for w in r.art.manifest.warnings if "librefused" in w] == [
+        f"cannot probe malloc in {lib}: {probes['malloc']['refused']}; "
+        "its calls are not recorded"]

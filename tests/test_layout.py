@@ -65,13 +65,9 @@ def package_imports(package: str) -> dict[str, set[str]]:
 def test_capture_imports_only_the_contract_and_readers() -> None:
     allowed = ("memtrack.capture", "memtrack.schema", "memtrack.elf", "memtrack.dwarf",
                "memtrack.bpf")
-    # until capture switches to memtrack.elf (the shim re-exports it, nothing else)
-    shim = {"memtrack/capture/modules.py": {"memtrack.symbolize.buildid"}}
     for path, mods in package_imports("capture").items():
-        bad = {m for m in mods if not m.startswith(allowed)} - shim.get(path, set())
+        bad = {m for m in mods if not m.startswith(allowed)}
         assert not bad, (path, bad)
-    buildid = imports(PKG / "symbolize" / "buildid.py")
-    assert buildid == {"memtrack.elf"}
 
 
 def test_processing_side_never_imports_capture() -> None:

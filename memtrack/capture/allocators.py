@@ -11,12 +11,10 @@ BPF programs of alloc.c as the probe's attach cookie.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
+from memtrack.elf.image import ElfImage, Segments
 from memtrack.schema import Allocator, EventKind
 
 # name -> shape (SHAPES); shapes ending in "free..." are entry-only frees (alloc.c
@@ -143,25 +141,6 @@ _MARKERS = ("mallocx", "je_mallocx", "mi_malloc", "tc_malloc", "malloc", "_Znwm"
             "__libc_start_main")
 ALL_NAMES = set().union(*_FAMILY_NAMES.values(), _MARKERS)
 
-SHT_SYMTAB, SHT_DYNSYM = 2, 11
-STT_FUNC = 2
-PT_LOAD = 1
-_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
-                 ("value", "<u8"), ("size", "<u8")])
-
-
-class ElfError(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Segment:
-    vaddr: int
-    offset: int
-    filesz: int
-    flags: int
-
-
 @dataclass(frozen=True)
 class Probe:
     """One function to probe: its file offset is where the uprobe goes."""
@@ -194,68 +173,21 @@ class Probe:
 
 @dataclass
 class ElfInfo:
+    """What classifying and probing a module needs of its ELF file (memtrack.elf)."""
+
     path: str
-    segments: list[Segment]
+    segments: Segments
     functions: dict[str, tuple[int, int]]  # defined function name -> (vaddr, size)
-    is_dyn: bool
 
     def vaddr_to_offset(self, vaddr: int) -> int | None:
-        for s in self.segments:
-            if s.vaddr <= vaddr < s.vaddr + s.filesz:
-                return vaddr - s.vaddr + s.offset
-        return None
+        return self.segments.vaddr_to_offset(vaddr)
 
 
 def read_elf(path: str | Path, wanted: set[str] = ALL_NAMES) -> ElfInfo:
-    """Program headers and the defined functions named in `wanted` (both symbol tables)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:4] != b"\x7fELF":
-        raise ElfError(f"{path}: not an ELF file")
-    if data[4] != 2 or data[5] != 1:
-        raise ElfError(f"{path}: not a 64-bit little-endian ELF file")
-    try:
-        e_type = struct.unpack_from("<H", data, 16)[0]
-        phoff, shoff = struct.unpack_from("<QQ", data, 32)
-        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 54)
-        segments = []
-        for i in range(phnum):
-            p_type, p_flags, p_offset, p_vaddr, _, p_filesz = struct.unpack_from(
-                "<IIQQQQ", data, phoff + i * phentsize)
-            if p_type == PT_LOAD:
-                segments.append(Segment(p_vaddr, p_offset, p_filesz, p_flags))
-        sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
-                    for i in range(shnum)] if shoff else []
-    except struct.error:
-        raise ElfError(f"{path}: truncated ELF headers") from None
-    functions: dict[str, tuple[int, int]] = {}
-    for sh in sections:
-        sh_type, sh_offset, sh_size, sh_link = sh[1], sh[4], sh[5], sh[6]
-        if sh_type not in (SHT_SYMTAB, SHT_DYNSYM) or sh_link >= len(sections):
-            continue
-        strsec = sections[sh_link]
-        strtab = data[strsec[4]:strsec[4] + strsec[5]]
-        n = sh_size // _SYM.itemsize
-        if sh_offset + n * _SYM.itemsize > len(data):
-            raise ElfError(f"{path}: symbol table runs past the end of the file")
-        syms = np.frombuffer(data, dtype=_SYM, count=n, offset=sh_offset)
-        funcs = syms[((syms["info"] & 0xF) == STT_FUNC) & (syms["shndx"] != 0)
-                     & (syms["value"] != 0)]
-        if not funcs.size:
-            continue
-        offsets: dict[int, str] = {}
-        for name in wanted:
-            needle = name.encode() + b"\0"
-            pos = strtab.find(needle)
-            while pos >= 0:
-                offsets[pos] = name
-                pos = strtab.find(needle, pos + 1)
-        if not offsets:
-            continue
-        hit = funcs[np.isin(funcs["name"], np.fromiter(offsets, dtype=np.uint32))]
-        for s in hit:
-            functions.setdefault(offsets[int(s["name"])], (int(s["value"]), int(s["size"])))
-    return ElfInfo(str(path), segments, functions, e_type == 3)
+    """The load segments and the defined functions named in `wanted` (both symbol
+    tables); ElfReadError when the file is not a readable ELF file."""
+    with ElfImage(path) as img:
+        return ElfInfo(str(path), img.segments, img.functions(wanted))
 
 
 def classify(info: ElfInfo) -> Allocator | None:

@@ -190,21 +190,47 @@ class UprobeLinks:
         return "uprobe_multi" if self.multi else "perf_event"
 
     def attach(self, path: str, entries: list[tuple[int, int]],
-               frees: list[tuple[int, int]]) -> None:
+               frees: list[tuple[int, int]]) -> dict[int, str]:
         """Probe `path`: each (offset, cookie) of `entries` with mt_alloc and, at the
-        same offset, mt_ret on the return; each of `frees` with mt_free."""
+        same offset, mt_ret on the return; each of `frees` with mt_free. Returns the
+        offsets the kernel refused to probe (e.g. an instruction uprobes cannot handle,
+        ENOTSUPP) with the reason; everything else is attached."""
+        refused: dict[int, str] = {}
         for program, probes, ret in (("mt_alloc", entries, False), ("mt_ret", entries, True),
                                      ("mt_free", frees, False)):
+            probes = [(off, cookie) for off, cookie in probes if off not in refused]
             if not probes:
                 continue
             fd = self.fds[program]
             if self.multi:
-                offs, cookies = zip(*probes, strict=True)
-                self.links.append(uprobe_multi_link(fd, path, list(offs), list(cookies),
-                                                    retprobe=ret))
+                try:
+                    self.links.append(self._multi(fd, path, probes, ret))
+                    continue
+                except OSError:
+                    pass
+                # one offset refused fails the whole link: find which, link the others
+                good = []
+                for off, cookie in probes:
+                    try:
+                        os.close(self._multi(fd, path, [(off, cookie)], ret))
+                        good.append((off, cookie))
+                    except OSError as e:
+                        refused[off] = e.strerror or str(e)
+                if good:
+                    self.links.append(self._multi(fd, path, good, ret))
             else:
                 for off, cookie in probes:
-                    self.links.append(perf_uprobe_link(fd, path, off, cookie, retprobe=ret))
+                    try:
+                        self.links.append(perf_uprobe_link(fd, path, off, cookie,
+                                                           retprobe=ret))
+                    except OSError as e:
+                        refused[off] = e.strerror or str(e)
+        return refused
+
+    @staticmethod
+    def _multi(fd: int, path: str, probes: list[tuple[int, int]], ret: bool) -> int:
+        offs, cookies = zip(*probes, strict=True)
+        return uprobe_multi_link(fd, path, list(offs), list(cookies), retprobe=ret)
 
     def slow_links(self) -> list[int]:
         """Links whose release waits for grace periods one after the other (the perf

@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from memtrack.capture.procfs import MapLine, map_file, read_maps, read_memory
+from memtrack.elf import build_id_of_bytes, find_debug_file, read_build_id
 from memtrack.schema import MAPPINGS, VDSO_PATH
 from memtrack.schema.artifact import ArtifactWriter
-from memtrack.symbolize.buildid import build_id_of_bytes, find_debug_file, read_build_id
 
 
 @dataclass

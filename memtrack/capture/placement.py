@@ -64,6 +64,8 @@ from pathlib import Path
 import capstone as cs
 from capstone import x86 as csx86
 
+from memtrack.elf.image import ElfImage
+
 MAX_WALK = 32  # instructions on the fall-through path before giving up
 MAX_PATH = 256  # instructions examined per skipped branch's taken path
 
@@ -330,37 +332,10 @@ def _chosen(name: str, off: int, insn: cs.CsInsn, skipped: list[str],
 
 
 def function_code(path: str | Path, symbol: str) -> tuple[bytes, int]:
-    """The machine code of `symbol` in ELF file `path` (st_size bytes) and its address.
-
-    Looks in .dynsym then .symtab; a versioned name (`free@@GLIBC_2.2.5`) matches its
-    bare name. Raises ValueError when the symbol is missing or not in a loaded segment.
-    """
-    from elftools.elf.elffile import ELFFile
-
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        sym = None
-        for sec_name in (".dynsym", ".symtab"):
-            sec = elf.get_section_by_name(sec_name)
-            if sec is None:
-                continue
-            for s in sec.iter_symbols():
-                if s.name.split("@")[0] == symbol and s["st_value"] and \
-                        s["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC"):
-                    sym = s
-                    break
-            if sym is not None:
-                break
-        if sym is None:
-            raise ValueError(f"{path}: no function symbol {symbol!r}")
-        vaddr, size = int(sym["st_value"]), int(sym["st_size"]) or 256
-        for seg in elf.iter_segments("PT_LOAD"):
-            if seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
-                start = vaddr - seg["p_vaddr"]
-                size = min(size, seg["p_filesz"] - start)
-                f.seek(seg["p_offset"] + start)
-                return f.read(size), vaddr
-    raise ValueError(f"{path}: {symbol} at {vaddr:#x} is not in a loaded segment")
+    """The machine code of `symbol` in ELF file `path` (st_size bytes) and its address;
+    ValueError when the symbol is missing or not in a loaded segment."""
+    with ElfImage(path) as img:
+        return img.function_code(symbol)
 
 
 def place_symbol(path: str | Path, symbol: str) -> Placement:

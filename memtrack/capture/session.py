@@ -51,12 +51,12 @@ from memtrack.capture.status import StatusLine
 from memtrack.capture.stops import ATTACH, Pauses, StopRegistry
 from memtrack.schema import PROCESSES, EventKind, is_loss
 from memtrack.schema.artifact import ArtifactWriter
+from memtrack.schema.enums import CLONE_THREAD
 from memtrack.schema.manifest import Clock, ExitStatus, Host
 
 if TYPE_CHECKING:
     from memtrack.capture.tracker import Tracker
 
-CLONE_THREAD = 0x10000
 STATUS_SECONDS = 0.5  # between two status line updates
 MANIFEST_SECONDS = 1.0  # between two manifest rewrites while the command runs
 EVENT_RINGS = (RING_EVENTS, RING_RSS_EVENTS)  # rings whose records go to events.arrow
@@ -446,6 +446,7 @@ class Session:
         m = self.writer.manifest
         m.losses = self.losses()
         m.probes = list(self.tracker.probes)
+        m.warnings += [w for w in self.tracker.warnings if w not in m.warnings]
         m.backpressure = {"mode": self.tracker.options.on_ring_full,
                           "pauses": self.pause_counts(), "paused_ns": self.pauses.paused_ns}
         d = self.drain

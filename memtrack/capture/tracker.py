@@ -26,7 +26,7 @@ import signal
 from pathlib import Path
 from typing import Any, TextIO
 
-from memtrack.capture.allocators import ElfError, Probe, probes_for, read_elf
+from memtrack.capture.allocators import Probe, probes_for, read_elf
 from memtrack.capture.core import CorePart
 from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.parts import BPF_DIR, CaptureOptions, CapturePart
@@ -39,6 +39,7 @@ from memtrack.capture.program import (
 )
 from memtrack.capture.session import CaptureError, CaptureResult, Session
 from memtrack.capture.supervisor import Supervisor
+from memtrack.elf.image import ElfReadError
 from memtrack.schema import LOSS_COUNTERS
 
 __all__ = ["CaptureError", "CaptureResult", "Session", "Tracker", "default_parts",
@@ -223,7 +224,7 @@ class Tracker:
         self.attached.add(key)
         try:
             info = read_elf(open_path)
-        except (ElfError, OSError):
+        except ElfReadError:
             return 0
         probes = probes_for(info)
         if not probes:
@@ -239,13 +240,36 @@ class Tracker:
         if self.options.probe_placement == "auto":
             with open(open_path, "rb") as f:
                 code = f.read()
+        placed = {p.name: self._place_probe(p, mapped_path, build_id, code) for p in probes}
+        refused = self._attach(path, probes, placed)
+        # a chosen offset the kernel will not probe: try the function's entry instead
+        moved = {name: 0 for name in refused if placed[name] != 0}
+        if moved:
+            again = self._attach(path, [p for p in probes if p.name in moved], moved)
+            refused = {k: v for k, v in refused.items() if k not in moved} | again
+        for rec in self.probes[-len(probes):]:
+            name = rec["function"]
+            if name in moved and name not in refused:
+                rec["probe_offset"] = 0
+                rec["reason"] = f"entry (the kernel refused +{placed[name]:#x})"
+            if name in refused:
+                rec["refused"] = refused[name]
+                self.warnings.append(f"cannot probe {name} in {mapped_path}: "
+                                     f"{refused[name]}; its calls are not recorded")
+        return len(probes) - len(refused)
+
+    def _attach(self, path: str, probes: list[Probe], offsets: dict[str, int]
+                ) -> dict[str, str]:
+        """Attach `probes` at their `offsets`; the names the kernel refused, and why."""
         entries: list[tuple[int, int]] = []
         frees: list[tuple[int, int]] = []
+        at: dict[int, list[str]] = {}
         for p in probes:
-            offset = self._place_probe(p, mapped_path, build_id, code)
-            (frees if p.is_free else entries).append((p.file_offset + offset, p.cookie))
-        self.uprobes.attach(path, entries, frees)
-        return len(probes)
+            off = p.file_offset + offsets[p.name]
+            (frees if p.is_free else entries).append((off, p.cookie))
+            at.setdefault(off, []).append(p.name)
+        return {name: why for off, why in self.uprobes.attach(path, entries, frees).items()
+                for name in at[off]}
 
     def _place_probe(self, p: Probe, mapped_path: str, build_id: str | None,
                      code: bytes) -> int:
