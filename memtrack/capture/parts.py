@@ -5,7 +5,8 @@ followed by the `sources()` of each enabled part, in the order the parts are giv
 (stacks first: the allocator probes call its `mt_stack_capture`). After loading it
 calls each part's `attach`, then, from its drain loop while the command runs and once
 more after it exits, each part's `drain`; at the end `losses` adds the part's loss
-counters to the manifest.
+counters to the manifest. A part with an `on_stop(bpf, pid, maps)` method is called at
+every attach stop, while the process is stopped, with its mappings (procfs.MapLine).
 
 Parts: the allocator probes and lifecycle/syscall events (capture core), stack capture
 (`memtrack.capture.stacks`), resident memory (`memtrack.capture.rss`).
@@ -31,8 +32,8 @@ class CaptureOptions:
     """Every capture option; each has a MEMTRACK_<NAME> environment variable."""
 
     stacks: bool = True
-    stack_budget: int = 8192
-    stack_compression: bool = True
+    stack_budget: int = 32768  # at most; a copy stops at the stack's end
+    stack_copies: bool = False  # debug: every capture's raw copy too (stack_copies.arrow)
     rss: bool = True
     track_faults: bool = False
     modules: bool = True

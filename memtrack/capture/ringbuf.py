@@ -24,12 +24,14 @@ HEADER = 8
 
 def _gather(base: np.ndarray, n: int, stride: int, rec: int) -> np.ndarray:
     """The n record bodies after their headers, copied into one contiguous block
-    (as whole 8-byte words when the sizes allow: far faster than a structured copy)."""
+    (as whole 8-byte words when the sizes allow: far faster than a structured copy).
+    Always a copy: one record's body is contiguous already, and a view of it would
+    change under the reader once producers reuse that part of the ring."""
     if stride % 8 == 0 and rec % 8 == 0:
         words = np.ndarray((n, stride // 8), dtype=np.uint64, buffer=base)
-        return np.ascontiguousarray(words[:, HEADER // 8:HEADER // 8 + rec // 8])
+        return words[:, HEADER // 8:HEADER // 8 + rec // 8].copy()
     raw = np.ndarray((n, stride), dtype=np.uint8, buffer=base)
-    return np.ascontiguousarray(raw[:, HEADER:HEADER + rec])
+    return raw[:, HEADER:HEADER + rec].copy()
 
 
 class RingReader:

@@ -29,8 +29,9 @@ def summary(result: CaptureResult, cmd: list[str]) -> list[str]:
     for k, v in result.nonzero_losses().items():
         lines.append(f"memtrack: LOST {k} = {v:,}")
     for k, v in result.fidelity_notes().items():
-        hint = " (frames beyond the copy come from the kernel's frame-pointer chain; " \
-               "raise --stack-budget)" if k == "stack_truncated" else ""
+        hint = " (allocations whose stack went on beyond --stack-budget: their stacks " \
+               "end at the cut unless the kernel's frame-pointer chain continues them)" \
+            if k == "stack_copies_cut" else ""
         lines.append(f"memtrack: note: {k} = {v:,}{hint}")
     lines += [f"memtrack: warning: {w}" for w in result.warnings]
     return lines

@@ -244,6 +244,15 @@ class Tracker:
             "retprobe": not p.is_free,
         })
 
+    def on_stop(self, pid: int, maps: list[Any]) -> None:
+        """A tracked process is stopped at an attach stop with these mappings: the parts
+        that keep per-process kernel state (stacks: kept regions, stack ends) update it
+        before it runs on."""
+        for part in self.parts:
+            hook = getattr(part, "on_stop", None)
+            if hook is not None:
+                hook(self.bpf, pid, maps)
+
     def loss_totals(self) -> dict[str, int]:
         out = dict.fromkeys(LOSS_COUNTERS, 0)
         for part in self.parts:
@@ -539,6 +548,8 @@ class Session:
         for pid, ok in stopped.items():
             if ok:
                 maps = self.modules.snapshot(pid, now)
+                if maps is not None:
+                    self.tracker.on_stop(pid, maps)
                 for m in maps or ():
                     if "x" in m.perms and m.path.startswith("/") and m.inode:
                         src = str(map_file(pid, m))

@@ -278,8 +278,8 @@ def _unwind(decoded: pa.Table | None, mappings: pa.Table, store: Any, summary: S
     from memtrack.process.unwind import unwind
 
     out = unwind(decoded, mappings, store)
-    for k, v in out.counters.items():
-        summary.counters[f"unwind_{k}"] = summary.counters.get(f"unwind_{k}", 0) + int(v)
+    for k, v in out.counters.items():  # the unwinder's counters are named unwind_*
+        summary.counters[k] = summary.counters.get(k, 0) + int(v)
     summary.warnings.extend(p for p in dict.fromkeys(out.problems) if p not in summary.warnings)
     frames = out.frames.select(UNWOUND_FRAMES.names).cast(UNWOUND_FRAMES)
     stacks = out.stacks.select(UNWOUND_STACKS.names).cast(UNWOUND_STACKS)

@@ -11,8 +11,11 @@ pc is in a prologue or epilogue where rbp is not the frame yet or any more); whe
 copied bytes end, the kernel's frame-pointer chain continues the stack.
 
 Stop rules: RA undefined (`_start`, thread start: the stack is complete), the CFA does
-not advance, a read leaves the copied bytes (truncated), an address outside any
-file-backed mapping (unknown mapping).
+not advance, a read above the end of a copy the budget cut (truncated; above a copy that
+reached the stack's end it is a bad address), a return address outside every executable
+mapping (unknown mapping, and no frame: a stack record keeps only the words pointing
+into code or stacks, so any other value must end the stack the same way), a pc outside
+any file-backed mapping (unknown mapping, after its frame).
 """
 
 from __future__ import annotations
@@ -136,17 +139,19 @@ class _Memory:
         self.base = offs[:-1].astype(np.int64)
         self.ln = (offs[1:] - offs[:-1]).astype(np.uint64)
         self.sp = stacks.column("sp").to_numpy()[sel].astype(np.uint64)
+        self.cut = stacks.column("truncated").to_numpy(zero_copy_only=False)[sel]
 
     def read(self, idx: np.ndarray, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                np.ndarray]:
         """(value, ok, beyond): 8 bytes at each address of each stack's copy; `beyond`
-        where the address is above the copy's end (the copy was too short)."""
+        where the address is above the end of a copy the budget cut (above a copy that
+        reached the stack's end there is no stack: a bad address)."""
         sp = self.sp[idx]
         ln = self.ln[idx]
         above = addr >= sp
         off = addr - sp
         ok = above & (off < ln) & (ln - off >= np.uint64(8))
-        beyond = above & ~ok
+        beyond = above & ~ok & self.cut[idx]
         val = np.zeros(len(idx), dtype=np.uint64)
         if ok.any():
             pos = self.base[idx[ok]] + off[ok].astype(np.int64)
@@ -157,7 +162,9 @@ class _Memory:
     def read_one(self, i: int, addr: int, size: int) -> int:
         off = addr - int(self.sp[i])
         if off < 0 or off + size > int(self.ln[i]):
-            raise _Beyond(addr) if off >= 0 else DwarfExprError(f"{addr:#x} below the copy")
+            if off >= 0 and self.cut[i]:
+                raise _Beyond(addr)
+            raise DwarfExprError(f"{addr:#x} outside the copy")
         p = int(self.base[i]) + off
         return int.from_bytes(self.buf[p:p + size].tobytes(), "little")
 
@@ -181,7 +188,10 @@ class _Unwinder:
         flat = regs_col.flatten().to_numpy(zero_copy_only=False).astype(np.uint64)
         self.regs = flat.reshape(-1, NUM_REGS)[sel].copy() if n else np.zeros(
             (0, NUM_REGS), np.uint64)
+        # At an allocator's entry the caller-saved registers are dead (its CFA is rsp + 8):
+        # stack records do not keep them, so no rule may read them.
         self.valid = np.ones((n, NUM_REGS), dtype=bool)
+        self.valid[:, list(CALLER_SAVED)] = False
         fpc = pc.fill_null(stacks.column("fp_chain"), pa.scalar([], pa.list_(pa.uint64())))
         fpc = fpc.combine_chunks().take(pa.array(sel))
         self.fp_offsets = fpc.offsets.to_numpy().astype(np.int64)
@@ -260,6 +270,14 @@ class _Unwinder:
                 break
             pcs = self.regs[active, RIP]
             row, mod, _vaddr, lookup = self._resolve(active, pcs, minus1[active])
+            if depth:
+                # A return address outside every executable mapping is not a frame
+                # (the skeleton reads it as 0 unless it points into a kept region).
+                code = row >= 0
+                code[code] = self.spaces.executable[row[code]]
+                self.stop[active[~code]] = S_UNKNOWN
+                active, pcs, row, mod, lookup = (
+                    active[code], pcs[code], row[code], mod[code], lookup[code])
             self._emit(active, depth, pcs, method[active], row, lookup)
             known = row >= 0
             known[known] = self.spaces.file_backed[row[known]] | self.spaces.is_vdso[
@@ -524,6 +542,7 @@ class _Unwinder:
         self.f_lookup.append(lookup)
         np.maximum.at(self.nframes, idx, depth + 1)
         self.counters["unwind_kernel_frames"] = len(idx)
+        self.counters["unwind_stacks_fp_kernel"] = len(idx_l)
 
     # -- output --------------------------------------------------------------------------
     def result(self) -> UnwoundStacks:
