@@ -36,7 +36,8 @@ from memtrack.schema import NUM_REGS, Allocator, EventKind  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
-PROBE = "mt_e_libc_malloc"
+# the entry program measured per workload: libc's malloc, or operator new for C++
+PROBES = {Allocator.LIBC: "mt_e_libc_malloc", Allocator.CXX: "mt_e_cxx_malloc"}
 CONFIGS = [("off", None), ("8K", 8192), ("32K", 32768)]
 PY_LOOP = ("keep = []\n"
            "for i in range({n}):\n"
@@ -67,7 +68,10 @@ def record_sizes(art: Artifact) -> np.ndarray:
     return 56 + 8 * fp + 16 * fix + payload + 8 * NUM_REGS
 
 
-def run_one(label: str, budget: int | None, workloads: dict[str, tuple[list[str], dict]],
+Workload = tuple[list[str], dict[str, str], Allocator]
+
+
+def run_one(label: str, budget: int | None, workloads: dict[str, Workload],
             tmp: Path) -> dict[str, dict[str, Any]]:
     from memtrack.capture.tracker import Tracker
 
@@ -76,13 +80,13 @@ def run_one(label: str, budget: int | None, workloads: dict[str, tuple[list[str]
     results: dict[str, dict[str, Any]] = {}
     with Tracker(opts) as tracker:
         load_s = time.monotonic() - t0
-        for wname, (cmd, env) in workloads.items():
-            before = fdinfo(tracker.bpf.funcs[PROBE.encode()].fd) \
-                if PROBE.encode() in tracker.bpf.funcs else {}
+        for wname, (cmd, env, allocator) in workloads.items():
+            probe = PROBES[allocator].encode()
+            before = fdinfo(tracker.bpf.funcs[probe].fd) if probe in tracker.bpf.funcs else {}
             out = tmp / f"{label}-{wname}.memtrack"
             session = tracker.spawn(cmd, out, overwrite=True, env={**os.environ, **env})
             result = session.wait(timeout=900)
-            info = fdinfo(tracker.bpf.funcs[PROBE.encode()].fd)
+            info = fdinfo(tracker.bpf.funcs[probe].fd)
             runs = info.get("run_cnt", 0) - before.get("run_cnt", 0)
             ns = info.get("run_time_ns", 0) - before.get("run_time_ns", 0)
             art = Artifact.open(out)
@@ -95,7 +99,7 @@ def run_one(label: str, budget: int | None, workloads: dict[str, tuple[list[str]
                                   EventKind.ALIGNED_ALLOC)], "uint8"))).as_py() or 0)
             tracked = int(pc.sum(pc.and_(
                 pc.equal(kind, int(EventKind.MALLOC)),
-                pc.equal(ev.column("allocator"), int(Allocator.LIBC)))).as_py() or 0)
+                pc.equal(ev.column("allocator"), int(allocator)))).as_py() or 0)
             row: dict[str, Any] = {
                 "probe_ns": ns / runs if runs else float("nan"), "probe_runs": runs,
                 "total_ns": ns, "tracked": tracked, "allocs": allocs,
@@ -129,13 +133,13 @@ def main() -> None:
     churn = build(["stacks/churn.c"], flags=("-O1", "-pthread"))
     cxxmap = build(["stacks/cxxmap.cc"], flags=("-O2", "-g"))
     python = str(Path("/usr/bin/python3").resolve())
-    workloads = {
+    workloads: dict[str, Workload] = {
         "python": ([python, "-c", PY_LOOP.format(n=40000 * scale)],
-                   {"PYTHONMALLOC": "malloc"}),
+                   {"PYTHONMALLOC": "malloc"}, Allocator.LIBC),
         "sqlite3": (["/usr/bin/sqlite3", ":memory:", "-init", "/dev/null", "-cmd",
-                     f".read {sql}", ".quit"], {}),
-        "cxxmap": ([str(cxxmap), str(6000 * scale)], {}),
-        "churn": ([str(churn), str(400 * scale), "4"], {}),
+                     f".read {sql}", ".quit"], {}, Allocator.LIBC),
+        "cxxmap": ([str(cxxmap), str(6000 * scale)], {}, Allocator.CXX),
+        "churn": ([str(churn), str(400 * scale), "4"], {}, Allocator.LIBC),
     }
     saved = STATS.read_text().strip()
     STATS.write_text("1")
@@ -147,12 +151,13 @@ def main() -> None:
     finally:
         STATS.write_text(saved)
         shutil.rmtree(tmpdir, ignore_errors=True)
-    print("probe ns: BPF run time of the libc malloc entry program per run (every process"
-          " on the host runs it; untracked ones return at once); tracked ns: the same with"
-          " the untracked runs costed at the capture-off rate, per malloc of the workload")
+    print("probe ns: BPF run time of the malloc (operator new for cxxmap) entry program per"
+          " run (every process on the host runs it; untracked ones return at once); tracked"
+          " ns: the same with the untracked runs costed at the capture-off rate, per call of"
+          " the workload")
     for wname in workloads:
         base = table["off"][wname]["probe_ns"]
-        print(f"\n== {wname}: {table['off'][wname]['probe_runs']:,} malloc probe runs, "
+        print(f"\n== {wname}: {table['off'][wname]['probe_runs']:,} probe runs, "
               f"{table['off'][wname]['tracked']:,} from the workload "
               f"(capture off: {base:.0f} ns per probe)")
         print(f"{'config':<7} {'probe ns':>9} {'tracked ns':>10} {'x off':>6} {'verified':>9} "

@@ -106,7 +106,7 @@ def test_hash_and_skeleton_for_every_length_around_a_group() -> None:
         words = stack_words(rng, n, SP0)
         regs = regs_of(rng, SP0)
         out = records_to_batches([ring_record(words, SP0, regs, kept)])
-        assert out.malformed == 0 and out.mismatched == []
+        assert out.malformed == 0
         assert out.stacks.num_rows == 1
         dec = decode_table(pa.Table.from_batches([out.stacks]))
         assert dec.counters["decode_mismatch"] == 0
@@ -149,7 +149,7 @@ def test_cut_copy_hashes_its_frame_pointer_chain() -> None:
     fp = (CODE + 0x10, CODE + 0x200, CODE + 0x300)
     rec = ring_record(words, SP0, regs, kept, cut=True, fp=fp)
     out = records_to_batches([rec])
-    assert out.mismatched == []
+    assert decode_table(pa.Table.from_batches([out.stacks])).counters["decode_mismatch"] == 0
     row = out.stacks.to_pylist()[0]
     assert row["truncated"] is True and row["fp_chain"] == list(fp)
     assert row["hash"] != ref_hash(words.tolist(), regs.tolist(), SP0, kept, cut=True,
@@ -168,8 +168,11 @@ def test_ring_records_parse_into_the_stacks_schema_and_bad_ones_are_counted() ->
     short = good[:-8]
     out = records_to_batches([good, wrong, short, b"\x01" * 24])
     assert out.malformed == 2
-    assert out.mismatched == [0x1234]
     assert out.stacks.schema.equals(STACKS)
+    # the hash is checked where the record is decoded
+    dec = decode_table(pa.Table.from_batches([out.stacks]))
+    assert dec.counters["decode_mismatch"] == 1
+    assert 0x1234 not in dec.table.column("hash").to_pylist()
     row = out.stacks.to_pylist()[0]
     assert (row["pid"], row["tid"], row["ts"], row["sp"]) == (8, 9, 77, SP0)
     assert row["copy_len"] == 200 * 8 and row["truncated"] is False
@@ -209,7 +212,7 @@ def skeleton_table(rng: np.random.Generator, count: int) -> tuple[pa.Table, list
         canon.append(np.array([int(w) if kept(int(w)) else 0 for w in words],
                               np.uint64).tobytes())
     out = records_to_batches(recs)
-    assert out.malformed == 0 and out.mismatched == []
+    assert out.malformed == 0
     return pa.Table.from_batches([out.stacks]), canon
 
 
@@ -240,7 +243,6 @@ def test_a_kept_bit_in_the_padding_must_stand_for_zero() -> None:
     words = stack_words(rng, 10, SP0)
     rec = ring_record(words, SP0, regs_of(rng, SP0), kept)
     out = records_to_batches([rec])
-    assert out.mismatched == []
     t = pa.Table.from_batches([out.stacks])
     assert decode_table(t).counters["decode_mismatch"] == 0
     payload = bytearray(t.column("payload")[0].as_py())
@@ -307,9 +309,11 @@ def test_property_ring_to_decode_round_trip(seed: int, count: int, cut: bool,
         fp = tuple(int(x) for x in rng.integers(1, 2**47, size=int(rng.integers(0, 65))))
         regs = regs_of(rng, SP0)
         recs.append(ring_record(words, SP0, regs, kept, cut=cut, fp=fp, ts=i))
-        want.append(np.where(code, words, 0).tobytes())
+        # a random word may land in a kept region (or one of its aliases) too
+        want.append(np.array([int(w) if kept(int(w)) else 0 for w in words],
+                             np.uint64).tobytes())
     out = records_to_batches(recs)
-    assert out.malformed == 0 and out.mismatched == []
+    assert out.malformed == 0
     dec = decode_table(pa.Table.from_batches([out.stacks]))
     assert dec.counters["decode_mismatch"] == 0
     assert dec.table.column("stack").to_pylist() == want

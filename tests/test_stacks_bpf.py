@@ -112,7 +112,7 @@ class Harness:
         self.ev_parts.append(self.events.read_fixed(EV))
         recs = self.ring.read_records()
         if recs:
-            stacks, copies = self.part.ingest(self.bpf, recs)
+            stacks, copies = self.part.ingest(recs)
             self.batches.append(stacks)
             if copies is not None:
                 self.copies.append(copies)
@@ -200,11 +200,11 @@ def test_churning_locals_share_records_and_every_hash_resolves(budget: int) -> N
         ev, stacks = h.result()
         losses = h.part.losses(h.bpf)
         stats = h.part.kernel_stats(h.bpf)
-        malformed, mismatched = h.part.malformed, h.part.mismatched
+        malformed = h.part.malformed
     mine = ev[(ev["size"] >= 16) & (ev["size"] <= 64)]
     assert mine.size >= threads * iters
     assert not any(losses.values()), losses
-    assert malformed == 0 and mismatched == 0
+    assert malformed == 0
     # thread stacks end where clone3 said: no read faulted to find them
     assert stats["stack_ends_learned"] == 0
     out = decode_table(stacks)

@@ -139,3 +139,44 @@ def test_operator_new_caller_return_address(trackers: Callable[[str], Any],
         assert lo <= int(words[0]) < hi  # operator new returns into make_obj
         for t_lo, t_hi in tramps:
             assert not ((words >= t_lo) & (words < t_hi)).any()
+
+
+@pytest.mark.parametrize("variant", ["O2-fp", "O2-omit-fp"])
+def test_a_copy_cut_at_the_budget_ends_there_or_goes_on_with_the_kernel_chain(
+        trackers: Callable[[str], Any], variant: str, tmp_path: Path) -> None:
+    """rec() 200 deep, about 20 KiB of stack, at an 8 KiB budget: the three counts of
+    stacks that do not fit their copy (capture's cut copies, process's stops past the
+    copy, and the stacks the kernel's frame-pointer chain continued) say what happened."""
+    from unwind_support import VARIANTS, build_fixture
+
+    from memtrack.process.unwind import unwind
+    from memtrack.symbolize.modules import ModuleStore
+
+    t = trackers("8k")
+    exe = build_fixture(["unwind/cases.c"], VARIANTS[variant], f"cases-{variant}",
+                        libs=("-lpthread",))
+    art = capture(t, tmp_path, [str(exe), "recursion"])
+    big = allocations(art).filter(pc.equal(allocations(art).column("size"), 400))
+    assert big.num_rows == 1
+    h = big.column("stack_hash")[0].as_py()
+    assert art.manifest.losses["stack_copies_cut"] >= 1
+    stacks = art.read("stacks").table
+    (rec,) = stacks.filter(pc.equal(stacks.column("hash"), pa.scalar(h, pa.uint64()))
+                           ).to_pylist()
+    assert rec["truncated"] is True and rec["copy_len"] == 8192
+    assert rec["fp_chain"] and rec["fp_chain"][0] == rec["regs"][16]  # starts at rip
+    decoded = decode(art)
+    assert decoded.counters["decode_mismatch"] == 0
+    res = unwind(decoded.table, art.read("mappings").table, ModuleStore(art.path))
+    (s,) = res.stacks.filter(pc.equal(res.stacks.column("stack_hash"),
+                                      pa.scalar(h, pa.uint64()))).to_pylist()
+    assert s["stop"] == "truncated" and s["truncated"] and not s["complete"]
+    assert res.counters["unwind_stop_truncated"] == 1
+    methods = res.frames.filter(pc.equal(res.frames.column("stack_hash"),
+                                         pa.scalar(h, pa.uint64()))).column("method")
+    kernel = methods.to_pylist().count("fp-kernel")
+    if variant == "O2-fp":  # rbp chains: the kernel's walk goes on past the copy
+        assert kernel > 10 and res.counters["unwind_stacks_fp_kernel"] == 1
+        assert s["depth"] == len(rec["fp_chain"]) + 1, (s, kernel, len(rec["fp_chain"]))
+    else:
+        assert kernel == 0 and res.counters["unwind_stacks_fp_kernel"] == 0

@@ -2,7 +2,7 @@
  * skeleton, hash the skeleton, and emit one stack record per distinct skeleton on the
  * mt_stack_ring ring buffer.
  *
- * The skeleton is what can steer offline unwinding: the words of the copy (and the 17
+ * The skeleton is what can steer offline unwinding: the words of the copy (and the
  * registers) whose value lies in a kept region of the address space — a 64 KiB region
  * holding executable code of a tracked process (return addresses, code pointers) or a
  * thread stack (saved frame pointers, pointers into frames) — at their positions; every
@@ -50,9 +50,8 @@
  * Hash (FNV-1a steps h = (h ^ x) * P): word i of the copy, zero-padded to whole groups
  * of 64, masked to 0 unless kept, into lane i % 2 (lane l seeded offset ^ l); the lanes
  * folded in order into offset; then the 8 registers that may be kept (rbx, rbp, rsp,
- * r12-r15, rip in DWARF order) masked the same way, sp,
- * copy_len | cut << 32, and for a cut copy each frame-pointer entry then their count;
- * 0 means "no stack" and becomes 1.
+ * r12-r15, rip in DWARF order) masked the same way, sp, copy_len | cut << 32, and for a
+ * cut copy each frame-pointer entry then their count; 0 means "no stack" and becomes 1.
  *
  * The verifier walks every loop (bcc 0.26 cannot use bpf_loop), so the program is
  * written for it to walk each loop once:
@@ -77,7 +76,7 @@
 #define MT_GROUP 64 /* words per kept-bitmap word; the copy is zero-padded to whole groups */
 #define MT_STEP 16  /* words per iteration of the hash loop (unrolled) */
 #define MT_NREGS 17
-#define MT_FP_DEPTH 64
+#define MT_FP_DEPTH 127 /* the most bpf_get_stack gives (kernel.perf_event_max_stack) */
 #define MT_HDR_WORDS 7
 #define MT_SW_MASK (MT_STACK_WORDS - 1)
 #define MT_KOFF (MT_STACK_WORDS + MT_PAGE / 8) /* words from a copy word to its flag */
@@ -110,7 +109,7 @@ struct mt_stack_scratch {
     u8 out[2 * MT_STACK_OUT_WORDS * 8];
     u64 regs[MT_NREGS];
     u64 fix[2 * MT_MAX_NEST];
-    u64 lane[4];
+    u64 lane[2];
     u64 nwords;
     u64 cut;
     u64 nfix;
@@ -450,7 +449,7 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     /* one verifier state from here on, whatever the path */
     n = vs->nwords;
     pos = vs->pos2;
-    u64 nfp = vs->nfp & (2 * MT_FP_DEPTH - 1), nfix = vs->nfix & (2 * MT_MAX_NEST - 1);
+    u64 nfp = vs->nfp & 255, nfix = vs->nfix & (2 * MT_MAX_NEST - 1);
     u64 flags = MT_SF_SKELETON | (vs->cut ? MT_SF_CUT : 0);
 #ifdef MT_STACK_COPIES
     u64 is_new = mt_stack_seen.lookup(&h) == 0;

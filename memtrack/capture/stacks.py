@@ -48,7 +48,7 @@ KERNEL_STATS = (
 )
 KERNEL_LOSSES = ("stack_copy_failed", "stack_copies_cut", "stack_dedupe_full",
                  "stacks_ring_full")
-FP_DEPTH = 64
+FP_DEPTH = 127  # bpf/stacks.h MT_FP_DEPTH
 MAX_NEST = 4
 NUM_REGS = 17
 HDR_WORDS = 7
@@ -127,7 +127,6 @@ class StacksPart:
         self.seen_entries = seen_entries
         self.thread_entries = thread_entries
         self.malformed = 0
-        self.mismatched = 0
         self.records = 0
         self._reader: Any = None
         self._regions_map: mmap.mmap | None = None
@@ -197,26 +196,18 @@ class StacksPart:
         records = self._reader.read_records()
         if not records:
             return 0
-        stacks, copies = self.ingest(bpf, records)
+        stacks, copies = self.ingest(records)
         writer.write("stacks", stacks)
         if copies is not None:
             writer.write("stack_copies", copies)
         return stacks.num_rows
 
-    def ingest(self, bpf: Any, records: list[bytes]
-               ) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
+    def ingest(self, records: list[bytes]) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         """Parse ring records into a STACKS batch (and a STACK_COPIES batch with
-        `stack_copies`). A record whose skeleton does not hash to its hash (never seen:
-        it would be a bug) is dropped and its hash forgotten so that it is emitted again."""
+        `stack_copies`); a record that does not parse is dropped and counted."""
         out = records_to_batches(records, copies=self.copies)
         self.malformed += out.malformed
-        self.mismatched += len(out.mismatched)
         self.records += out.stacks.num_rows
-        for h in out.mismatched:
-            try:
-                del bpf["mt_stack_seen"][ct.c_uint64(h)]
-            except KeyError:
-                pass
         return out.stacks, out.copies
 
     def kernel_stats(self, bpf: Any) -> dict[str, int]:
@@ -230,7 +221,6 @@ class StacksPart:
         stats = self.kernel_stats(bpf)
         out = {k: stats[k] for k in KERNEL_LOSSES}
         out["stack_records_malformed"] = self.malformed
-        out["stack_records_mismatched"] = self.mismatched
         return out
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.process.stackcodec import hash_rows, rebuild
+from memtrack.process.stackcodec import rebuild, skeleton_hash
 from memtrack.schema import NUM_REGS, STACK_COPIES
 from memtrack.schema.artifact import Artifact
 
@@ -148,7 +148,8 @@ def decode_table(stacks: pa.Table) -> DecodedStacks:
     sp = stacks.column("sp").to_numpy()
     cut = stacks.column("truncated").to_numpy(zero_copy_only=False)
     hashes = stacks.column("hash").to_numpy()
-    ok = sk.good & (hash_rows(sk.flat, nwords, regs, sp, cut, fp_off, fp_vals) == hashes)
+    ok = sk.good & (skeleton_hash(nwords, sk.row, sk.pos, sk.vals, regs, sp, cut, fp_off,
+                                  fp_vals) == hashes)
     counters["decode_mismatch"] = int(n - ok.sum())
 
     rows = np.flatnonzero(ok)

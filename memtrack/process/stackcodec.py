@@ -47,7 +47,6 @@ REGION_BYTES = 1 << 22  # one byte per region, addresses' bits 16..37
 CALLEE_SAVED = (3, 6, 7, 12, 13, 14, 15, 16)
 
 _U64 = np.dtype("<u8")
-_HASH_ROWS = 512  # copies hashed per vectorized pass (bounds the padded matrix)
 
 
 class StackFormatError(ValueError):
@@ -58,35 +57,60 @@ def _fnv(h: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (h ^ x) * np.uint64(FNV_PRIME)
 
 
-def skeleton_hash(canon: np.ndarray, nwords: np.ndarray, regs: np.ndarray, sp: np.ndarray,
-                  cut: np.ndarray, fp_offsets: np.ndarray, fp_values: np.ndarray
-                  ) -> np.ndarray:
-    """Hashes of many skeletons at once. Row r of `canon` (rows x W, W a multiple of
-    GROUP_WORDS) holds the canonical copy of nwords[r] words, zero beyond; `regs` the
-    canonical registers; fp_values[fp_offsets[r]:fp_offsets[r + 1]] the frame-pointer
-    chain of row r (used where cut)."""
-    canon = np.asarray(canon, dtype=np.uint64)
-    rows, width = canon.shape
-    if width % GROUP_WORDS:
-        raise ValueError("canonical copies must be padded to whole groups")
-    n = np.asarray(nwords, dtype=np.int64)
-    padded = -(-n // GROUP_WORDS) * GROUP_WORDS
-    lanes = np.empty((LANES, rows), dtype=np.uint64)
-    lanes[:] = (np.uint64(FNV_OFFSET) ^ np.arange(LANES, dtype=np.uint64))[:, None]
-    cols = np.ascontiguousarray(canon.T)
-    lane_idx = np.arange(LANES)[:, None]
-    full = int(padded.min()) if rows else 0
+def _powers(n: int) -> np.ndarray:
+    """FNV_PRIME ** k mod 2^64 for k in 0..n: k hash steps over zero words."""
+    out = np.ones(n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for c in range(0, full, LANES):
-            lanes = _fnv(lanes, cols[c:c + LANES])
-        for c in range(full, width, LANES):
-            live = (c + lane_idx) < padded[None, :]
-            if not live.any():
-                break
-            np.copyto(lanes, _fnv(lanes, cols[c:c + LANES]), where=live)
+        for k in range(1, n + 1):
+            out[k] = out[k - 1] * np.uint64(FNV_PRIME)
+    return out
+
+
+_POW = _powers(MAX_BUDGET // 8 // LANES)
+
+
+def skeleton_hash(nwords: np.ndarray, row: np.ndarray, pos: np.ndarray, vals: np.ndarray,
+                  regs: np.ndarray, sp: np.ndarray, cut: np.ndarray, fp_offsets: np.ndarray,
+                  fp_values: np.ndarray) -> np.ndarray:
+    """Hashes of many skeletons at once. Skeleton r has nwords[r] words; its kept words are
+    the entries with row == r (pos: word index, increasing within a row; vals: value);
+    `regs` its canonical registers; fp_values[fp_offsets[r]:fp_offsets[r + 1]] its
+    frame-pointer chain (used where cut).
+
+    A zero word's step is a multiplication by FNV_PRIME, so each lane jumps from kept
+    word to kept word by a power of it: the work is per kept word, not per word."""
+    n = np.asarray(nwords, dtype=np.int64)
+    rows = n.size
+    steps = -(-n // GROUP_WORDS) * GROUP_WORDS // LANES  # words per lane, padding included
+    row = np.asarray(row, dtype=np.int64)
+    lane = (pos & (LANES - 1)).astype(np.int64)
+    group = row * LANES + lane
+    step = (pos // LANES).astype(np.int64)
+    vals = np.asarray(vals, np.uint64)
+    # each entry's rank among its lane's kept words (rows, then positions, are in order)
+    counts = np.bincount(group, minlength=rows * LANES)
+    before = np.zeros(group.size, dtype=np.int64)
+    for ln in range(LANES):
+        mine = lane == ln
+        seen = np.cumsum(mine) - mine  # this lane's entries before each entry
+        first = np.concatenate([[0], np.cumsum(counts[ln::LANES])])[:-1]  # per row
+        before[mine] = (seen - first[row])[mine]
+    rank = before
+    h_lane = np.tile(np.uint64(FNV_OFFSET) ^ np.arange(LANES, dtype=np.uint64), rows)
+    nxt = np.zeros(rows * LANES, dtype=np.int64)  # the lane's next step
+    prime = np.uint64(FNV_PRIME)
+    with np.errstate(over="ignore"):
+        by_rank = np.argsort(rank.astype(np.uint16), kind="stable")  # a radix sort
+        bounds = np.searchsorted(rank[by_rank], np.arange(int(rank.max(initial=-1)) + 2))
+        for k in range(bounds.size - 1):
+            sel = by_rank[bounds[k]:bounds[k + 1]]
+            g, st = group[sel], step[sel]
+            h_lane[g] = ((h_lane[g] * _POW[st - nxt[g]]) ^ vals[sel]) * prime
+            nxt[g] = st + 1
+        h_lane *= _POW[np.repeat(steps, LANES) - nxt]
         h = np.full(rows, FNV_OFFSET, dtype=np.uint64)
-        for lane in range(LANES):
-            h = _fnv(h, lanes[lane])
+        for ln in range(LANES):
+            h = _fnv(h, h_lane[ln::LANES])
         for r in CALLEE_SAVED:
             h = _fnv(h, regs[:, r].astype(np.uint64))
         h = _fnv(h, np.asarray(sp, dtype=np.uint64))
@@ -97,8 +121,8 @@ def skeleton_hash(canon: np.ndarray, nwords: np.ndarray, regs: np.ndarray, sp: n
             for i in range(int(nfp[cut].max(initial=0))):
                 live = cut & (nfp > i)
                 idx = np.minimum(fp_offsets[:-1] + i, max(fp_values.size - 1, 0))
-                vals = fp_values[idx] if fp_values.size else np.zeros(rows, np.uint64)
-                np.copyto(h, _fnv(h, vals), where=live)
+                fv = fp_values[idx] if fp_values.size else np.zeros(rows, np.uint64)
+                np.copyto(h, _fnv(h, fv), where=live)
             np.copyto(h, _fnv(h, nfp.astype(np.uint64)), where=cut)
     h[h == 0] = 1
     return h
@@ -128,11 +152,15 @@ def ngroups(nwords: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Skeletons:
-    """Skeletons rebuilt as canonical copies laid end to end (nwords[i] words each)."""
+    """Skeletons rebuilt as canonical copies laid end to end (nwords[i] words each), and
+    their kept words (row, position, value; positions increasing within a row)."""
 
     flat: np.ndarray  # uint64
     nwords: np.ndarray  # int64
     good: np.ndarray  # bool: the payload parsed
+    row: np.ndarray  # int64
+    pos: np.ndarray  # int64
+    vals: np.ndarray  # uint64
 
 
 def rebuild(payload_words: np.ndarray, payload_offsets: np.ndarray, nwords: np.ndarray
@@ -151,65 +179,20 @@ def rebuild(payload_words: np.ndarray, payload_offsets: np.ndarray, nwords: np.n
     row_of_bm = np.repeat(np.arange(k), nb)
     kept = np.bincount(row_of_bm, weights=ones, minlength=k).astype(np.int64)
     good &= plen == nb + kept
-    flat = np.zeros(int(nwords.sum()), dtype=np.uint64)
     sel = good[row_of_bm]
     bits = np.unpackbits(bm[sel].view(np.uint8), bitorder="little").reshape(-1, GROUP_WORDS)
     bi, bj = np.nonzero(bits)
-    rows = row_of_bm[sel]
     g = _ragged(np.zeros(k, np.int64), nb)[sel]  # each bitmap word's group within its row
-    w_row = rows[bi]
+    w_row = row_of_bm[sel][bi]
     w_pos = g[bi] * GROUP_WORDS + bj
     vals = payload_words[_ragged(start + nb, np.where(good, kept, 0))]
     inside = w_pos < nwords[w_row]
     # a bit beyond the copy (its zero padding) must stand for a 0 word
-    bad = np.unique(w_row[~inside & (vals != 0)])
-    good[bad] = False
+    good[np.unique(w_row[~inside & (vals != 0)])] = False
     ok = inside & good[w_row]
-    starts = _offsets(nwords)[:-1]
-    flat[starts[w_row[ok]] + w_pos[ok]] = vals[ok]
-    return Skeletons(flat, nwords, good)
-
-
-def hash_rows(flat: np.ndarray, nwords: np.ndarray, regs: np.ndarray, sp: np.ndarray,
-              cut: np.ndarray, fp_offsets: np.ndarray, fp_values: np.ndarray) -> np.ndarray:
-    """skeleton_hash of canonical copies laid end to end in `flat` (nwords[i] words each),
-    a bounded number of rows at a time."""
-    nwords = np.asarray(nwords, dtype=np.int64)
-    out = np.zeros(nwords.size, dtype=np.uint64)
-    starts = _offsets(nwords)
-    for lo in range(0, nwords.size, _HASH_ROWS):
-        hi = min(lo + _HASH_ROWS, nwords.size)
-        n = nwords[lo:hi]
-        width = int(ngroups(n).max(initial=0)) * GROUP_WORDS
-        mat = np.zeros((hi - lo, width), dtype=np.uint64)
-        # row-major order of `live` is the order of the copies in flat
-        mat[np.arange(width)[None, :] < n[:, None]] = flat[starts[lo]:starts[hi]]
-        fo = fp_offsets[lo:hi + 1]
-        out[lo:hi] = skeleton_hash(mat, n, regs[lo:hi], sp[lo:hi], cut[lo:hi],
-                                   fo - fo[0], fp_values[fo[0]:fo[-1]])
-    return out
-
-
-def skeleton_payloads(canon: np.ndarray, kept: np.ndarray, nwords: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """(payload words laid end to end, their offsets) of copies laid end to end in
-    `canon`, `kept` (bool, same layout) marking the skeleton's words."""
-    nwords = np.asarray(nwords, dtype=np.int64)
-    nb = ngroups(nwords)
-    padded = np.zeros(int((nb * GROUP_WORDS).sum()), dtype=bool)
-    pstart = _offsets(nb * GROUP_WORDS)[:-1]
-    padded[_ragged(pstart, nwords)] = kept
-    bm = np.packbits(padded.reshape(-1, GROUP_WORDS), axis=1, bitorder="little").view(_U64)
-    bm = bm.ravel()
-    nkept = np.add.reduceat(kept.astype(np.int64), _offsets(nwords)[:-1]) if kept.size \
-        else np.zeros(nwords.size, np.int64)
-    nkept = np.where(nwords > 0, nkept, 0)
-    plen = nb + nkept
-    offs = _offsets(plen)
-    words = np.zeros(int(plen.sum()), dtype=_U64)
-    words[_ragged(offs[:-1], nb)] = bm
-    words[_ragged(offs[:-1] + nb, nkept)] = canon[kept]
-    return words, offs
+    flat = np.zeros(int(nwords.sum()), dtype=np.uint64)
+    flat[_offsets(nwords)[:-1][w_row[ok]] + w_pos[ok]] = vals[ok]
+    return Skeletons(flat, nwords, good, w_row[ok], w_pos[ok], vals[ok])
 
 
 def _list(values: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
@@ -255,11 +238,12 @@ class RingBatches:
     stacks: pa.RecordBatch  # the records new to the kernel's dedupe set
     copies: pa.RecordBatch | None  # every record's raw copy (records with FLAG_COPY)
     malformed: int  # records that do not parse
-    mismatched: list[int]  # hashes of records whose skeleton does not hash to them
 
 
 def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBatches:
-    """Ring records as a STACKS batch (and a STACK_COPIES batch)."""
+    """Ring records as a STACKS batch (and a STACK_COPIES batch). Their layout is
+    checked, not their hashes: `process` verifies those when it decodes (capture keeps
+    its drain loop short)."""
     lens = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
     ok = (lens >= HDR_WORDS * 8) & (lens % 8 == 0)
     blob = b"".join(r for r, good in zip(records, ok.tolist(), strict=True) if good)
@@ -298,13 +282,9 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
     regs = regs_raw * reg_kept
     pay_off = _offsets(nb + nkept)
     payload_words = words[_ragged(body + NUM_REGS, nb + nkept)]
-    sk = rebuild(payload_words, pay_off, n)
     fp_off = _offsets(nfp)
     fp_vals = words[_ragged(wstart + HDR_WORDS, nfp)]
     cut = (flags & FLAG_CUT) != 0
-    got = hash_rows(sk.flat, n, regs, hdr[:, 3], cut, fp_off, fp_vals)
-    fine = sk.good & (got == hdr[:, 0])
-    mismatched = hdr[:, 0][~fine].tolist()
     fix_off = _offsets(nfix)
     fix_vals = words[_ragged(wstart + HDR_WORDS + nfp, 2 * nfix)].reshape(-1, 2)
     pidtid = hdr[:, 2]
@@ -315,15 +295,14 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
         lengths = np.diff(offs)[sel]
         return vals[_ragged(offs[:-1][sel], lengths)], _offsets(lengths)
 
-    new = fine & ((flags & FLAG_NEW) != 0)
-    s = np.flatnonzero(new)
+    s = np.flatnonzero((flags & FLAG_NEW) != 0)
     stacks = skeleton_batch(
         hash=hdr[s, 0], ts=hdr[s, 1], pid=pid[s], tid=tid[s], sp=hdr[s, 3], nwords=n[s],
         cut=cut[s], regs=regs[s], payload=take(s, pay_off, payload_words),
         fp=take(s, fp_off, fp_vals), fixups=take(s, fix_off, fix_vals))
     copy_batch = None
     if copies:
-        c = np.flatnonzero(fine & has_copy)
+        c = np.flatnonzero(has_copy)
         cstart = body + NUM_REGS + nb + nkept
         raw = words[_ragged(cstart[c], n[c])]
         fpv, fpo = take(c, fp_off, fp_vals)
@@ -335,4 +314,4 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
             "stack": _binary(raw, _offsets(n[c])),
             "fp_chain": _list(fpv, fpo, pa.uint64()),
         }, schema=STACK_COPIES)
-    return RingBatches(stacks, copy_batch, bad, mismatched)
+    return RingBatches(stacks, copy_batch, bad)

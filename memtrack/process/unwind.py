@@ -204,7 +204,9 @@ class _Unwinder:
         self.mods: list[_Mod] = []
         self._mod_of_bid = np.full(len(self.spaces.bid_values), -2, dtype=np.int64)
         self.counters: dict[str, int] = {"unwind_stacks": n, "unwind_expr_rows": 0,
-                                         "unwind_sigreturn_by_code": 0}
+                                         "unwind_sigreturn_by_code": 0,
+                                         "unwind_kernel_frames": 0,
+                                         "unwind_stacks_fp_kernel": 0}
         # Frames, appended per depth: parallel lists of arrays.
         self.f_stack: list[np.ndarray] = []
         self.f_depth: list[np.ndarray] = []
