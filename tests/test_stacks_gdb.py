@@ -71,13 +71,17 @@ def gdb_frames(cmd: list[str], func: str, size: int, tmp: Path) -> list[int]:
 
 
 def capture(cmd: list[str], tmp: Path) -> Path:
-    """Capture `cmd` with default options, without address randomization (as gdb runs
-    it: the same pcs). The Tracker is gone when this returns: its uprobes on the
-    allocators, live in every process of the host, would be in gdb's way."""
+    """Capture `cmd` with the default stack options, without address randomization (as
+    gdb runs it: the same pcs), and neither RSS nor module copies (process reads this
+    host's modules; the C++ program makes 340 k events/s, and a module copy at an attach
+    stop of a busy machine can hold the drain up longer than the events ring lasts).
+    The Tracker is gone when this returns: its uprobes on the allocators, live in every
+    process of the host, would be in gdb's way."""
     from memtrack.capture.tracker import Tracker
 
     out = tmp / "run.memtrack"
-    with Tracker(CaptureOptions()) as tracker, open(tmp / "stdout", "w") as f:
+    opts = CaptureOptions(rss=False, modules=False)
+    with Tracker(opts) as tracker, open(tmp / "stdout", "w") as f:
         saved = os.dup(1)
         os.dup2(f.fileno(), 1)
         try:
