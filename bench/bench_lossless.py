@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from memtrack.schema import is_loss
+
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = ROOT / "fixtures" / "lossless" / "dictloop.py"
 MEMTRACK = [sys.executable, "-m", "memtrack.cli", "capture"]
@@ -81,8 +83,7 @@ def captured(loops: int, mode: str, rings: list[str], out: Path) -> dict:
         sys.exit(f"bench_lossless: capture failed: {err}")
     m = json.loads(manifest.read_text())
     run_s = (m["end_ns"] - m["start_ns"]) / 1e9
-    lost = sum(v for k, v in m["losses"].items()
-               if v and k not in ("stack_truncated", "stack_delta_fallback"))
+    lost = sum(v for k, v in m["losses"].items() if v and is_loss(k))
     info = subprocess.run([sys.executable, "-m", "memtrack.cli", "info", "--json", str(out)],
                           capture_output=True, text=True, check=True)
     rows = json.loads(info.stdout)["tables"]["events"]["rows"]

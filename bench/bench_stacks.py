@@ -1,15 +1,20 @@
-"""Stack capture figures: record sizes and ring write rates raw vs delta, BPF run time per
-malloc probe with capture off / raw / delta at 8 and 32 KiB, decode time per record.
+"""Stack capture figures: BPF run time per malloc probe with stacks off and at two
+budgets, and what the skeleton records make of it: records per allocation, record
+sizes, ring write rate, decode time per record.
 
 Run as root: .venv/bin/python bench/bench_stacks.py [--quick]
-Every figure is measured in this run; ratios are against the same run's baseline (capture
-off for BPF time, raw records for sizes and rates).
+Every figure is measured in this run; ratios are against the same run's capture-off
+probe. Workloads: a Python allocation loop (Debian's python3, PYTHONMALLOC=malloc: the
+loop of issue 13), Debian's sqlite3 inserting rows one statement at a time, a C++
+std::map program built -O2 -g (fixtures/stacks/cxxmap.cc) and fixtures/stacks/churn.c
+(four threads, frames full of changing values, nine depths).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -27,13 +32,20 @@ from conftest import build  # noqa: E402
 
 from memtrack.capture.parts import CaptureOptions  # noqa: E402
 from memtrack.process.decode import decode  # noqa: E402
-from memtrack.schema import NUM_REGS, Allocator, EventKind, StackEncoding  # noqa: E402
+from memtrack.schema import NUM_REGS, Allocator, EventKind  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+# the entry program of every allocator function (an attach cookie tells which it is):
+# its run time per hit covers libc's malloc and operator new alike
 PROBE = "mt_alloc"
-CONFIGS = [("off", None, False), ("raw 8K", 8192, False), ("delta 8K", 8192, True),
-           ("raw 32K", 32768, False), ("delta 32K", 32768, True)]
+CONFIGS = [("off", None), ("8K", 8192), ("32K", 32768)]
+PY_LOOP = ("keep = []\n"
+           "for i in range({n}):\n"
+           "    d = {{'a': i, 'b': [i, i + 1]}}\n"
+           "    l = [d, str(i)]\n"
+           "    if i % 1000 == 0:\n"
+           "        keep.append(l)\n")
 
 
 def fdinfo(fd: int) -> dict[str, int]:
@@ -54,43 +66,47 @@ def record_sizes(art: Artifact) -> np.ndarray:
     payload = pc.binary_length(t.column("payload")).to_numpy()
     fp = pc.list_value_length(t.column("fp_chain")).to_numpy()
     fix = pc.list_value_length(t.column("ret_fixups")).to_numpy()
-    raw = t.column("encoding").to_numpy() == StackEncoding.RAW
-    return 56 + 8 * fp + 16 * fix + payload + np.where(raw, 8 * NUM_REGS, 0)
+    return 56 + 8 * fp + 16 * fix + payload + 8 * NUM_REGS
 
 
-def run_one(label: str, budget: int | None, delta: bool, workloads: dict[str, list[str]],
+Workload = tuple[list[str], dict[str, str], Allocator]
+
+
+def run_one(label: str, budget: int | None, workloads: dict[str, Workload],
             tmp: Path) -> dict[str, dict[str, Any]]:
     from memtrack.capture.tracker import Tracker
 
-    opts = CaptureOptions(stacks=budget is not None, stack_budget=budget or 8192,
-                          stack_compression=delta)
+    opts = CaptureOptions(stacks=budget is not None, stack_budget=budget or 32768)
     t0 = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     with Tracker(opts) as tracker:
         load_s = time.monotonic() - t0
-        for wname, cmd in workloads.items():
-            before = fdinfo(tracker.bpf.funcs[PROBE.encode()].fd) \
-                if PROBE.encode() in tracker.bpf.funcs else {}
-            out = tmp / f"{label.replace(' ', '_')}-{wname}.memtrack"
-            session = tracker.spawn(cmd, out, overwrite=True)
-            result = session.wait(timeout=600)
-            info = fdinfo(tracker.bpf.funcs[PROBE.encode()].fd)
+        for wname, (cmd, env, allocator) in workloads.items():
+            probe = PROBE.encode()
+            before = fdinfo(tracker.bpf.funcs[probe].fd) if probe in tracker.bpf.funcs else {}
+            out = tmp / f"{label}-{wname}.memtrack"
+            session = tracker.spawn(cmd, out, overwrite=True, env={**os.environ, **env})
+            result = session.wait(timeout=900)
+            info = fdinfo(tracker.bpf.funcs[probe].fd)
             runs = info.get("run_cnt", 0) - before.get("run_cnt", 0)
             ns = info.get("run_time_ns", 0) - before.get("run_time_ns", 0)
             art = Artifact.open(out)
             sizes = record_sizes(art)
             dur = (art.manifest.end_ns - art.manifest.start_ns) / 1e9
             ev = art.read("events").table
+            kind = ev.column("kind")
+            allocs = int(pc.sum(pc.is_in(kind, value_set=pc.cast(
+                [int(k) for k in (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC,
+                                  EventKind.ALIGNED_ALLOC)], "uint8"))).as_py() or 0)
             tracked = int(pc.sum(pc.and_(
-                pc.equal(ev.column("kind"), int(EventKind.MALLOC)),
-                pc.equal(ev.column("allocator"), int(Allocator.LIBC)))).as_py() or 0)
+                pc.equal(kind, int(EventKind.MALLOC)),
+                pc.equal(ev.column("allocator"), int(allocator)))).as_py() or 0)
             row: dict[str, Any] = {
                 "probe_ns": ns / runs if runs else float("nan"), "probe_runs": runs,
-                "total_ns": ns, "tracked": tracked,
+                "total_ns": ns, "tracked": tracked, "allocs": allocs,
                 "verified_insns": info.get("verified_insns"), "load_s": load_s,
                 "records": sizes.size, "wall_s": dur,
                 "size_median": float(np.median(sizes)) if sizes.size else 0.0,
-                "size_p99": float(np.percentile(sizes, 99)) if sizes.size else 0.0,
                 "ring_mb_s": sizes.sum() / dur / 1e6 if dur else 0.0,
                 "losses": {k: v for k, v in result.losses.items() if v},
             }
@@ -109,52 +125,55 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_stacks: needs root (bcc)")
-    n_py = 20000 if args.quick else 60000
-    iters = 500 if args.quick else 2000
+    scale = 1 if args.quick else 5
+    tmpdir = Path(tempfile.mkdtemp(prefix="bench-stacks-"))
+    sql = tmpdir / "ins.sql"
+    sql.write_text("CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n" +
+                   "".join(f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 100003}', "
+                           f"{i}.5);\n" for i in range(4000 * scale)) + "COMMIT;\n")
     churn = build(["stacks/churn.c"], flags=("-O1", "-pthread"))
-    workloads = {
-        "python": ["python3", "-c",
-                   f"l = [('%d' % i) * 150 for i in range({n_py})]; del l"],
-        "churn": [str(churn), str(iters), "4"],
+    cxxmap = build(["stacks/cxxmap.cc"], flags=("-O2", "-g"))
+    python = str(Path("/usr/bin/python3").resolve())
+    workloads: dict[str, Workload] = {
+        "python": ([python, "-c", PY_LOOP.format(n=40000 * scale)],
+                   {"PYTHONMALLOC": "malloc"}, Allocator.LIBC),
+        "sqlite3": (["/usr/bin/sqlite3", ":memory:", "-init", "/dev/null", "-cmd",
+                     f".read {sql}", ".quit"], {}, Allocator.LIBC),
+        "cxxmap": ([str(cxxmap), str(6000 * scale)], {}, Allocator.CXX),
+        "churn": ([str(churn), str(400 * scale), "4"], {}, Allocator.LIBC),
     }
     saved = STATS.read_text().strip()
     STATS.write_text("1")
     table: dict[str, dict[str, dict[str, Any]]] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-stacks-") as d:
-            for label, budget, delta in CONFIGS:
-                print(f"# {label} ...", file=sys.stderr, flush=True)
-                table[label] = run_one(label, budget, delta, workloads, Path(d))
+        for label, budget in CONFIGS:
+            print(f"# {label} ...", file=sys.stderr, flush=True)
+            table[label] = run_one(label, budget, workloads, tmpdir)
     finally:
         STATS.write_text(saved)
-    print("probe ns: BPF run time of the libc malloc entry program per run (every process"
-          " on the host runs it; untracked ones return at once); tracked ns: the same with"
-          " the untracked runs costed at the capture-off rate, per malloc of the workload")
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    print("probe ns: BPF run time of the malloc (operator new for cxxmap) entry program per"
+          " run (every process on the host runs it; untracked ones return at once); tracked"
+          " ns: the same with the untracked runs costed at the capture-off rate, per call of"
+          " the workload")
     for wname in workloads:
         base = table["off"][wname]["probe_ns"]
-        print(f"\n== {wname}: {table['off'][wname]['probe_runs']:,} malloc probe runs, "
+        print(f"\n== {wname}: {table['off'][wname]['probe_runs']:,} probe runs, "
               f"{table['off'][wname]['tracked']:,} from the workload "
               f"(capture off: {base:.0f} ns per probe)")
-        print(f"{'config':<10} {'probe ns':>9} {'tracked ns':>10} {'x off':>6} {'verified':>9} "
-              f"{'records':>8} {'median B':>9} {'p99 B':>8} {'ring MB/s':>10} {'decode us':>10}"
-              " losses")
-        for label, _, _ in CONFIGS:
+        print(f"{'config':<7} {'probe ns':>9} {'tracked ns':>10} {'x off':>6} {'verified':>9} "
+              f"{'records':>8} {'per alloc':>9} {'median B':>9} {'ring MB/s':>10} "
+              f"{'decode us':>10} losses")
+        for label, _ in CONFIGS:
             r = table[label][wname]
             tns = (r["total_ns"] - (r["probe_runs"] - r["tracked"]) * base) / max(r["tracked"], 1)
-            r["tracked_ns"] = tns
-            print(f"{label:<10} {r['probe_ns']:>9.0f} {tns:>10.0f} {tns / base:>6.1f} "
-                  f"{r['verified_insns'] or 0:>9,} {r['records']:>8,} {r['size_median']:>9.0f} "
-                  f"{r['size_p99']:>8.0f} {r['ring_mb_s']:>10.1f} "
+            per = r["records"] / r["allocs"] if r["allocs"] else 0.0
+            print(f"{label:<7} {r['probe_ns']:>9.0f} {tns:>10.0f} {tns / base:>6.1f} "
+                  f"{r['verified_insns'] or 0:>9,} {r['records']:>8,} {per:>9.4f} "
+                  f"{r['size_median']:>9.0f} {r['ring_mb_s']:>10.2f} "
                   f"{r.get('decode_us', 0):>10.1f} {r['losses'] or ''}")
-        for budget in ("8K", "32K"):
-            raw, dl = table[f"raw {budget}"][wname], table[f"delta {budget}"][wname]
-            if raw["size_median"] and dl["size_median"]:
-                print(f"delta/raw at {budget}: median record "
-                      f"{dl['size_median'] / raw['size_median']:.3f}, ring bytes/s "
-                      f"{dl['ring_mb_s'] / raw['ring_mb_s']:.3f}, probe time "
-                      f"{dl['tracked_ns'] / raw['tracked_ns']:.2f}")
     print("\n(compile+load of the capture program, s: "
-          + ", ".join(f"{k} {table[k]['python']['load_s']:.0f}" for k, _, _ in CONFIGS) + ")")
+          + ", ".join(f"{k} {table[k]['python']['load_s']:.0f}" for k, _ in CONFIGS) + ")")
 
 
 if __name__ == "__main__":

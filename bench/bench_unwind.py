@@ -1,6 +1,6 @@
 """Unwinding speed on a capture of a Python allocation loop, against `perf script`.
 
-memtrack captures the system python3 running an allocation loop (stacks on, 8 KiB
+memtrack captures the system python3 running an allocation loop (stacks on, default
 copies), decodes its stack records and unwinds every distinct one (CFI tables cold,
 then warm); perf records the same loop with a uprobe on libc's malloc and
 `--call-graph dwarf,8192`, and `perf script` unwinds (and names) its samples.

@@ -66,10 +66,12 @@ def capture(
                                         help="Capture allocation stacks: on or off.")] = "on",
     stack_budget: Annotated[int, typer.Option(
         "--stack-budget", envvar="MEMTRACK_STACK_BUDGET",
-        help="Bytes of stack copied per allocation (512..32768).")] = 8192,
-    stack_compression: Annotated[str, typer.Option(
-        "--stack-compression", envvar="MEMTRACK_STACK_COMPRESSION",
-        help="Delta-encode stack records: on or off (off writes raw records).")] = "on",
+        help="Most bytes of stack copied per allocation (512..32768); a copy stops at "
+             "the stack's end.")] = 32768,
+    stack_copies: Annotated[bool, typer.Option(
+        "--stack-copies", envvar="MEMTRACK_STACK_COPIES",
+        help="Debug: also write every allocation's raw stack copy (stack_copies.arrow), "
+             "the proof that each stack record unwinds as its allocations would.")] = False,
     rss: Annotated[bool, typer.Option("--rss/--no-rss", envvar="MEMTRACK_RSS",
                                       help="Record resident memory (kmem:rss_stat).")] = True,
     track_faults: Annotated[bool, typer.Option("--track-faults", envvar="MEMTRACK_TRACK_FAULTS",
@@ -114,7 +116,7 @@ def capture(
     from memtrack.commands import capture as cmd_
 
     call(cmd_.run, cmd, output, force=force, stacks=stacks, stack_budget=stack_budget,
-         stack_compression=stack_compression, rss=rss, track_faults=track_faults,
+         stack_copies=stack_copies, rss=rss, track_faults=track_faults,
          modules=modules, start_disabled=start_disabled, control_fifo=control_fifo,
          probe_placement=probe_placement, events_ring_pages=events_ring_pages,
          stacks_ring_pages=stacks_ring_pages, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,

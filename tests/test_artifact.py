@@ -217,6 +217,11 @@ def _bad(tmp_path: Path, case: str) -> tuple[Path, str]:
         m["format_version"] = f"{FORMAT_MAJOR + 1}.0"
         (path / MANIFEST).write_text(json.dumps(m))
         return path, "is newer than this memtrack reads"
+    if case == "older-major":
+        m = json.loads((path / MANIFEST).read_text())
+        m["format_version"] = "1.1"
+        (path / MANIFEST).write_text(json.dumps(m))
+        return path, "format 1.1 is older than this memtrack reads"
     if case == "missing-events":
         (path / table_file("events")).unlink()
         return path, "events.arrow: missing"
@@ -232,8 +237,8 @@ def _bad(tmp_path: Path, case: str) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("case", ["missing-artifact", "no-manifest", "manifest-not-json",
-                                  "newer-major", "missing-events", "wrong-schema",
-                                  "not-arrow"])
+                                  "newer-major", "older-major", "missing-events",
+                                  "wrong-schema", "not-arrow"])
 def test_info_bad_artifact_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
     path, expected = _bad(tmp_path, case)
     r = run_info(path)
@@ -290,6 +295,6 @@ def test_help_lists_every_command() -> None:
 def test_fidelity_counters_are_not_losses(tmp_path: Path) -> None:
     path = tmp_path / "run.memtrack"
     w = ArtifactWriter(path)
-    w.manifest.losses.update(stack_truncated=7, stack_delta_fallback=1, stacks_ring_full=2)
+    w.manifest.losses.update(stack_copies_cut=7, stacks_ring_full=2)
     w.close()
     assert Artifact.open(path).manifest.nonzero_losses() == {"stacks_ring_full": 2}

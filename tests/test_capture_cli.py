@@ -16,7 +16,7 @@ from memtrack.schema.artifact import Artifact
 
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 ENV_VARS = ("MEMTRACK_OUTPUT", "MEMTRACK_FORCE", "MEMTRACK_STACKS", "MEMTRACK_STACK_BUDGET",
-            "MEMTRACK_STACK_COMPRESSION", "MEMTRACK_RSS", "MEMTRACK_TRACK_FAULTS",
+            "MEMTRACK_STACK_COPIES", "MEMTRACK_RSS", "MEMTRACK_TRACK_FAULTS",
             "MEMTRACK_MODULES", "MEMTRACK_START_DISABLED", "MEMTRACK_CONTROL_FIFO",
             "MEMTRACK_PROBE_PLACEMENT", "MEMTRACK_EVENTS_RING_PAGES",
             "MEMTRACK_STACKS_RING_PAGES", "MEMTRACK_ON_RING_FULL", "MEMTRACK_FAIL_ON_LOSS",
@@ -59,9 +59,10 @@ def test_bad_options_fail_in_one_line(tmp_path: Path) -> None:
     assert r.stderr.strip() == "memtrack: --events-ring-pages 3: must be a power of two (pages)"
     r = capture(["-o", str(tmp_path / "x"), "--stacks", "maybe", "--", "true"])
     assert r.returncode == 2 and "--stacks maybe" in r.stderr
-    r = capture(["-o", str(tmp_path / "x"), "--stack-compression", "no", "--", "true"])
+    r = capture(["-o", str(tmp_path / "x"), "--stack-budget", "1000", "--", "true"])
     assert r.returncode == 2
-    assert r.stderr.strip() == "memtrack: --stack-compression no: expected on or off"
+    assert r.stderr.strip() == ("memtrack: stack budget must be a multiple of 512 between "
+                                "512 and 32768 bytes, got 1000")
     r = capture(["-o", str(tmp_path / "x"), "--on-ring-full", "block", "--", "true"])
     assert r.returncode == 2
     assert r.stderr.strip() == "memtrack: --on-ring-full block: expected pause or drop"

@@ -169,15 +169,29 @@ def test_every_shape_has_a_cookie_and_an_argument_count() -> None:
         assert shape.cookie(Allocator.OTHER) >> al.CK_ALLOCATOR & 0xFF == Allocator.OTHER
 
 
-def test_truncated_copies_are_noted_not_lost() -> None:
+def test_ring_records_read_in_bulk_are_copies_even_one_at_a_time() -> None:
+    """A lone record's body is contiguous in the ring: the array handed out must still
+    be a copy, or the producers' next records would overwrite it."""
+    from memtrack.capture.ringbuf import _gather
+
+    ring = np.arange(256, dtype=np.uint8)
+    for n, stride, rec in ((1, 32, 24), (3, 32, 24), (1, 16, 5), (2, 16, 5)):
+        out = _gather(ring[:n * stride], n, stride, rec)
+        assert not np.shares_memory(out, ring)
+        assert out.view(np.uint8).reshape(n, -1)[:, :rec].tolist() == [
+            ring[i * stride + 8:i * stride + 8 + rec].tolist() for i in range(n)]
+
+
+def test_cut_copies_are_noted_not_lost() -> None:
     from memtrack.capture.run import summary
     from memtrack.capture.tracker import CaptureResult
 
     result = CaptureResult(artifact=Path("x.memtrack"), pid=1, exit_code=0, signal=None,
-                           events=10, losses={"stack_truncated": 5, "events_ring_full": 2,
+                           events=10, losses={"stack_copies_cut": 5, "events_ring_full": 2,
                                               "stacks_ring_full": 0}, duration_s=1.0)
     assert result.nonzero_losses() == {"events_ring_full": 2}
     lines = summary(result, ["./prog"])
     assert "memtrack: LOST events_ring_full = 2" in lines
-    assert any(line.startswith("memtrack: note: stack_truncated = 5") for line in lines)
-    assert not any("LOST stack_truncated" in line for line in lines)
+    assert any(line.startswith("memtrack: note: stack_copies_cut = 5 (allocations whose "
+                               "stack went on beyond --stack-budget") for line in lines)
+    assert not any("LOST stack_copies_cut" in line for line in lines)

@@ -77,11 +77,14 @@ def started(out: Path) -> int:
 
 
 def min_stack_ring_pages() -> int:
-    """The smallest --stacks-ring-pages capture accepts here in pause mode."""
+    """The smallest --stacks-ring-pages capture accepts here in pause mode with
+    --stack-copies."""
     from memtrack.capture.drain import min_ring_bytes
-    from memtrack.capture.stacks import HDR_MAX_WORDS
+    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.stacks import record_words
 
-    need = -(-min_ring_bytes(HDR_MAX_WORDS * 8 + 8192, os.cpu_count() or 1) // mmap.PAGESIZE)
+    record = record_words(CaptureOptions().stack_budget, True) * 8
+    need = -(-min_ring_bytes(record, os.cpu_count() or 1) // mmap.PAGESIZE)
     return 1 << (need - 1).bit_length()
 
 
@@ -155,13 +158,13 @@ def test_tiny_events_ring_pauses_and_loses_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.bpf
 def test_small_stack_ring_pauses_and_loses_nothing(tmp_path: Path) -> None:
-    """Eight threads whose every allocation has a new stack, through the smallest stack
-    ring capture accepts: the stack ring pauses them, no record is lost and every
-    allocation's stack has its record."""
+    """Eight threads whose every allocation writes a stack record (--stack-copies: its
+    raw copy too), through the smallest stack ring capture accepts: the stack ring
+    pauses them, no record is lost and every allocation's stack has its record."""
     exe = build(["stacks/churn.c"], libs=("-lpthread",), flags=("-O1",))
     out = tmp_path / "s.memtrack"
-    r = capture(["-o", str(out), "--no-rss", "--no-modules", "--stacks-ring-pages",
-                 str(min_stack_ring_pages()), "--", str(exe), "1000", "8"])
+    r = capture(["-o", str(out), "--no-rss", "--no-modules", "--stack-copies",
+                 "--stacks-ring-pages", str(min_stack_ring_pages()), "--", str(exe), "1000", "8"])
     assert r.returncode == 0, r.stderr
     assert "LOST" not in r.stderr
     art = Artifact.open(out)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
-from support.stackrecords import StackRef, ring_record
+from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps, snaps_kept
+from support.stackrecords import ring_record
 from support.synth import END_NS
 
-from memtrack.capture.stackring import records_to_batch
+from memtrack.capture.stackring import records_to_batches
 from memtrack.process import pipeline
 from memtrack.process.decode import decode_chunks
 from memtrack.process.lifecycle import lifecycle
@@ -29,7 +29,6 @@ from memtrack.report.text import ReportOptions, report_data
 from memtrack.schema import EVENTS, MAPPINGS, RSS, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.schema.ddl import open_run
-from memtrack.schema.stackrecord import hash_bytes
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
 
@@ -124,27 +123,26 @@ def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
     assert [r[2] for r in sf] == [None, 0, None]
 
 
-def chained_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]:
+def repeated_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]:
     """The snapshots recorded `rounds` times over by one thread, as the kernel writes
-    them: a keyframe, then each record a delta against the one before (every 4th a raw
-    record), and one malloc event per record; returns the number of records."""
+    records (the same skeleton again once the dedupe set forgot it), and one malloc
+    event per record; returns the number of records."""
     t = snaps.stacks
     pid = t.column("pid")[0].as_py()
+    kept = snaps_kept(snaps)
     copies = [np.frombuffer(b, np.uint64) for b in t.column("stack").to_pylist()]
     regs = [np.array(r, np.uint64) for r in t.column("regs").to_pylist()]
-    sps, fps = t.column("sp").to_pylist(), t.column("fp_chain").to_pylist()
-    records, hashes, ref = [], [], None
-    for i in range(rounds * len(copies)):
-        j = i % len(copies)
-        raw = i % 4 == 3
-        records.append(ring_record(copies[j], sps[j], regs[j], tid=pid, pid=pid, ref=ref,
-                                   delta=not raw, fp=tuple(fps[j]), ts=t.column("ts")[j]
-                                   .as_py()))
-        hashes.append(hash_bytes(copies[j].tobytes()))
-        ref = None if raw else StackRef(hashes[-1], sps[j], copies[j], regs[j])
+    sps, cuts = t.column("sp").to_pylist(), t.column("copy_truncated").to_pylist()
+    fps = t.column("fp_chain").to_pylist()
+    records = [ring_record(copies[j], sps[j], regs[j], kept, tid=pid, pid=pid, cut=cuts[j],
+                           fp=tuple(fps[j]) if cuts[j] else (), ts=t.column("ts")[j].as_py())
+               for _ in range(rounds) for j in range(len(copies))]
+    out = records_to_batches(records)
+    assert out.malformed == 0
+    hashes = out.stacks.column("hash").to_pylist()
     n = len(records)
     w = ArtifactWriter(path)
-    w.write("stacks", pa.Table.from_batches([records_to_batch(records)[0]]))
+    w.write("stacks", pa.Table.from_batches([out.stacks]))
     w.write("events", pa.table({
         "ts": [100 * (i + 1) for i in range(n)], "pid": [pid] * n, "tid": [pid] * n,
         "kind": [int(EventKind.MALLOC)] * n, "allocator": [1] * n, "flags": [0] * n,
@@ -158,17 +156,16 @@ def chained_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]:
 
 
 def test_process_in_tiny_runs_equals_the_default(tmp_path: Path) -> None:
-    """`process` decoding and unwinding one record at a time (a thread's delta chain and
-    its repeated stacks spread over every run) writes the same run database."""
+    """`process` decoding and unwinding one record at a time (repeated stacks spread over
+    every run) writes the same run database."""
     exe = build_fixture(["unwind/chain.c"], VARIANTS["O2"], "chain-O2")
-    art, n = chained_artifact(run_snaps([str(exe)], tmp_path), tmp_path / "a.memtrack", 5)
+    art, n = repeated_artifact(run_snaps([str(exe)], tmp_path), tmp_path / "a.memtrack", 5)
     assert len(list(decode_chunks(Artifact.open(art), 1))) == n == 15
     whole = process(art, tmp_path / "whole.duckdb", progress=False)
     tiny = process(art, tmp_path / "tiny.duckdb", progress=False, chunk_bytes=1)
     assert whole.stacks == tiny.stacks == 3
     assert whole.counters["decode_mismatch"] == 0
-    assert [whole.counters[k] for k in ("stack_keyframes", "stack_deltas", "stack_raw")] == [
-        4, 8, 3]
+    assert whole.counters["stack_records"] == 15
     assert whole.counters["unwind_stacks"] == 3
     assert whole.counters["events_stack_missing"] == 0
     assert tiny.counters == whole.counters

@@ -362,9 +362,12 @@ def test_unknown_mapping_and_missing_modules_are_reported(tmp_path: Path) -> Non
                                                       str(exe)))
     res = unwind(snaps.stacks, maps, ModuleStore(None, host_modules=True))
     assert res.stacks.column("stop").to_pylist() == ["no-mapping"] * 3
-    assert res.stacks.column("depth").to_pylist() == [2] * 3
-    assert res.stack_frames.column("build_id").to_pylist()[1] is None
-    assert res.stack_frames.column("lookup_vaddr").to_pylist()[1] is None
+    # a return address outside every executable mapping is not a frame (a stack record
+    # reads such a word as 0): each stack is mt_snap's frame alone
+    assert res.stacks.column("depth").to_pylist() == [1] * 3
+    assert res.stack_frames.column("depth").to_pylist() == [0] * 3
+    assert all("libmtsnap" in p
+               for p in res.stack_frames.column("path").to_pylist())
     # Without the module files nothing is named nor unwound by CFI, and it says so.
     res = unwind(snaps.stacks, snaps.mappings, ModuleStore(None, host_modules=False))
     assert res.counters["unwind_frames_cfi"] == 0

@@ -1,4 +1,4 @@
-"""The unwinder behind an artifact: fixture snapshots written as raw stack records with
+"""The unwinder behind an artifact: fixture snapshots written as stack records with
 their modules copied in, read back through decode, and the `memtrack unwind` command.
 (Real captures go through the same path; these need no BPF.)"""
 
@@ -8,40 +8,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
-from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps
+from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps, snaps_kept
+from support.stackrecords import ring_record
 
+from memtrack.capture.stackring import records_to_batches
 from memtrack.process.decode import decode
 from memtrack.process.unwind import unwind
-from memtrack.schema import StackEncoding
 from memtrack.schema.artifact import Artifact, ArtifactWriter
-from memtrack.schema.stackrecord import hash_bytes
 from memtrack.symbolize.modules import ModuleStore
 
 
 def write_artifact(snaps: Snaps, path: Path) -> tuple[Path, list[int]]:
-    """An artifact holding the snapshots as raw stack records and their modules."""
+    """An artifact holding the snapshots as stack records and their modules."""
     w = ArtifactWriter(path)
     t = snaps.stacks
-    stacks = [bytes(s) for s in t.column("stack").to_pylist()]
-    hashes = [hash_bytes(s) for s in stacks]
-    n = t.num_rows
-    w.write("stacks", {
-        "hash": hashes, "ref_hash": [0] * n, "ts": t.column("ts").to_pylist(),
-        "pid": t.column("pid").to_pylist(), "tid": t.column("tid").to_pylist(),
-        "sp": t.column("sp").to_pylist(), "copy_len": t.column("copy_len").to_pylist(),
-        "truncated": t.column("copy_truncated").to_pylist(),
-        "encoding": [int(StackEncoding.RAW)] * n, "regs": t.column("regs").to_pylist(),
-        "payload": stacks, "fp_chain": t.column("fp_chain").to_pylist(),
-        "ret_fixups": [[] for _ in range(n)],
-    })
+    kept = snaps_kept(snaps)
+    recs = [ring_record(np.frombuffer(s, np.uint64), sp, np.array(r, np.uint64), kept,
+                        tid=tid, pid=pid, cut=cut, ts=ts)
+            for s, sp, r, tid, pid, cut, ts in zip(
+                *(t.column(c).to_pylist() for c in ("stack", "sp", "regs", "tid", "pid",
+                                                     "copy_truncated", "ts")), strict=True)]
+    out = records_to_batches(recs)
+    w.write("stacks", out.stacks)
     w.write("mappings", snaps.mappings)
     for m in snaps.mappings.to_pylist():
         if m["build_id"] and m["perms"][2] == "x" and not w.has_module(m["build_id"]):
             w.add_module(m["build_id"], m["path"], Path(m["path"]))
     w.close()
-    return path, hashes
+    return path, out.stacks.column("hash").to_pylist()
 
 
 @pytest.fixture(scope="module")

@@ -1,44 +1,70 @@
-/* Allocation stacks: copy the user stack at allocator entry, hash it, dedupe it and
- * emit one stack record per distinct hash on the mt_stack_ring ring buffer.
+/* Allocation stacks: copy the user stack at allocator entry, reduce the copy to its
+ * skeleton, hash the skeleton, and emit one stack record per distinct skeleton on the
+ * mt_stack_ring ring buffer.
+ *
+ * The skeleton is what can steer offline unwinding: the words of the copy (and the
+ * registers) whose value lies in a kept region of the address space — a 64 KiB region
+ * holding executable code of a tracked process (return addresses, code pointers) or a
+ * thread stack (saved frame pointers, pointers into frames) — at their positions; every
+ * other word (locals, heap pointers, counters) reads as 0. `process` unwinds the skeleton,
+ * never the raw bytes, so two copies with one skeleton unwind to the same frames by
+ * construction, whatever their locals hold: repeated calls from one place share a record.
+ * Of the registers only rbx, rbp, rsp, r12-r15 and rip can be in a skeleton (the others
+ * are dead at an allocator's entry). The hash also covers sp (kept values are
+ * absolute), the copy length and whether the budget cut the copy, and for a cut copy
+ * the kernel's frame-pointer chain (the part of the stack beyond the copy that
+ * `process` may use).
  *
  * Included after common.h. memtrack.capture.stacks.StacksPart supplies the sizes:
- *   MT_STACK_BUDGET      bytes copied from sp upward (multiple of 512, at most 32768)
+ *   MT_STACK_BUDGET      bytes copied from sp upward at most (multiple of 512)
  *   MT_STACK_WORDS       a power of two >= MT_STACK_BUDGET / 8
- *   MT_STACK_OUT_WORDS   a power of two >= MT_STACK_WORDS and >= the largest header
- *                        (record positions are masked with it; s->out holds twice it)
+ *   MT_STACK_OUT_WORDS   a power of two >= the largest record (words)
  *   MT_STACK_RING_PAGES  pages of the record ring
  *   MT_STACK_SEEN        entries of the dedupe LRU set
- *   MT_STACK_REFS        per-thread references kept (MT_STACK_DELTA only)
+ *   MT_STACK_THREADS     entries of the per-thread stack-end map
  *   MT_NCPU              possible CPUs (scratch slots)
- *   MT_STACK_DELTA       defined: XOR-delta-encode records against the thread's last one
+ *   MT_STACK_COPIES      defined: every capture emits a record that also carries its raw
+ *                        copy (a debug mode: the proof that skeletons are exact)
+ *
+ * Kept regions (mt_stack_regions, one byte per 64 KiB region, the address's bits 16..37:
+ * aliases 256 GiB apart share a byte, which only keeps more words): userspace marks every
+ * executable mapping and the main stack at each attach stop (StacksPart.on_stop); the
+ * capture marks the regions around its own sp; mprotect/mmap with PROT_EXEC mark theirs.
+ * Regions are never unmarked, so a region executable at any time is kept from then on.
+ *
+ * Copy length: a thread's stack ends at mt_stack_ends[tid] (the main thread: its initial
+ * sp, argc's slot, set at exec; a thread: the top of the stack clone3/clone gave it; else
+ * learned from the first read that faults). Reads are page by page (one read per page,
+ * none that faults when the end is known: a faulting read costs ~0.5 us).
  *
  * Record layout (little-endian u64 words; memtrack.schema.stackrecord describes it):
- *   0 hash   1 ref_hash (0: keyframe or raw)   2 ts   3 pid | tid << 32   4 sp
- *   5 copy_len | fp_count << 32 | nfix << 48 | flags << 56 (1 truncated, 2 delta)
- *   6 body_len (bytes)
- *   fp_count return addresses (bpf_get_stack, user frame pointers; entry 0 is rip)
+ *   0 hash   1 ts   2 pid | tid << 32   3 sp
+ *   4 copy_len | fp_count << 32 | nfix << 48 | flags << 56 (1 cut, 4 skeleton, 8 new,
+ *     16 raw copy attached)
+ *   5 reg_kept (bit r: register r is in the skeleton)   6 body_len (bytes)
+ *   fp_count return addresses (bpf_get_stack, user frame pointers; cut copies only)
  *   nfix (slot, original value) pairs: uretprobe trampolines replaced in the copy
- *   body: raw   regs[17] then copy_len bytes of stack
- *         delta reg_mask, the nonzero regs ^ ref regs, group_mask, one word bitmap per
- *               present 512 B group, then the nonzero words of copy ^ reference
- *               (aligned by address, the reference zero outside its range)
+ *   body: regs[17] (raw), kept bitmap (one word per 64 words of the copy, padding
+ *         included), the kept words in order; with MT_STACK_COPIES the raw copy after.
+ *
+ * Hash (FNV-1a steps h = (h ^ x) * P): word i of the copy, zero-padded to whole groups
+ * of 64, masked to 0 unless kept, into lane i % 2 (lane l seeded offset ^ l); the lanes
+ * folded in order into offset; then the 8 registers that may be kept (rbx, rbp, rsp,
+ * r12-r15, rip in DWARF order) masked the same way, sp, copy_len | cut << 32, and for a
+ * cut copy each frame-pointer entry then their count; 0 means "no stack" and becomes 1.
  *
  * The verifier walks every loop (bcc 0.26 cannot use bpf_loop), so the program is
  * written for it to walk each loop once:
- * - the copy and hash loops leave through data-dependent breaks; their results are
- *   stored to scratch and read back through a volatile pointer, and so are the header
- *   positions before the encoder, which leaves one verifier state to carry on with
- *   instead of one per exit;
- * - per word everything is branch-free (mt_nz/mt_lt hide `x | -x` and `a - b` from
- *   clang, which would turn them back into branches: 2^n paths);
- * - `[-1, 0] & constant` makes the verifier fork, so the FNV seeds come from map memory;
- * - a new thread gets an empty reference in the map first, so the encoder only ever
- *   reads a reference through one kind of pointer;
- * - the per-word loops stay rolled: every allocator program inlines this capture, and
- *   unrolled copies multiplied the compile time of the capture program.
- * Verified instructions of a probe that only captures (kernel 6.18): about 67 k at 8 KiB
- * and 260 k at 32 KiB with delta encoding, 9 k and 28 k raw (bench/bench_stacks.py
- * prints those of the capture core's malloc probe). */
+ * - loops leave through data-dependent breaks; what they leave behind is stored to
+ *   scratch and read back through a volatile pointer, which leaves one verifier state
+ *   to carry on with instead of one per exit;
+ * - per word everything is branch-free (a region byte is 0 or 1: its negation masks);
+ * - big buffers are u8 arrays cast to u64: bcc describes every element of a u64 array
+ *   member to userspace, which made a 4 MiB map take a minute to load.
+ * The hot path (a stack already seen) is the copy and one pass of about ten
+ * instructions per word that hashes the word and leaves its kept flag beside it;
+ * building a record (once per distinct skeleton) packs the flagged words in a second
+ * pass, so that the record is what was hashed whatever the region map became since. */
 #ifndef MEMTRACK_STACKS_H
 #define MEMTRACK_STACKS_H
 
@@ -46,59 +72,69 @@
 
 #define MT_FNV_OFFSET 0xcbf29ce484222325ULL
 #define MT_FNV_PRIME 0x100000001b3ULL
-#define MT_CHUNK 512
-#define MT_GROUP_WORDS 64
-#define MT_NCHUNK (MT_STACK_BUDGET / MT_CHUNK)
+#define MT_PAGE 4096
+#define MT_GROUP 64 /* words per kept-bitmap word; the copy is zero-padded to whole groups */
+#define MT_STEP 16  /* words per iteration of the hash loop (unrolled) */
 #define MT_NREGS 17
-#define MT_FP_DEPTH 64
+#define MT_FP_DEPTH 127 /* the most bpf_get_stack gives (kernel.perf_event_max_stack) */
 #define MT_HDR_WORDS 7
 #define MT_SW_MASK (MT_STACK_WORDS - 1)
+#define MT_KOFF (MT_STACK_WORDS + MT_PAGE / 8) /* words from a copy word to its flag */
 #define MT_OW_MASK (MT_STACK_OUT_WORDS - 1)
+#define MT_REGION_SHIFT 16
+#define MT_REGION_BYTES (1 << 22)
+#define MT_REGION_MASK (MT_REGION_BYTES - 1)
+#define MT_STACK_SANE (1ULL << 30) /* a stack end farther than this above sp is not sp's */
+/* The registers a stack's unwinding can depend on: rbx, rbp, rsp, r12-r15, rip. At an
+ * allocator's entry the caller-saved ones hold nothing the caller's frames need (its
+ * CFA is rsp + 8), so they are never in the skeleton. */
+#define MT_CALLEE_SAVED ((1 << 3) | (1 << 6) | (1 << 7) | (0xf << 12) | (1 << 16))
 
-#define MT_SF_TRUNCATED 1
-#define MT_SF_DELTA 2
+#define MT_SF_CUT 1
+#define MT_SF_SKELETON 4
+#define MT_SF_NEW 8
+#define MT_SF_COPY 16
 
 /* mt_stack_stats indexes (per CPU; StacksPart sums them). */
 enum mt_stack_stat {
-    MT_SS_COPY_FAILED = 0, MT_SS_TRUNCATED = 1, MT_SS_DEDUPE_FULL = 2, MT_SS_RING_FULL = 3,
-    MT_SS_DELTA_FALLBACK = 4, MT_SS_RECORDS = 5, MT_SS_DEDUPED = 6, MT_SS_CAPTURES = 7,
+    MT_SS_COPY_FAILED = 0, MT_SS_CUT = 1, MT_SS_DEDUPE_FULL = 2, MT_SS_RING_FULL = 3,
+    MT_SS_RECORDS = 4, MT_SS_DEDUPED = 5, MT_SS_CAPTURES = 6, MT_SS_END_LEARNED = 7,
     MT_SS_NSTATS = 8,
 };
 
-/* A thread's last emitted copy (the delta reference), also the scratch copy. */
-struct mt_stack_ref {
-    u64 hash;
-    u64 sp;
-    u64 nwords;
-    u64 regs[MT_NREGS];
-    u64 words[MT_STACK_WORDS];
-};
-
 struct mt_stack_scratch {
-    struct mt_stack_ref cur;
+    /* the copy, with a page of slack (reads and padding stay inside at masked offsets),
+     * then one flag word per copy word (its low byte: kept or not) */
+    u8 words[(MT_KOFF + MT_STACK_WORDS + MT_GROUP) * 8];
+    u8 out[2 * MT_STACK_OUT_WORDS * 8];
+    u64 regs[MT_NREGS];
     u64 fix[2 * MT_MAX_NEST];
-    u64 tmp[MT_STACK_WORDS];
-    u64 out[2 * MT_STACK_OUT_WORDS];
+    u64 lane[2];
     u64 nwords;
-    u64 truncated;
-    u64 hash;
+    u64 cut;
     u64 nfix;
     u64 nfp;
+    u64 regkept;
     u64 pos;
-    u64 rn;
-    u64 ref_sp;
-    u64 ref_hash;
-    u64 seed[4];
-    u64 tail;
+    u64 pos2;
+    u64 end;
+};
+
+struct mt_stack_regions {
+    u8 kept[MT_REGION_BYTES];
 };
 
 BPF_ARRAY(mt_stack_scratch, struct mt_stack_scratch, MT_NCPU);
+BPF_F_TABLE("array", int, struct mt_stack_regions, mt_stack_regions, 1, BPF_F_MMAPABLE);
 BPF_TABLE("lru_hash", u64, u8, mt_stack_seen, MT_STACK_SEEN);
+BPF_TABLE("lru_hash", u32, u64, mt_stack_ends, MT_STACK_THREADS);
+BPF_HASH(mt_stack_clones, u32, u64, 4096); /* parent tid -> the child's stack top */
+BPF_HASH(mt_stack_execmaps, u32, u64, 4096); /* tid -> length of its PROT_EXEC mmap */
 BPF_PERCPU_ARRAY(mt_stack_stats, u64, MT_SS_NSTATS);
 BPF_RINGBUF_OUTPUT(mt_stack_ring, MT_STACK_RING_PAGES);
-#ifdef MT_STACK_DELTA
-BPF_TABLE("lru_hash", u32, struct mt_stack_ref, mt_stack_refs, MT_STACK_REFS);
-#endif
+
+#define MT_W(s) ((u64 *)(s)->words)
+#define MT_O(s) ((u64 *)(s)->out)
 
 static __always_inline void mt_stack_count(int idx) {
     u64 *v = mt_stack_stats.lookup(&idx);
@@ -120,43 +156,84 @@ static __always_inline u64 mt_lt(u64 a, u64 b) {
     return t >> 63;
 }
 
-/* 1 when k, read as signed, is >= 0. */
-static __always_inline u64 mt_ge0(u64 k) {
-    u64 t = ~k;
-    asm volatile("" : "+r"(t));
-    return t >> 63;
-}
-
 static __always_inline u64 mt_fnv_step(u64 h, u64 w) {
     return (h ^ w) * MT_FNV_PRIME;
 }
 
-/* Copy [sp, sp + budget) in 512 B chunks; the first chunk that faults ends the copy
- * after its readable part (the end of the stack is page-aligned). Leaves the word count
- * and the truncation flag in s. */
-static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp) {
-    int k;
-#pragma clang loop unroll(disable)
-    for (k = 0; k < MT_NCHUNK; k++) {
-        if (bpf_probe_read_user(&s->cur.words[k * MT_GROUP_WORDS], MT_CHUNK,
-                                (void *)(sp + (u64)k * MT_CHUNK)))
+static __always_inline struct mt_stack_regions *mt_regions(void) {
+    int zero = 0;
+    return mt_stack_regions.lookup(&zero);
+}
+
+/* 0 or 1 (the only values a region byte takes): whether v lies in a kept region. */
+static __always_inline u64 mt_kept(const u8 *kept, u64 v) {
+    return kept[(v >> MT_REGION_SHIFT) & MT_REGION_MASK];
+}
+
+/* Mark the regions of [lo, hi) kept (a range of more than 256 regions, 16 MiB, keeps its
+ * first 256). */
+static __always_inline void mt_mark(u8 *kept, u64 lo, u64 hi) {
+    u64 r = lo >> MT_REGION_SHIFT;
+    u64 last = (hi - 1) >> MT_REGION_SHIFT;
+#pragma clang loop unroll(disable) vectorize(disable)
+    for (int i = 0; i < 256; i++) {
+        if (r + i > last)
             break;
+        u64 idx = (r + i) & MT_REGION_MASK;
+        asm volatile("" : "+r"(idx)); /* clang would fold the mask into a strided pointer */
+        kept[idx] = 1;
     }
-    u64 n = (u64)k * MT_GROUP_WORDS;
-    u64 trunc = 0;
-    if (k < MT_NCHUNK) {
-        u64 addr = sp + (u64)k * MT_CHUNK;
-        u64 part = (0 - addr) & 4095;
-        if (part > 0 && part < MT_CHUNK &&
-            bpf_probe_read_user(&s->cur.words[(k * MT_GROUP_WORDS) & MT_SW_MASK], part,
-                                (void *)addr) == 0)
-            n += part / 8;
+}
+
+/* Copy [sp, min(sp + budget, stack end)) page by page. A thread without a known end
+ * reads until a page faults, and remembers that page as its end. Leaves the word count,
+ * whether the budget cut the copy, and the end in s. */
+static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp, u32 tid) {
+    u64 *W = MT_W(s);
+    u64 *endp = mt_stack_ends.lookup(&tid);
+    u64 end = endp ? *endp : 0;
+    u64 known = end > sp && end - sp < MT_STACK_SANE;
+    u64 limit = MT_STACK_BUDGET;
+    if (known && end - sp < limit)
+        limit = (end - sp) & ~7ULL;
+    u64 got = 0, fault = 0;
+    u64 first = MT_PAGE - (sp & (MT_PAGE - 1));
+    if (first > limit)
+        first = limit;
+    if (bpf_probe_read_user(W, first, (void *)sp) == 0) {
+        got = first;
+#pragma clang loop unroll(disable)
+        for (int k = 0; k < MT_STACK_BUDGET / MT_PAGE + 1; k++) {
+            if (got >= limit)
+                break;
+            u64 sz = limit - got;
+            if (sz > MT_PAGE)
+                sz = MT_PAGE;
+            if (bpf_probe_read_user(&W[(got / 8) & MT_SW_MASK], sz, (void *)(sp + got))) {
+                fault = 1;
+                break;
+            }
+            got += sz;
+        }
     } else {
-        u64 probe = 0;
-        trunc = bpf_probe_read_user(&probe, sizeof(probe), (void *)(sp + MT_STACK_BUDGET)) == 0;
+        fault = 1;
     }
-    s->nwords = n;
-    s->truncated = trunc;
+    u64 cut = 0;
+    if (known) {
+        cut = !fault && end - sp > MT_STACK_BUDGET;
+    } else if (got && !fault) {
+        /* the budget was reached: does the stack go on? */
+        u64 probe = 0;
+        if (bpf_probe_read_user(&probe, sizeof(probe), (void *)(sp + got)))
+            end = sp + got;
+        else
+            cut = 1;
+    } else if (got) {
+        end = sp + got;
+    }
+    s->nwords = got / 8;
+    s->cut = cut;
+    s->end = known ? 0 : end;
 }
 
 /* Put back the return addresses that live uretprobes replaced with their trampoline
@@ -164,6 +241,7 @@ static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp) {
  * Leaves the count in s->nfix. */
 static __always_inline void mt_stack_fixups(struct mt_stack_scratch *s, u32 tid, u64 sp, u64 n) {
     struct mt_retslots *rs = mt_retslots.lookup(&tid);
+    u64 *W = MT_W(s);
     u64 nfix = 0;
     if (rs) {
         u64 depth = rs->depth;
@@ -174,8 +252,8 @@ static __always_inline void mt_stack_fixups(struct mt_stack_scratch *s, u32 tid,
             u64 ok = mt_lt(i, depth) & (1 - mt_nz(off & 7)) & mt_lt(off / 8, n) &
                      mt_lt(off, 1ULL << 32);
             u64 m = 0 - ok;
-            u64 old = s->cur.words[idx];
-            s->cur.words[idx] = (rs->value[i] & m) | (old & ~m);
+            u64 old = W[idx];
+            W[idx] = (rs->value[i] & m) | (old & ~m);
             s->fix[(2 * nfix) & (2 * MT_MAX_NEST - 1)] = rs->slot[i];
             s->fix[(2 * nfix + 1) & (2 * MT_MAX_NEST - 1)] = rs->value[i];
             nfix += ok;
@@ -184,68 +262,47 @@ static __always_inline void mt_stack_fixups(struct mt_stack_scratch *s, u32 tid,
     s->nfix = nfix;
 }
 
-/* FNV-1a over the copy: word i into lane i % 4 (lanes seeded offset ^ lane), the lanes
- * folded in order, then the length in bytes. 0 means "no stack" and is never returned. */
-static __always_inline u64 mt_stack_hash(struct mt_stack_scratch *s, u64 n) {
-    /* The seeds go through map memory so that the verifier does not know them: it
-     * forks its state on `[-1, 0] & constant`. */
-    volatile u64 *seed = s->seed;
-    seed[0] = MT_FNV_OFFSET;
-    seed[1] = MT_FNV_OFFSET ^ 1;
-    seed[2] = MT_FNV_OFFSET ^ 2;
-    seed[3] = MT_FNV_OFFSET ^ 3;
-    u64 h0 = seed[0], h1 = seed[1], h2 = seed[2], h3 = seed[3];
-    int g;
+/* Keeps clang from hoisting a whole group's loads above the hash steps: it spilled
+ * them all to the 512-byte BPF stack. */
+#define MT_BARRIER() asm volatile("" ::: "memory")
+
+/* One word into lane h; its kept flag beside it for the record. */
+#define MT_MIX(J, h)                                                                        \
+    {                                                                                       \
+        u64 w_ = wp[J];                                                                     \
+        u64 k_ = mt_kept(kept, w_);                                                         \
+        *(u8 *)&wp[(J) + MT_KOFF] = k_;                                                     \
+        h = mt_fnv_step(h, w_ & (0 - k_));                                                  \
+        MT_BARRIER();                                                                       \
+    }
+
+/* The four lanes over the copy's kept words (whole groups, zero-padded), left in
+ * s->lane; each word's kept flag is left beside it. */
+static __always_inline void mt_stack_lanes(struct mt_stack_scratch *s, const u8 *kept, u64 n) {
+    volatile u64 *lane = s->lane;
+    lane[0] = MT_FNV_OFFSET;
+    lane[1] = MT_FNV_OFFSET ^ 1;
+    u64 h0 = lane[0], h1 = lane[1];
+    u64 *W = MT_W(s);
+    u64 padded = (n + MT_GROUP - 1) & ~(u64)(MT_GROUP - 1);
 #pragma clang loop unroll(disable)
-    for (g = 0; g < MT_NCHUNK; g++) {
-        if ((u64)(g + 1) * MT_GROUP_WORDS > n)
+    for (int g = 0; g < MT_STACK_WORDS / MT_STEP; g++) {
+        if ((u64)g * MT_STEP >= padded)
             break;
-#pragma clang loop unroll(disable)
-        for (int j = 0; j < MT_GROUP_WORDS; j += 4) {
-            u64 *w = &s->cur.words[(g * MT_GROUP_WORDS + j) & MT_SW_MASK];
-            h0 = mt_fnv_step(h0, w[0]);
-            h1 = mt_fnv_step(h1, w[1]);
-            h2 = mt_fnv_step(h2, w[2]);
-            h3 = mt_fnv_step(h3, w[3]);
+        u64 *wp = &W[(g * MT_STEP) & MT_SW_MASK];
+#pragma unroll
+        for (int j = 0; j < MT_STEP; j += 2) {
+            MT_MIX(j, h0)
+            MT_MIX(j + 1, h1)
         }
     }
-    /* The group the copy ends in (past the copy when it is whole groups): words beyond
-     * n leave their lane alone. Lanes and position go through scratch: one state. */
-    seed[0] = h0;
-    seed[1] = h1;
-    seed[2] = h2;
-    seed[3] = h3;
-    s->tail = (u64)g * MT_GROUP_WORDS;
-    h0 = seed[0];
-    h1 = seed[1];
-    h2 = seed[2];
-    h3 = seed[3];
-    u64 base = ((volatile struct mt_stack_scratch *)s)->tail;
-#pragma clang loop unroll(disable)
-    for (int j = 0; j < MT_GROUP_WORDS; j += 4) {
-        u64 i = base + j;
-        u64 *w = &s->cur.words[i & (MT_SW_MASK & ~3ULL)];
-        u64 m0 = 0 - mt_lt(i, n), m1 = 0 - mt_lt(i + 1, n), m2 = 0 - mt_lt(i + 2, n),
-            m3 = 0 - mt_lt(i + 3, n);
-        h0 = (mt_fnv_step(h0, w[0]) & m0) | (h0 & ~m0);
-        h1 = (mt_fnv_step(h1, w[1]) & m1) | (h1 & ~m1);
-        h2 = (mt_fnv_step(h2, w[2]) & m2) | (h2 & ~m2);
-        h3 = (mt_fnv_step(h3, w[3]) & m3) | (h3 & ~m3);
-    }
-    u64 h = MT_FNV_OFFSET;
-    h = mt_fnv_step(h, h0);
-    h = mt_fnv_step(h, h1);
-    h = mt_fnv_step(h, h2);
-    h = mt_fnv_step(h, h3);
-    h = mt_fnv_step(h, n * 8);
-    if (h == 0)
-        h = 1;
-    s->hash = h;
-    return h;
+    lane[0] = h0;
+    lane[1] = h1;
 }
 
+/* Registers in DWARF order. */
 static __always_inline void mt_stack_regs(struct mt_stack_scratch *s, struct pt_regs *ctx) {
-    u64 *r = s->cur.regs;
+    u64 *r = s->regs;
     r[0] = ctx->ax; r[1] = ctx->dx; r[2] = ctx->cx; r[3] = ctx->bx;
     r[4] = ctx->si; r[5] = ctx->di; r[6] = ctx->bp; r[7] = ctx->sp;
     r[8] = ctx->r8; r[9] = ctx->r9; r[10] = ctx->r10; r[11] = ctx->r11;
@@ -253,70 +310,71 @@ static __always_inline void mt_stack_regs(struct mt_stack_scratch *s, struct pt_
     r[16] = ctx->ip;
 }
 
-#ifdef MT_STACK_DELTA
-/* XOR-encode the copy against ref (rn words at ref_sp; rn = 0: keyframe) into
- * s->out from word `pos`. Returns the position after the body. */
-static __always_inline u64 mt_stack_encode(struct mt_stack_scratch *s, struct mt_stack_ref *ref,
-                                           u64 rn, u64 ref_sp, u64 sp, u64 n, u64 pos) {
-    u64 has_ref = 0 - mt_nz(rn);
-    u64 regmask = 0;
-    u64 rpos = pos + 1;
+/* The hash from the lanes in s: they, the kept registers (their mask left in
+ * s->regkept), sp, the copy length and cut flag, and a cut copy's frame-pointer chain
+ * (s->nfp entries in the record being built). Everything comes from scratch: the
+ * branches taken before leave no register the verifier would tell apart. */
+static __always_inline u64 mt_stack_fold(struct mt_stack_scratch *s, const u8 *kept, u64 sp) {
+    volatile struct mt_stack_scratch *vs = s;
+    u64 n = vs->nwords, cut = vs->cut;
+    volatile u64 *lane = s->lane;
+    u64 h = MT_FNV_OFFSET;
+    h = mt_fnv_step(h, lane[0]);
+    h = mt_fnv_step(h, lane[1]);
+    u64 regkept = 0;
 #pragma unroll
     for (int r = 0; r < MT_NREGS; r++) {
-        u64 x = s->cur.regs[r] ^ (ref->regs[r] & has_ref);
-        u64 nz = mt_nz(x);
-        s->out[rpos & MT_OW_MASK] = x;
-        rpos += nz;
-        regmask |= nz << r;
+        if (!((MT_CALLEE_SAVED >> r) & 1))
+            continue;
+        u64 v = s->regs[r];
+        u64 k = mt_kept(kept, v);
+        h = mt_fnv_step(h, v & (0 - k));
+        regkept |= k << r;
     }
-    s->out[pos & MT_OW_MASK] = regmask;
-    u64 gpos = rpos;       /* group mask */
-    u64 bpos = gpos + 1;   /* next bitmap */
-    u64 wn = 0;            /* nonzero words so far, in s->tmp */
-    u64 gmask = 0;
-    u64 shift = (u64)((s64)(sp - ref_sp) >> 3); /* reference word = i + shift */
+    s->regkept = regkept;
+    h = mt_fnv_step(h, sp);
+    h = mt_fnv_step(h, (n * 8) | (cut << 32));
+    if (cut) {
+        u64 nfp = vs->nfp;
+        u64 *fp = &MT_O(s)[MT_HDR_WORDS];
 #pragma clang loop unroll(disable)
-    for (int g = 0; g < MT_NCHUNK; g++) {
-        if ((u64)g * MT_GROUP_WORDS >= n)
-            break;
-        u64 bitmap = 0;
-#pragma clang loop unroll(disable)
-        for (int j = 0; j < MT_GROUP_WORDS; j++) {
-            u64 i = (u64)g * MT_GROUP_WORDS + j;
-            u64 k = i + shift;
-            u64 kin = (0 - mt_lt(k, rn)) & (0 - mt_ge0(k));
-            u64 x = s->cur.words[i & MT_SW_MASK] ^ (ref->words[k & MT_SW_MASK] & kin);
-            x &= 0 - mt_lt(i, n);
-            u64 nz = mt_nz(x);
-            s->tmp[wn & MT_SW_MASK] = x;
-            wn += nz;
-            bitmap |= nz << j;
+        for (int i = 0; i < MT_FP_DEPTH; i++) {
+            if (i >= nfp)
+                break;
+            h = mt_fnv_step(h, fp[i]);
         }
-        u64 present = mt_nz(bitmap);
-        s->out[bpos & MT_OW_MASK] = bitmap;
-        bpos += present;
-        gmask |= present << g;
+        h = mt_fnv_step(h, nfp);
     }
-    s->out[gpos & MT_OW_MASK] = gmask;
-    u64 bytes = wn * 8;
-    if (bytes > MT_STACK_WORDS * 8)
-        bytes = MT_STACK_WORDS * 8;
-    if (bytes)
-        bpf_probe_read_kernel(&s->out[bpos & MT_OW_MASK], bytes, s->tmp);
-    return bpos + wn;
+    return h ? h : 1;
 }
-#endif
 
-/* A raw body at s->out[pos]: the registers, then the copy. Returns the position after. */
-static __always_inline u64 mt_stack_raw_body(struct mt_stack_scratch *s, u64 pos, u64 n) {
+/* The record's body from s->out[pos]: raw registers, the kept bitmap and the kept words
+ * (the flags the hash pass left); returns the position after it. */
+static __always_inline u64 mt_stack_pack(struct mt_stack_scratch *s, u64 n, u64 pos) {
+    u64 *O = MT_O(s);
+    u64 *W = MT_W(s);
 #pragma unroll
     for (int r = 0; r < MT_NREGS; r++)
-        s->out[(pos + r) & MT_OW_MASK] = s->cur.regs[r];
-    pos += MT_NREGS;
-    if (n > MT_STACK_WORDS)
-        n = MT_STACK_WORDS;
-    bpf_probe_read_kernel(&s->out[pos & MT_OW_MASK], n * 8, s->cur.words);
-    return pos + n;
+        O[(pos + r) & MT_OW_MASK] = s->regs[r];
+    u64 bpos = pos + MT_NREGS;
+    u64 ngroups = (n + MT_GROUP - 1) / MT_GROUP;
+    u64 p = bpos + ngroups;
+#pragma clang loop unroll(disable)
+    for (int g = 0; g < MT_STACK_WORDS / MT_GROUP; g++) {
+        if ((u64)g * MT_GROUP >= n)
+            break;
+        u64 *wp = &W[(g * MT_GROUP) & MT_SW_MASK];
+        u64 bits = 0;
+#pragma clang loop unroll(disable)
+        for (int j = 0; j < MT_GROUP; j++) {
+            u64 k = *(u8 *)&wp[j + MT_KOFF];
+            O[p & MT_OW_MASK] = wp[j];
+            p += k;
+            bits |= k << j;
+        }
+        O[(bpos + g) & MT_OW_MASK] = bits;
+    }
+    return p;
 }
 
 /* Capture the calling thread's stack; returns its hash (0: no stack). Emits a stack
@@ -324,126 +382,215 @@ static __always_inline u64 mt_stack_raw_body(struct mt_stack_scratch *s, u64 pos
 static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 tid) {
     int cpu = bpf_get_smp_processor_id();
     struct mt_stack_scratch *s = mt_stack_scratch.lookup(&cpu);
-    if (!s)
+    struct mt_stack_regions *rg = mt_regions();
+    if (!s || !rg)
         return 0;
     volatile struct mt_stack_scratch *vs = s;
+    u8 *kept = rg->kept;
     mt_stack_count(MT_SS_CAPTURES);
     u64 sp = ctx->sp;
-    mt_stack_copy(s, sp);
+    mt_stack_copy(s, sp, tid);
     u64 n = vs->nwords;
     if (n == 0 || n > MT_STACK_WORDS) {
         mt_stack_count(MT_SS_COPY_FAILED);
         return 0;
     }
+    if (vs->end) {
+        u64 end = vs->end;
+        mt_stack_ends.update(&tid, &end);
+        mt_stack_count(MT_SS_END_LEARNED);
+    }
+    u64 *W = MT_W(s);
+    /* zero-pad the last group */
+#pragma unroll
+    for (int j = 0; j < MT_GROUP; j++)
+        W[n + j] = 0;
     mt_stack_fixups(s, tid, sp, n);
+    /* this stack's own regions: the one below sp's, sp's, and the copy end's (a copy
+     * spans two regions at most) */
+    kept[((sp >> MT_REGION_SHIFT) - 1) & MT_REGION_MASK] = 1;
+    kept[(sp >> MT_REGION_SHIFT) & MT_REGION_MASK] = 1;
+    kept[((sp + n * 8 - 1) >> MT_REGION_SHIFT) & MT_REGION_MASK] = 1;
+    mt_stack_regs(s, ctx);
+    vs->nfp = 0;
+    if (vs->cut) {
+        mt_stack_count(MT_SS_CUT);
+        long got = bpf_get_stack(ctx, &MT_O(s)[MT_HDR_WORDS], MT_FP_DEPTH * 8,
+                                 BPF_F_USER_STACK);
+        vs->nfp = got > 0 ? (u64)got / 8 : 0;
+    }
     n = vs->nwords;
-    mt_stack_hash(s, n);
-    u64 h = vs->hash;
-    n = vs->nwords;
-    u64 nfix = vs->nfix;
     if (n > MT_STACK_WORDS)
         return 0;
+    mt_stack_lanes(s, kept, n);
+    u64 h = mt_stack_fold(s, kept, sp);
+#ifndef MT_STACK_COPIES
     if (mt_stack_seen.lookup(&h)) {
         mt_stack_count(MT_SS_DEDUPED);
         return h;
     }
-    u64 trunc = vs->truncated;
-    if (trunc)
-        mt_stack_count(MT_SS_TRUNCATED);
-    mt_stack_regs(s, ctx);
-
-    long got = bpf_get_stack(ctx, &s->out[MT_HDR_WORDS], MT_FP_DEPTH * 8, BPF_F_USER_STACK);
-    u64 nfp = got > 0 ? (u64)got / 8 : 0;
-    if (nfp > MT_FP_DEPTH)
-        nfp = MT_FP_DEPTH;
-    if (nfix > MT_MAX_NEST)
-        nfix = MT_MAX_NEST;
-    u64 pos = MT_HDR_WORDS + nfp;
-#pragma unroll
-    for (int i = 0; i < 2 * MT_MAX_NEST; i++)
-        s->out[(pos + i) & MT_OW_MASK] = s->fix[i];
-    pos += 2 * nfix;
-    u64 ref_hash = 0;
-    u64 flags = trunc ? MT_SF_TRUNCATED : 0;
-    u64 body = pos;
-
-#ifdef MT_STACK_DELTA
-    struct mt_stack_ref *ref = mt_stack_refs.lookup(&tid);
-    if (!ref) {
-        /* A new thread: an empty reference, so that a keyframe is the delta against
-         * nothing and the encoder has one kind of reference pointer to verify. */
-        s->cur.hash = 0;
-        s->cur.nwords = 0;
-        mt_stack_refs.update(&tid, &s->cur);
-        ref = mt_stack_refs.lookup(&tid);
-    }
-    if (ref) {
-        u64 rn = ref->nwords;
-        u64 ref_sp = ref->sp;
-        ref_hash = ref->hash;
-        if (rn > MT_STACK_WORDS || sp - ref_sp + (1ULL << 40) > (2ULL << 40)) {
-            /* unusable reference (sp moved by more than 1 TiB): a keyframe */
-            rn = 0;
-            ref_hash = 0;
-        }
-        /* One verifier state from here on, whatever the path. */
-        vs->pos = pos;
-        vs->nfp = nfp;
-        vs->nfix = nfix;
-        vs->rn = rn;
-        vs->ref_sp = ref_sp;
-        vs->ref_hash = ref_hash;
-        pos = vs->pos;
-        n = vs->nwords;
-        if (n > MT_STACK_WORDS)
-            return 0;
-        pos = mt_stack_encode(s, ref, vs->rn, vs->ref_sp, sp, n, pos);
-        flags |= MT_SF_DELTA;
-        nfp = vs->nfp;
-        nfix = vs->nfix;
-        ref_hash = vs->ref_hash;
-        body = vs->pos;
-    } else {
-        /* No reference could be stored for this thread: a raw record instead. */
-        mt_stack_count(MT_SS_DELTA_FALLBACK);
-        pos = mt_stack_raw_body(s, pos, n);
-    }
-#else
-    pos = mt_stack_raw_body(s, pos, n);
 #endif
 
-    s->out[0] = h;
-    s->out[1] = ref_hash;
-    s->out[2] = bpf_ktime_get_ns();
-    s->out[3] = pid | ((u64)tid << 32);
-    s->out[4] = sp;
-    s->out[5] = (n * 8) | (nfp << 32) | (nfix << 48) | (flags << 56);
-    s->out[6] = (pos - body) * 8;
+    /* A record: header, fp chain, fixups, body. */
+    u64 *O = MT_O(s);
+    if (vs->nfp > MT_FP_DEPTH)
+        vs->nfp = MT_FP_DEPTH;
+    if (vs->nfix > MT_MAX_NEST)
+        vs->nfix = MT_MAX_NEST;
+    u64 pos = MT_HDR_WORDS + vs->nfp;
+#pragma unroll
+    for (int i = 0; i < 2 * MT_MAX_NEST; i++)
+        O[(pos + i) & MT_OW_MASK] = s->fix[i];
+    vs->pos = pos + 2 * vs->nfix;
+    n = vs->nwords;
+    if (n > MT_STACK_WORDS)
+        return h;
+    vs->pos2 = mt_stack_pack(s, n, vs->pos);
+    /* one verifier state from here on, whatever the path */
+    n = vs->nwords;
+    pos = vs->pos2;
+    u64 nfp = vs->nfp & 255, nfix = vs->nfix & (2 * MT_MAX_NEST - 1);
+    u64 flags = MT_SF_SKELETON | (vs->cut ? MT_SF_CUT : 0);
+#ifdef MT_STACK_COPIES
+    u64 is_new = mt_stack_seen.lookup(&h) == 0;
+    if (n > MT_STACK_WORDS)
+        return h;
+    bpf_probe_read_kernel(&O[pos & MT_OW_MASK], n * 8, W);
+    pos += n;
+    flags |= MT_SF_COPY | (is_new ? MT_SF_NEW : 0);
+#else
+    u64 is_new = 1;
+    flags |= MT_SF_NEW;
+#endif
+    u64 body = vs->pos;
+    O[0] = h;
+    O[1] = bpf_ktime_get_ns();
+    O[2] = pid | ((u64)tid << 32);
+    O[3] = sp;
+    O[4] = (n * 8) | (nfp << 32) | (nfix << 48) | (flags << 56);
+    O[5] = vs->regkept;
+    O[6] = (pos - body) * 8;
     u64 len = pos * 8;
     if (len > 2 * MT_STACK_OUT_WORDS * 8)
         len = 2 * MT_STACK_OUT_WORDS * 8;
     mt_backpressure(MT_RING_STACKS);
-    if (mt_stack_ring.ringbuf_output((void *)&s->out[0], len, 0)) {
+    if (mt_stack_ring.ringbuf_output((void *)O, len, 0)) {
         mt_stack_count(MT_SS_RING_FULL);
         return h;
     }
     mt_stack_count(MT_SS_RECORDS);
-    u8 one = 1;
-    if (mt_stack_seen.update(&h, &one))
-        mt_stack_count(MT_SS_DEDUPE_FULL);
-#ifdef MT_STACK_DELTA
-    if (ref) {
-        /* The record is out: it becomes the thread's reference. */
-        bpf_probe_read_kernel(ref->words, n * 8, s->cur.words);
-#pragma unroll
-        for (int r = 0; r < MT_NREGS; r++)
-            ref->regs[r] = s->cur.regs[r];
-        ref->sp = sp;
-        ref->nwords = n;
-        ref->hash = h;
+    if (is_new) {
+        u8 one = 1;
+        if (mt_stack_seen.update(&h, &one))
+            mt_stack_count(MT_SS_DEDUPE_FULL);
     }
-#endif
     return h;
+}
+
+/* Syscall tracepoints as laid out in tracefs (stable): StacksPart.attach attaches the
+ * programs below by name (lifecycle.c owns the TRACEPOINT_PROBE names). */
+struct mt_sys_enter_tp {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    u64 a[6];
+};
+struct mt_sys_exit_tp {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    s64 ret;
+};
+
+/* Thread stacks: clone3/clone with CLONE_VM give the child a stack whose top is the
+ * child's stack end; a fork child runs on a copy of its parent's stack: the parent
+ * thread's end. */
+#define MT_CLONE_VM 0x100
+
+static __always_inline void mt_clone_enter(u64 flags, u64 top) {
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (!mt_is_tracked(pid))
+        return;
+    if (!(flags & MT_CLONE_VM)) {
+        u64 *e = mt_stack_ends.lookup(&tid);
+        top = e ? *e : 0;
+    }
+    if (top)
+        mt_stack_clones.update(&tid, &top);
+}
+
+int mt_stack_clone3_enter(struct mt_sys_enter_tp *args) {
+    u64 a[7] = {}; /* uapi struct clone_args: flags ... stack, stack_size */
+    if (bpf_probe_read_user(a, sizeof(a), (void *)args->a[0]))
+        return 0;
+    mt_clone_enter(a[0], a[5] ? a[5] + a[6] : 0);
+    return 0;
+}
+
+int mt_stack_clone_enter(struct mt_sys_enter_tp *args) {
+    mt_clone_enter(args->a[0], args->a[1]);
+    return 0;
+}
+
+int mt_stack_clone_exit(struct mt_sys_exit_tp *args) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 *top = mt_stack_clones.lookup(&tid);
+    if (!top)
+        return 0;
+    if (args->ret > 0) {
+        u32 child = (u32)args->ret;
+        u64 end = *top;
+        mt_stack_ends.update(&child, &end);
+    }
+    mt_stack_clones.delete(&tid);
+    return 0;
+}
+
+int mt_stack_thread_exit(void *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    mt_stack_ends.delete(&tid);
+    return 0;
+}
+
+/* Code that becomes executable without an attach stop (JIT code: anonymous PROT_EXEC
+ * mappings, mprotect to PROT_EXEC) is kept from then on. */
+#define MT_PROT_EXEC_ 4
+#define MT_MAP_ANON_ 0x20
+
+int mt_stack_mprotect_enter(struct mt_sys_enter_tp *args) {
+    if (!(args->a[2] & MT_PROT_EXEC_) || !mt_is_tracked(bpf_get_current_pid_tgid() >> 32))
+        return 0;
+    struct mt_stack_regions *rg = mt_regions();
+    if (rg && args->a[1])
+        mt_mark(rg->kept, args->a[0], args->a[0] + args->a[1]);
+    return 0;
+}
+
+int mt_stack_mmap_enter(struct mt_sys_enter_tp *args) {
+    if (!(args->a[2] & MT_PROT_EXEC_) || !(args->a[3] & MT_MAP_ANON_))
+        return 0;
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tid = (u32)pt;
+    if (!mt_is_tracked(pt >> 32))
+        return 0;
+    u64 len = args->a[1];
+    mt_stack_execmaps.update(&tid, &len);
+    return 0;
+}
+
+int mt_stack_mmap_exit(struct mt_sys_exit_tp *args) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 *len = mt_stack_execmaps.lookup(&tid);
+    if (!len)
+        return 0;
+    u64 l = *len;
+    mt_stack_execmaps.delete(&tid);
+    s64 ret = args->ret;
+    struct mt_stack_regions *rg = mt_regions();
+    if (rg && l && !(ret < 0 && ret > -4096))
+        mt_mark(rg->kept, (u64)ret, (u64)ret + l);
+    return 0;
 }
 
 #endif

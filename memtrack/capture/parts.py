@@ -7,10 +7,12 @@ calls each part's `attach`. While the command runs and once more after it exits,
 session's drain thread reads every ring a part declares in `rings()` (bytes only:
 `memtrack.capture.ringbuf.RingReader`, `read_fixed(dtype) -> numpy array` for rings
 whose records all have one size, `read_records() -> list[memoryview]` for
-variable-size ones) and its writer thread hands what was read, in ring order and coalesced into
-batches, to the part's `write`. A part without `rings()` has its `drain` (read and
+variable-size ones) and its writer thread hands what was read, in ring order and
+coalesced into batches, to the part's `write`. A part without `rings()` has its `drain` (read and
 write in one) called from the writer thread instead. At the end `losses` adds the
-part's loss counters to the manifest.
+part's loss counters to the manifest. A part with an `on_stop(bpf, pid, maps)` method is
+called at every attach stop, while the process is stopped, with its mappings
+(procfs.MapLine).
 
 Every ring write in BPF calls `mt_backpressure(MT_RING_*)` (common.h) first; `Ring.ring_id`
 is that id, so that the session can put the ring's high watermark in place.
@@ -74,8 +76,8 @@ class CaptureOptions:
     """Every capture option; each has a MEMTRACK_<NAME> environment variable."""
 
     stacks: bool = True
-    stack_budget: int = 8192
-    stack_compression: bool = True
+    stack_budget: int = 32768  # at most; a copy stops at the stack's end
+    stack_copies: bool = False  # debug: every capture's raw copy too (stack_copies.arrow)
     rss: bool = True
     track_faults: bool = False
     modules: bool = True

@@ -17,13 +17,13 @@ from memtrack.schema import EVENT_DTYPE
 
 def check_options(options: CaptureOptions) -> None:
     """One-line errors for option values capture cannot use."""
-    from memtrack.capture.stacks import HDR_MAX_WORDS
+    from memtrack.capture.stacks import record_words
 
     cpus = os.cpu_count() or 1
     for name, pages, record in (
             ("--events-ring-pages", options.events_ring_pages, EVENT_DTYPE.itemsize),
             ("--stacks-ring-pages", options.stacks_ring_pages,
-             HDR_MAX_WORDS * 8 + options.stack_budget)):
+             record_words(options.stack_budget, options.stack_copies) * 8)):
         if pages <= 0 or pages & (pages - 1):
             raise CaptureError(f"{name} {pages}: must be a power of two (pages)")
         need = -(-min_ring_bytes(record, cpus) // mmap.PAGESIZE)
@@ -52,8 +52,9 @@ def summary(result: CaptureResult, cmd: list[str]) -> list[str]:
     for k, v in result.nonzero_losses().items():
         lines.append(f"memtrack: LOST {k} = {v:,}")
     for k, v in result.fidelity_notes().items():
-        hint = " (frames beyond the copy come from the kernel's frame-pointer chain; " \
-               "raise --stack-budget)" if k == "stack_truncated" else ""
+        hint = " (allocations whose stack went on beyond --stack-budget: their stacks " \
+               "end at the cut unless the kernel's frame-pointer chain continues them)" \
+            if k == "stack_copies_cut" else ""
         lines.append(f"memtrack: note: {k} = {v:,}{hint}")
     lines += [f"memtrack: warning: {w}" for w in result.warnings]
     return lines

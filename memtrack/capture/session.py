@@ -401,6 +401,8 @@ class Session:
         for pid, ok in stopped.items():
             if ok:
                 maps = self.modules.snapshot(pid, now)
+                if maps is not None:
+                    self.tracker.on_stop(pid, maps)
                 for m in maps or ():
                     if "x" in m.perms and m.path.startswith("/") and m.inode:
                         src = str(map_file(pid, m))

@@ -1,102 +1,146 @@
 """The stack ring's variable-size records (memtrack.schema.stackrecord) as stacks.arrow
-batches, parsed for many records at once with numpy."""
+(and stack_copies.arrow) batches, parsed for many records at once with numpy."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema import NUM_REGS, STACKS, StackEncoding
-from memtrack.schema.stackrecord import FLAG_DELTA, FLAG_TRUNCATED, HDR_WORDS, MAX_BUDGET
+from memtrack.schema import NUM_REGS, STACK_COPIES, STACKS
+from memtrack.schema.stackrecord import (
+    FLAG_COPY,
+    FLAG_CUT,
+    FLAG_NEW,
+    FLAG_SKELETON,
+    HDR_WORDS,
+    MAX_BUDGET,
+    ngroups,
+    offsets_of,
+    ragged,
+)
 
 _U64 = np.dtype("<u8")
 
 
-def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ranges [starts[i], starts[i] + lengths[i])."""
-    lengths = lengths.astype(np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    offs = np.repeat(starts.astype(np.int64) - (ends - lengths), lengths)
-    return np.arange(total, dtype=np.int64) + offs
+def _list(values: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, typ))
 
 
-def _list_offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(lengths.size + 1, dtype=np.int32)
-    np.cumsum(lengths, out=out[1:])
-    return out
+def _binary(data: np.ndarray, offsets: np.ndarray) -> pa.Array:
+    """Words laid end to end as a binary array (offsets in words)."""
+    return pa.Array.from_buffers(pa.binary(), offsets.size - 1, [
+        None, pa.py_buffer((offsets * 8).astype(np.int32)),
+        pa.py_buffer(np.ascontiguousarray(data, dtype=_U64).tobytes())])
 
 
-def records_to_batch(records: list[bytes]) -> tuple[pa.RecordBatch, int]:
-    """Ring records as one STACKS batch, and how many malformed records were dropped."""
+def skeleton_batch(*, hash: np.ndarray, ts: np.ndarray, pid: np.ndarray, tid: np.ndarray,
+                   sp: np.ndarray, nwords: np.ndarray, cut: np.ndarray, regs: np.ndarray,
+                   payload: tuple[np.ndarray, np.ndarray], fp: tuple[np.ndarray, np.ndarray],
+                   fixups: tuple[np.ndarray, np.ndarray]) -> pa.RecordBatch:
+    """A STACKS batch. payload/fp: (words end to end, offsets per row); fixups:
+    ((k, 2) slot/value pairs end to end, offsets per row)."""
+    pairs, fix_off = fixups
+    fix = pa.StructArray.from_arrays(
+        [pa.array(pairs[:, 0], pa.uint64()), pa.array(pairs[:, 1], pa.uint64())],
+        names=["slot", "value"])
+    cols = {
+        "hash": pa.array(hash, pa.uint64()),
+        "ts": pa.array(ts, pa.uint64()),
+        "pid": pa.array(pid, pa.uint32()),
+        "tid": pa.array(tid, pa.uint32()),
+        "sp": pa.array(sp, pa.uint64()),
+        "copy_len": pa.array((np.asarray(nwords) * 8).astype(np.uint32)),
+        "truncated": pa.array(np.asarray(cut, dtype=bool)),
+        "regs": pa.FixedSizeListArray.from_arrays(
+            pa.array(np.asarray(regs, dtype=np.uint64).ravel(), pa.uint64()), NUM_REGS),
+        "payload": _binary(*payload),
+        "fp_chain": _list(fp[0], fp[1], pa.uint64()),
+        "ret_fixups": pa.ListArray.from_arrays(pa.array(fix_off.astype(np.int32)), fix),
+    }
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in STACKS], schema=STACKS)
+
+
+@dataclass
+class RingBatches:
+    stacks: pa.RecordBatch  # the records new to the kernel's dedupe set
+    copies: pa.RecordBatch | None  # every record's raw copy (records with FLAG_COPY)
+    malformed: int  # records that do not parse
+
+
+def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBatches:
+    """Ring records as a STACKS batch (and a STACK_COPIES batch). Their layout is
+    checked, not their hashes: `process` verifies those when it decodes (capture keeps
+    its drain loop short)."""
     lens = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
     ok = (lens >= HDR_WORDS * 8) & (lens % 8 == 0)
     blob = b"".join(r for r, good in zip(records, ok.tolist(), strict=True) if good)
     lens = lens[ok]
     words = np.frombuffer(blob, dtype=_U64)
-    wlen = lens // 8
-    wstart = np.zeros(lens.size, dtype=np.int64)
-    np.cumsum(wlen[:-1], out=wstart[1:])
+    wstart = offsets_of(lens // 8)[:-1]
     hdr = words[wstart[:, None] + np.arange(HDR_WORDS)] if lens.size else \
         np.zeros((0, HDR_WORDS), _U64)
-    w5 = hdr[:, 5]
-    copy_len = (w5 & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    nfp = ((w5 >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64)
-    nfix = ((w5 >> np.uint64(48)) & np.uint64(0xFF)).astype(np.int64)
-    flags = (w5 >> np.uint64(56)).astype(np.int64)
-    body_len = (hdr[:, 6] & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    delta = (flags & FLAG_DELTA) != 0
-    raw_body = NUM_REGS * 8 + copy_len
-    good = (
-        (HDR_WORDS * 8 + nfp * 8 + nfix * 16 + body_len == lens)
-        & (body_len % 8 == 0) & (copy_len % 8 == 0) & (copy_len > 0)
-        & (copy_len <= MAX_BUDGET) & (delta | (body_len == raw_body))
-    )
+    w4 = hdr[:, 4]
+    n = (w4 & np.uint64(0xFFFFFFFF)).astype(np.int64) // 8
+    nfp = ((w4 >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64)
+    nfix = ((w4 >> np.uint64(48)) & np.uint64(0xFF)).astype(np.int64)
+    flags = (w4 >> np.uint64(56)).astype(np.int64)
+    body_len = hdr[:, 6].astype(np.int64)
+    has_copy = (flags & FLAG_COPY) != 0
+    body = wstart + HDR_WORDS + nfp + 2 * nfix
+    nb = ngroups(n)
+    good = ((flags & FLAG_SKELETON) != 0) & (n > 0) & (n <= MAX_BUDGET // 8) & \
+        (body_len % 8 == 0) & (HDR_WORDS * 8 + nfp * 8 + nfix * 16 + body_len == lens) & \
+        (body_len // 8 >= NUM_REGS + nb + np.where(has_copy, n, 0))
+    nb = np.where(good, nb, 0)
+    bstart = body + NUM_REGS
+    bm = words[ragged(bstart, nb)]
+    row_bm = np.repeat(np.arange(n.size), nb)
+    nkept = np.bincount(row_bm, weights=np.bitwise_count(bm), minlength=n.size).astype(
+        np.int64)
+    good &= body_len // 8 == NUM_REGS + nb + nkept + np.where(has_copy, n, 0)
     bad = int((~ok).sum() + (~good).sum())
-    if not good.all():
-        keep = np.flatnonzero(good)
-        hdr, wstart, copy_len, nfp, nfix, flags, body_len, delta = (
-            v[keep] for v in (hdr, wstart, copy_len, nfp, nfix, flags, body_len, delta))
-    n = hdr.shape[0]
-    fp_vals = words[_ragged(wstart + HDR_WORDS, nfp)]
-    fix_vals = words[_ragged(wstart + HDR_WORDS + nfp, 2 * nfix)].reshape(-1, 2)
-    body_start = wstart + HDR_WORDS + nfp + 2 * nfix
-    regs_skip = np.where(delta, 0, NUM_REGS)
-    payload_words = body_len // 8 - regs_skip
-    payload = words[_ragged(body_start + regs_skip, payload_words)]
-    raw_idx = np.flatnonzero(~delta)
-    regs_flat = np.zeros((n, NUM_REGS), dtype=np.uint64)
-    if raw_idx.size:
-        regs_flat[raw_idx] = words[body_start[raw_idx, None] + np.arange(NUM_REGS)]
-    regs = pa.FixedSizeListArray.from_arrays(
-        pa.array(regs_flat.ravel(), pa.uint64()), NUM_REGS, mask=pa.array(delta))
-    payload_arr = pa.Array.from_buffers(
-        pa.binary(), n, [None, pa.py_buffer(_list_offsets(payload_words * 8)),
-                         pa.py_buffer(payload.tobytes())])
-    fp_chain = pa.ListArray.from_arrays(pa.array(_list_offsets(nfp)),
-                                        pa.array(fp_vals, pa.uint64()))
-    fix_struct = pa.StructArray.from_arrays(
-        [pa.array(fix_vals[:, 0], pa.uint64()), pa.array(fix_vals[:, 1], pa.uint64())],
-        names=["slot", "value"])
-    fixups = pa.ListArray.from_arrays(pa.array(_list_offsets(nfix)), fix_struct)
-    pidtid = hdr[:, 3]
-    cols = {
-        "hash": pa.array(hdr[:, 0]),
-        "ref_hash": pa.array(hdr[:, 1]),
-        "ts": pa.array(hdr[:, 2]),
-        "pid": pa.array((pidtid & np.uint64(0xFFFFFFFF)).astype(np.uint32)),
-        "tid": pa.array((pidtid >> np.uint64(32)).astype(np.uint32)),
-        "sp": pa.array(hdr[:, 4]),
-        "copy_len": pa.array(copy_len.astype(np.uint32)),
-        "truncated": pa.array((flags & FLAG_TRUNCATED) != 0),
-        "encoding": pa.array(np.where(delta, StackEncoding.DELTA, StackEncoding.RAW)
-                             .astype(np.uint8)),
-        "regs": regs,
-        "payload": payload_arr,
-        "fp_chain": fp_chain,
-        "ret_fixups": fixups,
-    }
-    batch = pa.RecordBatch.from_arrays([cols[f.name] for f in STACKS], schema=STACKS)
-    return batch, bad
+    keep = np.flatnonzero(good)
+    hdr, body, n, nfp, nfix, flags, nb, nkept, wstart, has_copy = (
+        v[keep] for v in (hdr, body, n, nfp, nfix, flags, nb, nkept, wstart, has_copy))
+    rows = keep.size
+    regs_raw = words[body[:, None] + np.arange(NUM_REGS)] if rows else \
+        np.zeros((0, NUM_REGS), _U64)
+    reg_kept = (hdr[:, 5][:, None] >> np.arange(NUM_REGS, dtype=np.uint64)) & np.uint64(1)
+    regs = regs_raw * reg_kept
+    pay_off = offsets_of(nb + nkept)
+    payload_words = words[ragged(body + NUM_REGS, nb + nkept)]
+    fp_off = offsets_of(nfp)
+    fp_vals = words[ragged(wstart + HDR_WORDS, nfp)]
+    cut = (flags & FLAG_CUT) != 0
+    fix_off = offsets_of(nfix)
+    fix_vals = words[ragged(wstart + HDR_WORDS + nfp, 2 * nfix)].reshape(-1, 2)
+    pidtid = hdr[:, 2]
+    pid = (pidtid & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    tid = (pidtid >> np.uint64(32)).astype(np.uint32)
+
+    def take(sel: np.ndarray, offs: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lengths = np.diff(offs)[sel]
+        return vals[ragged(offs[:-1][sel], lengths)], offsets_of(lengths)
+
+    s = np.flatnonzero((flags & FLAG_NEW) != 0)
+    stacks = skeleton_batch(
+        hash=hdr[s, 0], ts=hdr[s, 1], pid=pid[s], tid=tid[s], sp=hdr[s, 3], nwords=n[s],
+        cut=cut[s], regs=regs[s], payload=take(s, pay_off, payload_words),
+        fp=take(s, fp_off, fp_vals), fixups=take(s, fix_off, fix_vals))
+    copy_batch = None
+    if copies:
+        c = np.flatnonzero(has_copy)
+        cstart = body + NUM_REGS + nb + nkept
+        raw = words[ragged(cstart[c], n[c])]
+        fpv, fpo = take(c, fp_off, fp_vals)
+        copy_batch = pa.RecordBatch.from_pydict({
+            "hash": pa.array(hdr[c, 0]), "pid": pa.array(pid[c]), "tid": pa.array(tid[c]),
+            "ts": pa.array(hdr[c, 1]), "sp": pa.array(hdr[c, 3]),
+            "copy_len": pa.array((n[c] * 8).astype(np.uint32)), "truncated": pa.array(cut[c]),
+            "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs_raw[c].ravel()), NUM_REGS),
+            "stack": _binary(raw, offsets_of(n[c])),
+            "fp_chain": _list(fpv, fpo, pa.uint64()),
+        }, schema=STACK_COPIES)
+    return RingBatches(stacks, copy_batch, bad)

@@ -289,6 +289,15 @@ class Tracker:
         })
         return offset
 
+    def on_stop(self, pid: int, maps: list[Any]) -> None:
+        """A tracked process is stopped at an attach stop with these mappings: the parts
+        that keep per-process kernel state (stacks: kept regions, stack ends) update it
+        before it runs on."""
+        for part in self.parts:
+            hook = getattr(part, "on_stop", None)
+            if hook is not None:
+                hook(self.bpf, pid, maps)
+
     def loss_totals(self) -> dict[str, int]:
         out = dict.fromkeys(LOSS_COUNTERS, 0)
         for part in self.parts:

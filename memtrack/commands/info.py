@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memtrack.commands import CommandError
-from memtrack.schema import ALLOC_KINDS, TABLES, EventKind, StackEncoding
+from memtrack.schema import ALLOC_KINDS, TABLES, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactError
 
 
@@ -71,13 +71,11 @@ def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[
 
 
 def stack_records(stacks: Any, events: Any, top: int = 10) -> dict[str, Any]:
-    """Stack records: how many, keyframes / deltas / raw, distinct hashes, the allocations
-    without a stack, and the `top` most frequent stacks by allocations referencing them."""
+    """Stack records: how many, how many were cut at the budget, distinct hashes, the
+    allocations without a stack, and the `top` most frequent stacks by allocations
+    referencing them."""
     import numpy as np
 
-    enc = stacks.column("encoding").to_numpy()
-    ref = stacks.column("ref_hash").to_numpy()
-    delta = enc == StackEncoding.DELTA
     hashes = stacks.column("hash").to_numpy()
     h = events.column("stack_hash").to_numpy() if events.num_rows else np.zeros(0, np.uint64)
     kinds = events.column("kind").to_numpy() if events.num_rows else np.zeros(0, np.uint8)
@@ -98,11 +96,10 @@ def stack_records(stacks: Any, events: Any, top: int = 10) -> dict[str, Any]:
                      "copy_len": int(lens[i]) if i is not None else None})
     return {
         "records": int(hashes.size),
-        "keyframes": int((delta & (ref == 0)).sum()),
-        "deltas": int((delta & (ref != 0)).sum()),
-        "raw": int((enc == StackEncoding.RAW).sum()),
+        "cut": int(pc.sum(stacks.column("truncated")).as_py() or 0),
         "distinct_hashes": int(np.unique(hashes).size),
         "payload_bytes": int(pc.sum(pc.binary_length(stacks.column("payload"))).as_py() or 0),
+        "allocations": int(alloc.sum()),
         "allocations_without_stack": int((alloc & (h == 0)).sum()),
         "unresolved_hashes": int(np.setdiff1d(used, hashes).size),
         "top": rows,
@@ -165,8 +162,9 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
         out.print(t)
     sr = data["stack_records"]
     if sr["records"]:
-        out.print(f"stack records  {sr['records']:,} ({sr['keyframes']:,} keyframes, "
-                  f"{sr['deltas']:,} deltas, {sr['raw']:,} raw), {sr['distinct_hashes']:,} "
+        per = sr["records"] / sr["allocations"] if sr["allocations"] else 0.0
+        out.print(f"stack records  {sr['records']:,} ({per:.2%} of allocations; "
+                  f"{sr['cut']:,} cut at the budget), {sr['distinct_hashes']:,} "
                   f"distinct hashes, {_mib(sr['payload_bytes'])} of payload; allocations "
                   f"without a stack {sr['allocations_without_stack']:,}, hashes without a "
                   f"record {sr['unresolved_hashes']:,}")

@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember, StackEncoding
+from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember
 
 # the codes of the artifact's columns, re-exported: the contract is read from here
-__all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember", "StackEncoding"]
+__all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember"]
 
-FORMAT_VERSION = "1.2"
+FORMAT_VERSION = "2.0"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
@@ -91,26 +91,25 @@ DWARF_REGS = (
 NUM_REGS = len(DWARF_REGS)
 
 
-# One stack record per distinct stack hash. `payload` holds the stack bytes from sp
-# upward (raw) or their delta against the same thread's previous record, registers
-# included (format: memtrack.schema.stackrecord). `regs` is the register snapshot at
-# allocator entry in DWARF order for raw records, null for delta records (their
-# registers are XOR-encoded in the payload; memtrack.process.decode rebuilds them).
-# `fp_chain` is the kernel's frame-pointer walk (return addresses, rip first).
+# One stack record per distinct stack skeleton (memtrack.schema.stackrecord): the words
+# of the copy from sp upward, and the registers, that point into kept regions
+# (executable code, thread stacks), every other word read as 0; `hash` identifies it
+# and is what events.stack_hash refers to. `payload` is the kept bitmap then the kept
+# words; `regs` the registers at allocator entry in DWARF order, 0 where not kept.
+# `truncated`: the budget cut the copy before the stack's end. `fp_chain` is the
+# kernel's frame-pointer walk (return addresses, rip first), recorded for cut copies.
 # `ret_fixups` lists stack slots whose original return address capture recorded (a
 # live uretprobe replaces it with its trampoline); the kernel writes the original back
 # into the copy before hashing, so payload and hash never hold the trampoline.
 STACKS = pa.schema(
     [
         ("hash", pa.uint64()),
-        ("ref_hash", pa.uint64()),  # 0: keyframe / raw
         ("ts", pa.uint64()),
         ("pid", pa.uint32()),
         ("tid", pa.uint32()),
         ("sp", pa.uint64()),
         ("copy_len", pa.uint32()),
         ("truncated", pa.bool_()),  # the budget cut the copy before the stack's end
-        ("encoding", pa.uint8()),
         ("regs", pa.list_(pa.uint64(), NUM_REGS)),
         ("payload", pa.binary()),
         ("fp_chain", pa.list_(pa.uint64())),
@@ -118,6 +117,24 @@ STACKS = pa.schema(
             "ret_fixups",
             pa.list_(pa.struct([("slot", pa.uint64()), ("value", pa.uint64())])),
         ),
+    ]
+)
+
+# Every capture's raw copy, written only by `capture --stack-copies` (a debug option:
+# the proof that a record's skeleton unwinds as each of its captures would). `hash` is
+# the record the capture's allocation refers to; `regs` and `stack` are as copied.
+STACK_COPIES = pa.schema(
+    [
+        ("hash", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("tid", pa.uint32()),
+        ("ts", pa.uint64()),
+        ("sp", pa.uint64()),
+        ("copy_len", pa.uint32()),
+        ("truncated", pa.bool_()),
+        ("regs", pa.list_(pa.uint64(), NUM_REGS)),
+        ("stack", pa.binary()),
+        ("fp_chain", pa.list_(pa.uint64())),
     ]
 )
 
@@ -184,6 +201,7 @@ PROCESSES = pa.schema(
 TABLES: dict[str, pa.Schema] = {
     "events": EVENTS,
     "stacks": STACKS,
+    "stack_copies": STACK_COPIES,
     "rss": RSS,
     "mappings": MAPPINGS,
     "processes": PROCESSES,
@@ -198,9 +216,8 @@ LOSS_COUNTERS = (
     "attach_requests_dropped",
     "unpaired_returns",
     "stack_copy_failed",
-    "stack_truncated",
+    "stack_copies_cut",
     "stack_dedupe_full",
-    "stack_delta_fallback",
     "module_copy_failed",
     "rss_ring_full",
     "rss_events_ring_full",  # madvise/mremap events of the rss part
@@ -209,10 +226,17 @@ LOSS_COUNTERS = (
 
 
 # Counters among those that report reduced fidelity, not lost data: a copy cut at the
-# stack budget still holds its frames up to the cut, and a delta fallback wrote a
-# keyframe instead. They are printed like losses (never silent) but do not fail
-# `--fail-on-loss`.
-FIDELITY_COUNTERS = frozenset({"stack_truncated", "stack_delta_fallback"})
+# stack budget still holds its frames up to the cut. They are printed like losses (never
+# silent) but do not fail `--fail-on-loss`.
+FIDELITY_COUNTERS = frozenset({"stack_copies_cut"})
+
+# Three counts of stacks that do not fit their copy, one per stage that knows it:
+# - capture (manifest losses) `stack_copies_cut`: allocations whose copy the budget cut
+#   before the stack's end;
+# - process (meta.counters) `unwind_stop_truncated`: distinct stacks whose unwinding
+#   needed bytes beyond a cut copy (stacks.stop = 'truncated');
+# - process (meta.counters) `unwind_stacks_fp_kernel`: distinct stacks continued with
+#   the kernel's frame-pointer chain (frames of method 'fp-kernel').
 
 
 def is_loss(counter: str) -> bool:

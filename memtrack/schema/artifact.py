@@ -197,6 +197,12 @@ class Artifact:
                 f"format {version} is newer than this memtrack reads ({FORMAT_MAJOR}.x); "
                 "upgrade memtrack",
             )
+        if major < FORMAT_MAJOR:
+            raise ArtifactError(
+                mpath,
+                f"format {version} is older than this memtrack reads ({FORMAT_MAJOR}.x: "
+                "stack records are skeletons since 2.0); capture again",
+            )
         try:
             manifest = Manifest.from_dict(raw)
         except (TypeError, ValueError) as e:

@@ -60,13 +60,6 @@ class RssMember(enum.IntEnum):
     SHMEM = 3
 
 
-class StackEncoding(enum.IntEnum):
-    """`stacks.encoding` of a stack record (format: memtrack.schema.stackrecord)."""
-
-    RAW = 0  # payload = the copied bytes, copy_len long
-    DELTA = 1  # payload = XOR delta against the record `ref_hash`
-
-
 # ---------------------------------------------------------------- the stages' codes
 
 

@@ -86,6 +86,8 @@ class AddressSpaces:
                             & not_bracket.to_numpy(zero_copy_only=False))
         self.is_vdso = pc.fill_null(pc.equal(self.path, VDSO_PATH), False).to_numpy(
             zero_copy_only=False)
+        self.executable = pc.fill_null(pc.match_substring(t.column("perms"), "x"),
+                                       False).to_numpy(zero_copy_only=False)
 
     def __len__(self) -> int:
         return len(self.snap_pid)

@@ -8,6 +8,7 @@ import functools
 import os
 import struct
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from memtrack.schema import MAPPINGS, NUM_REGS
 from memtrack.schema.stages import DECODED_RECORDS
 from memtrack.symbolize import symbolize_frames
 from memtrack.symbolize.modules import ModuleStore
+from support.stackrecords import regions_kept
 
 VARIANTS = {
     "O0": ("-O0",),
@@ -98,6 +100,18 @@ def read_snaps(path: Path) -> Snaps:
         sizes.append(size)
     return Snaps(pa.table(cols, schema=DECODED_RECORDS),
                  pa.Table.from_pylist(maps, schema=MAPPINGS), sizes)
+
+
+def snaps_kept(snaps: Snaps) -> Callable[[int], bool]:
+    """The kept-region test the kernel would have applied to the snapshots: their
+    executable mappings, and around each sp the regions a capture marks (below sp's,
+    sp's, the copy end's)."""
+    starts = [a for r in snaps.mappings.to_pylist() if "x" in r["perms"]
+              for a in range(r["start"], r["end"], 1 << 16)]
+    for sp, n in zip(snaps.stacks.column("sp").to_pylist(),
+                     snaps.stacks.column("copy_len").to_pylist(), strict=True):
+        starts += [sp - (1 << 16), sp, sp + n - 1]
+    return regions_kept(*starts)
 
 
 def run_snaps(cmd: list[str], tmp: Path, env: dict[str, str] | None = None,

@@ -1,109 +1,94 @@
-"""Stack records as bpf/stacks.h writes them into its ring, built in Python: the input
-of the stack-record, decode and capture-part tests. `encode_delta` is the kernel's delta
-encoder written out plainly, one copy at a time (format: memtrack.schema.stackrecord).
-"""
+"""Stack records as bpf/stacks.h writes them, built in Python for the tests: the skeleton
+hash written out plainly one word at a time, ring records, plausible stack copies."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
 from memtrack.schema import NUM_REGS
-from memtrack.schema.stackrecord import FLAG_DELTA, FLAG_TRUNCATED, GROUP_WORDS, hash_bytes
+from memtrack.schema.stackrecord import (
+    CALLEE_SAVED,
+    FLAG_COPY,
+    FLAG_CUT,
+    FLAG_NEW,
+    FLAG_SKELETON,
+    FNV_OFFSET,
+    FNV_PRIME,
+    GROUP_WORDS,
+    REGION_BYTES,
+    REGION_SHIFT,
+)
 
-_U64 = np.dtype("<u8")
-_BIT17 = np.arange(NUM_REGS, dtype=np.uint64)
-_BIT64 = np.arange(64, dtype=np.uint64)
-
+M64 = (1 << 64) - 1
 SP0 = 0x7FFD_0000_1000
+CODE = 0x5555_5555_0000  # a kept code region in these tests
+Kept = Callable[[int], bool]
 
 
-@dataclass
-class StackRef:
-    """A thread's last emitted copy: what the next delta record is encoded against."""
-
-    hash: int
-    sp: int
-    words: np.ndarray  # uint64
-    regs: np.ndarray  # uint64[17]
+def regions_kept(*starts: int) -> Kept:
+    """A kept-region test: the 64 KiB regions holding these addresses (and their
+    256 GiB aliases, as the kernel's byte map has them)."""
+    marked = {(a >> REGION_SHIFT) & (REGION_BYTES - 1) for a in starts}
+    return lambda v: ((v >> REGION_SHIFT) & (REGION_BYTES - 1)) in marked
 
 
-def _aligned_ref(ref: StackRef | None, sp: int, nwords: int) -> np.ndarray:
-    """The reference words paired with copy words 0..nwords-1 (zero outside the reference)."""
-    out = np.zeros(nwords, dtype=np.uint64)
-    if ref is None:
-        return out
-    diff = sp - ref.sp
-    if diff % 8:
-        return out
-    shift = diff // 8
-    lo = max(0, -shift)
-    hi = min(nwords, ref.words.size - shift)
-    if lo < hi:
-        out[lo:hi] = ref.words[lo + shift:hi + shift]
-    return out
+def ref_hash(words: list[int], regs: list[int], sp: int, kept: Kept, *, cut: bool = False,
+             fp: tuple[int, ...] = ()) -> int:
+    """The skeleton hash written out plainly, one word at a time."""
+    padded = words + [0] * (-len(words) % GROUP_WORDS)
+    lanes = [FNV_OFFSET ^ lane for lane in range(2)]
+    for i, w in enumerate(padded):
+        lanes[i % 2] = ((lanes[i % 2] ^ (w if kept(w) else 0)) * FNV_PRIME) & M64
+    h = FNV_OFFSET
+    callee = [regs[r] for r in CALLEE_SAVED]
+    for x in lanes + [r if kept(r) else 0 for r in callee] + [sp, len(words) * 8 | cut << 32]:
+        h = ((h ^ x) * FNV_PRIME) & M64
+    if cut:
+        for x in [*fp, len(fp)]:
+            h = ((h ^ x) * FNV_PRIME) & M64
+    return h or 1
 
 
-def encode_delta(words: np.ndarray, sp: int, regs: np.ndarray, ref: StackRef | None) -> bytes:
-    """The delta body the kernel writes for this copy against `ref` (None: keyframe)."""
-    words = np.asarray(words, dtype=np.uint64)
-    regs = np.asarray(regs, dtype=np.uint64)
-    rx = regs ^ (ref.regs if ref is not None else np.zeros(NUM_REGS, np.uint64))
-    rnz = rx != 0
-    reg_mask = int((np.uint64(1) << _BIT17[rnz]).sum())
-    x = words ^ _aligned_ref(ref, sp, words.size)
-    ngroups = -(-words.size // GROUP_WORDS)
-    padded = np.zeros(ngroups * GROUP_WORDS, dtype=np.uint64)
-    padded[:words.size] = x
-    nz = (padded != 0).reshape(ngroups, GROUP_WORDS)
-    bitmaps = np.packbits(nz, axis=1, bitorder="little").view(_U64).ravel()
-    present = bitmaps != 0
-    group_mask = int((np.uint64(1) << _BIT64[:ngroups][present]).sum())
-    parts = [
-        np.array([reg_mask], dtype=_U64),
-        rx[rnz].astype(_U64),
-        np.array([group_mask], dtype=_U64),
-        bitmaps[present].astype(_U64),
-        padded[padded != 0].astype(_U64),
-    ]
-    return np.concatenate(parts).tobytes()
-
-
-def rand_words(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, 2**64, size=n, dtype=np.uint64, endpoint=False)
-
-
-def ring_record(words: np.ndarray, sp: int, regs: np.ndarray, *, tid: int = 7, pid: int = 7,
-                ref: StackRef | None = None, delta: bool = True, truncated: bool = False,
-                fp: tuple[int, ...] = (0x401000, 0x401100),
-                fixups: tuple[tuple[int, int], ...] = (), ts: int = 1) -> bytes:
-    h = hash_bytes(words.tobytes())
-    body = encode_delta(words, sp, regs, ref) if delta else regs.tobytes() + words.tobytes()
-    flags = (FLAG_DELTA if delta else 0) | (FLAG_TRUNCATED if truncated else 0)
-    hdr = [h, ref.hash if ref is not None else 0, ts, pid | tid << 32, sp,
-           words.size * 8 | len(fp) << 32 | len(fixups) << 48 | flags << 56, len(body)]
+def ring_record(words: np.ndarray, sp: int, regs: np.ndarray, kept: Kept, *, tid: int = 7,
+                pid: int = 7, cut: bool = False, fp: tuple[int, ...] = (),
+                fixups: tuple[tuple[int, int], ...] = (), ts: int = 1, new: bool = True,
+                copy: bool = False, hash: int | None = None) -> bytes:
+    """A ring record as bpf/stacks.h writes it."""
+    n = words.size
+    padded = np.zeros(-(-n // GROUP_WORDS) * GROUP_WORDS, dtype=np.uint64)
+    padded[:n] = words
+    flags = np.array([kept(int(w)) for w in padded], dtype=bool)
+    bitmap = np.packbits(flags.reshape(-1, GROUP_WORDS), axis=1, bitorder="little").view(
+        np.uint64).ravel()
+    body = [*regs.tolist(), *bitmap.tolist(), *padded[flags].tolist()]
+    if copy:
+        body += words.tolist()
+    reg_kept = sum(1 << r for r in CALLEE_SAVED if kept(int(regs[r])))
+    h = hash if hash is not None else ref_hash(words.tolist(), regs.tolist(), sp, kept,
+                                               cut=cut, fp=fp)
+    f = FLAG_SKELETON | (FLAG_CUT if cut else 0) | (FLAG_NEW if new else 0) | \
+        (FLAG_COPY if copy else 0)
+    hdr = [h, ts, pid | tid << 32, sp, n * 8 | len(fp) << 32 | len(fixups) << 48 | f << 56,
+           reg_kept, len(body) * 8]
     extra = [v for pair in fixups for v in pair]
-    return np.array(hdr + list(fp) + extra, dtype=np.uint64).tobytes() + body
+    return np.array(hdr + list(fp) + extra + body, dtype=np.uint64).tobytes()
 
 
-def chain(rng: np.random.Generator, count: int, *, tid: int = 7, n: int = 512,
-          delta: bool = True) -> tuple[list[bytes], list[np.ndarray], list[int]]:
-    """A thread's records: sp wandering, a few words changing each time."""
-    records, copies, sps = [], [], []
-    ref = None
-    words = rand_words(rng, n + 64)
-    regs = rand_words(rng, NUM_REGS)
-    for i in range(count):
-        sp = SP0 + 8 * int(rng.integers(0, 64))
-        cur = words[(sp - SP0) // 8:(sp - SP0) // 8 + n].copy()
-        cur[int(rng.integers(0, n))] ^= np.uint64(i + 1)
-        words[(sp - SP0) // 8:(sp - SP0) // 8 + n] = cur
-        regs = regs.copy()
-        regs[16] = np.uint64(0x401000 + i)
-        records.append(ring_record(cur, sp, regs, tid=tid, pid=tid, ref=ref, delta=delta, ts=i))
-        copies.append(cur)
-        sps.append(sp)
-        if delta:
-            ref = StackRef(hash_bytes(cur.tobytes()), sp, cur, regs)
-    return records, copies, sps
+def stack_words(rng: np.random.Generator, n: int, sp: int) -> np.ndarray:
+    """A plausible copy: locals, return addresses into CODE, pointers into the stack."""
+    w = rng.integers(0, 2**48, size=n, dtype=np.uint64)
+    kind = rng.random(n)
+    w[kind < 0.1] = np.uint64(CODE) + rng.integers(0, 0x8000, size=int((kind < 0.1).sum()),
+                                                  dtype=np.uint64)
+    stack = (kind >= 0.1) & (kind < 0.2)
+    w[stack] = np.uint64(sp) + rng.integers(0, 8 * n, size=int(stack.sum()), dtype=np.uint64)
+    return w
+
+
+def regs_of(rng: np.random.Generator, sp: int) -> np.ndarray:
+    regs = rng.integers(0, 2**48, size=NUM_REGS, dtype=np.uint64)
+    regs[7] = sp
+    regs[16] = CODE + 0x10
+    return regs

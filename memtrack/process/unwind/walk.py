@@ -14,8 +14,11 @@ tables) are extracted when a depth first lands in a module, the frame-0 rows
 (memtrack.process.unwind.frame0) before the walk starts.
 
 Stop rules (memtrack.schema.enums.Stop): RA undefined (`_start`, thread start: the
-stack is complete), the CFA does not advance, a read leaves the copied bytes
-(truncated), an address outside any file-backed mapping (no-mapping), ...
+stack is complete), the CFA does not advance, a read above the end of a copy the budget
+cut (truncated; above a copy that reached the stack's end it is a bad address), a return
+address outside every executable mapping (no-mapping, and no frame: a stack record keeps
+only the words pointing into code or stacks, so any other value must end the stack the
+same way), a pc outside any file-backed mapping (no-mapping, after its frame), ...
 """
 
 from __future__ import annotations
@@ -100,17 +103,19 @@ class Memory:
         self.base = offs[:-1].astype(np.int64)
         self.ln = (offs[1:] - offs[:-1]).astype(np.uint64)
         self.sp = records.column("sp").to_numpy().astype(np.uint64)
+        self.cut = records.column("copy_truncated").to_numpy(zero_copy_only=False)
 
     def read(self, idx: np.ndarray, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                np.ndarray]:
         """(value, ok, beyond): 8 bytes at each address of each stack's copy; `beyond`
-        where the address is above the copy's end (the copy was too short)."""
+        where the address is above the end of a copy the budget cut (above a copy that
+        reached the stack's end there is no stack: a bad address)."""
         sp = self.sp[idx]
         ln = self.ln[idx]
         above = addr >= sp
         off = addr - sp
         ok = above & (off < ln) & (ln - off >= np.uint64(8))
-        beyond = above & ~ok
+        beyond = above & ~ok & self.cut[idx]
         val = np.zeros(len(idx), dtype=np.uint64)
         if ok.any():
             pos = self.base[idx[ok]] + off[ok].astype(np.int64)
@@ -121,7 +126,9 @@ class Memory:
     def read_one(self, i: int, addr: int, size: int) -> int:
         off = addr - int(self.sp[i])
         if off < 0 or off + size > int(self.ln[i]):
-            raise _Beyond(addr) if off >= 0 else DwarfExprError(f"{addr:#x} below the copy")
+            if off >= 0 and self.cut[i]:
+                raise _Beyond(addr)
+            raise DwarfExprError(f"{addr:#x} outside the copy")
         p = int(self.base[i]) + off
         return int.from_bytes(self.buf[p:p + size].tobytes(), "little")
 
@@ -144,7 +151,10 @@ class Walk:
         flat = regs_col.flatten().to_numpy(zero_copy_only=False).astype(np.uint64)
         self.regs = flat.reshape(-1, NUM_REGS).copy() if n else np.zeros(
             (0, NUM_REGS), np.uint64)
+        # At an allocator's entry the caller-saved registers are dead (its CFA is rsp + 8):
+        # stack records do not keep them, so no rule may read them.
         self.valid = np.ones((n, NUM_REGS), dtype=bool)
+        self.valid[:, list(CALLER_SAVED)] = False
         fpc = pc.fill_null(records.column("fp_chain"), pa.scalar([], pa.list_(pa.uint64())))
         fpc = fpc.combine_chunks()
         self.fp_offsets = fpc.offsets.to_numpy().astype(np.int64)
@@ -156,7 +166,9 @@ class Walk:
         self.extract = extract  # ensures rows[m] for the module indices given
         self.max_depth = max_depth
         self.counters: dict[str, int] = {"unwind_stacks": n, "unwind_expr_rows": 0,
-                                         "unwind_sigreturn_by_code": 0}
+                                         "unwind_sigreturn_by_code": 0,
+                                         "unwind_kernel_frames": 0,
+                                         "unwind_stacks_fp_kernel": 0}
         # Frames, appended per depth: parallel lists of arrays.
         self.f_stack: list[np.ndarray] = []
         self.f_depth: list[np.ndarray] = []
@@ -212,6 +224,14 @@ class Walk:
             pcs = self.regs[active, RIP]
             if depth:
                 norm = self.norm.normalize(self.snap[active], pcs)
+                # A return address outside every executable mapping is not a frame
+                # (the skeleton reads it as 0 unless it points into a kept region).
+                code = norm.row >= 0
+                code[code] = self.norm.spaces.executable[norm.row[code]]
+                self.stop[active[~code]] = S_NO_MAPPING
+                active, pcs = active[code], pcs[code]
+                norm = Normalized(norm.row[code], norm.module[code], norm.vaddr[code],
+                                  norm.reason[code])
                 self.extract(norm.module)
             lookup = self._lookup(norm, minus1[active])
             self._emit(active, depth, pcs, method[active], norm, lookup)
@@ -456,6 +476,7 @@ class Walk:
         self.f_reason.append(norm.reason)
         np.maximum.at(self.nframes, idx, depth + 1)
         self.counters["unwind_kernel_frames"] = len(idx)
+        self.counters["unwind_stacks_fp_kernel"] = len(idx_l)
 
     # -- output --------------------------------------------------------------------------
     def result(self) -> tuple[pa.Table, pa.Table]:
