@@ -199,6 +199,8 @@ TABLE_NAMES = (
     "stack_frames", "frames", "rss",
 )  # fmt: skip
 DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces")
+# The tables a run writes as Parquet (`process --parquet`, `process --dataset`).
+EXPORT_TABLES = ("meta", *TABLE_NAMES, *DERIVED_NAMES)
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
