@@ -492,7 +492,9 @@ def format_markdown(diff: Diff) -> str:
     if len(text) > MD_LIMIT:
         text = text[:text.rfind("\n", 0, MD_LIMIT)]
         if text.count("```") % 2:  # cut inside a backtrace block
-            text += "\n```\n\n</details>"
+            text += "\n```"
+        if text.count("<details>") > text.count("</details>"):
+            text += "\n\n</details>"
         text += "\n\n(cut to fit a comment: --format text has it all)\n"
     return text
 
