@@ -255,3 +255,19 @@ def test_markdown_is_cut_to_fit_a_comment(dbs: dict[str, Path],
     assert len(md) < cut_at + 100
     assert md.endswith("(cut to fit a comment: --format text has it all)\n")
     assert md.count("```") % 2 == 0 and md.count("<details>") == md.count("</details>") == 1
+
+
+def test_damaged_dataset_files_are_one_line(dbs: dict[str, Path], tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    append_run(ds, "a", dbs["base"])
+    append_run(ds, "b", dbs["head"])
+    f = ds / "allocations" / "run=b" / "data.parquet"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # cut short
+    for args in (["diff", "--dataset", str(ds), "a", "b"],
+                 ["query", "--dataset", str(ds), "SELECT count(*) FROM allocations"]):
+        code, out, err = invoke(*args)
+        assert code == 2 and out == "" and err.count("\n") == 1, (args, err)
+        assert err.startswith("memtrack: ") and "Traceback" not in err
+    f.write_bytes(b"not parquet")
+    code, _, err = invoke("diff", "--dataset", str(ds), "a", "b")
+    assert code == 2 and str(f) in err and err.count("\n") == 1, err

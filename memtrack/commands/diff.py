@@ -8,7 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+import duckdb
+
 from memtrack.commands import CommandError, open_run_db
+from memtrack.schema.ddl import first_line
 
 FORMATS = ("text", "json", "markdown")
 
@@ -84,7 +87,11 @@ def run(base: str, head: str, *, dataset: Path | None = None, fmt: str = "text",
             raise CommandError(f"{which} {name}: no process {pid_} in this run")
         return Side(name, reader)
 
-    diff = diff_data(side("base", base, pids[0]), side("head", head, pids[1]), opts)
+    sides = side("base", base, pids[0]), side("head", head, pids[1])
+    try:
+        diff = diff_data(*sides, opts)
+    except duckdb.Error as e:  # a damaged run (a dataset's file, say)
+        raise CommandError(f"diff: {first_line(e)}") from None
     render = {"text": format_text, "json": format_json, "markdown": format_markdown}[fmt]
     out.write(render(diff))
     return 1 if diff.failed else 0

@@ -19,12 +19,14 @@ reader).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
-from memtrack.schema.ddl import EXPORT_TABLES, SCHEMA_VERSION, VIEWS
+from memtrack.schema.ddl import EXPORT_TABLES, SCHEMA_VERSION, VIEWS, first_line
 
 PARTITION = "run"
 RUNS_TABLE = "runs"
@@ -90,13 +92,24 @@ def open_dataset(root: Path) -> duckdb.DuckDBPyConnection:
     if not run_ids(root):
         raise DatasetError(f"{root}: the dataset holds no run yet")
     con = duckdb.connect()
-    runs = _scan(root, RUNS_TABLE)
-    con.execute(f"CREATE VIEW {RUNS_TABLE} AS SELECT * FROM {runs}")
-    for name in EXPORT_TABLES:
-        if any((root / name).glob(f"{PARTITION}=*/{DATA_FILE}")):
-            con.execute(f"""CREATE VIEW {name} AS SELECT * FROM {_scan(root, name)}
-                            WHERE {PARTITION} IN (SELECT {PARTITION} FROM {RUNS_TABLE})""")
+    with _reading(con, root):
+        con.execute(f"CREATE VIEW {RUNS_TABLE} AS SELECT * FROM {_scan(root, RUNS_TABLE)}")
+        for name in EXPORT_TABLES:
+            if any((root / name).glob(f"{PARTITION}=*/{DATA_FILE}")):
+                con.execute(f"""
+                    CREATE VIEW {name} AS SELECT * FROM {_scan(root, name)}
+                    WHERE {PARTITION} IN (SELECT {PARTITION} FROM {RUNS_TABLE})""")
     return con
+
+
+@contextmanager
+def _reading(con: duckdb.DuckDBPyConnection, where: Path) -> Iterator[None]:
+    """DuckDB's errors on the dataset's files (a damaged or foreign file) as one line."""
+    try:
+        yield
+    except duckdb.Error as e:
+        con.close()
+        raise DatasetError(f"{where}: {first_line(e)}") from None
 
 
 def _scan(root: Path, table: str) -> str:
@@ -122,13 +135,17 @@ def open_dataset_run(root: Path, run_id: str) -> duckdb.DuckDBPyConnection:
         # rss_timeline orders a process's updates by (ts, rowid): a table keeps the
         # file's order as its rowid; the others are read where they lie
         kind = "TABLE" if name == "rss" else "VIEW"
-        con.execute(f"CREATE {kind} {name} AS SELECT * FROM {scan}")
-    version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        with _reading(con, f):
+            con.execute(f"CREATE {kind} {name} AS SELECT * FROM {scan}")
+    with _reading(con, partition(root, "meta", run_id) / DATA_FILE):
+        version = con.execute(
+            "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     if not version or version[0] != str(SCHEMA_VERSION):
         con.close()
         raise DatasetError(
             f"{root}: run {run_id!r} is in run database format "
             f"{version[0] if version else '?'}, this memtrack reads {SCHEMA_VERSION}; "
             "re-run `memtrack process --dataset` on its artifact")
-    con.execute(VIEWS)
+    with _reading(con, root):
+        con.execute(VIEWS)
     return con
