@@ -225,11 +225,12 @@ def markdown_processes(data: Data) -> list[str]:
 # key), its cost in each run per metric, one stack of it in each run.
 PATHS_SQL = """
     CREATE TABLE paths AS
-    WITH b AS (SELECT path_key, levels, site, site_file, arg_max(stack_id, calls) AS stack_id,
-                      {sums} FROM base GROUP BY ALL),
-    h AS (SELECT path_key, levels, site, site_file, arg_max(stack_id, calls) AS stack_id,
-                 {sums} FROM head GROUP BY ALL)
+    WITH b AS (SELECT path_key, levels, site, site_file, site_symbolized,
+                      arg_max(stack_id, calls) AS stack_id, {sums} FROM base GROUP BY ALL),
+    h AS (SELECT path_key, levels, site, site_file, site_symbolized,
+                 arg_max(stack_id, calls) AS stack_id, {sums} FROM head GROUP BY ALL)
     SELECT coalesce(b.site, h.site) AS site, coalesce(b.site_file, h.site_file) AS site_file,
+           coalesce(b.site_symbolized, h.site_symbolized) AS symbolized,
            b.stack_id AS base_stack, h.stack_id AS head_stack, {sides}
     FROM b FULL JOIN h ON b.path_key = h.path_key AND b.levels = h.levels"""
 
@@ -238,7 +239,8 @@ PATHS_SQL = """
 # first, each with its most changed paths; `n` counts the sites of that kind.
 SITES_SQL = """
     WITH s AS (
-        SELECT site, site_file, sum(base_calls) > 0 AS in_base, sum(head_calls) > 0 AS in_head,
+        SELECT site, site_file, bool_and(symbolized) AS symbolized,
+               sum(base_calls) > 0 AS in_base, sum(head_calls) > 0 AS in_head,
                sum(base_{m})::BIGINT AS base, sum(head_{m})::BIGINT AS head,
                (list({{'base_stack': base_stack, 'head_stack': head_stack,
                        'base': base_{m}, 'head': head_{m}}}
@@ -254,7 +256,7 @@ SITES_SQL = """
                                      ORDER BY abs(head - base) DESC, site, site_file) AS k,
                count(*) OVER (PARTITION BY kind) AS n
         FROM c)
-    SELECT kind, n, site, site_file, base, head, paths FROM r WHERE k <= {top}
+    SELECT kind, n, site, site_file, symbolized, base, head, paths FROM r WHERE k <= {top}
     ORDER BY kind, k"""
 
 # The sites each run has and in how many runs: matched sites with the same cost count
@@ -291,11 +293,12 @@ def build_sites(base: Side, head: Side, opts: DiffOptions) -> Data:
         for m in opts.metrics:
             section: Data = {"unchanged": unchanged[m], **{k: {"sites": [], "count": 0}
                                                            for k in KINDS}}
-            for kind, n, site, file, b, h, paths in con.execute(SITES_SQL.format(
+            for kind, n, site, file, symbolized, b, h, paths in con.execute(SITES_SQL.format(
                     m=m, top=int(opts.top), backtraces=int(opts.backtraces))).fetchall():
                 section[kind]["count"] = n
                 section[kind]["sites"].append({
-                    "location": site, "file": file or None, **change(b, h),
+                    "location": site, "file": file or None, "symbolized": symbolized,
+                    **change(b, h),
                     "backtraces": [_path(p, base, head) for p in paths or []]})
             out["metrics"][m] = section
         return out
@@ -311,8 +314,14 @@ def _path(p: Data, base: Side, head: Side) -> Data:
     return {**change(p["base"], p["head"]), "frames": frames}
 
 
+def _where(s: Data) -> str:
+    """A site's file, or that it is an address no other build or process shares."""
+    return f" ({s['file']})" if s["file"] else "" if s["symbolized"] else \
+        " (not symbolized: matched by address only)"
+
+
 def _site_title(s: Data, unit: str, matched: bool) -> str:
-    where = f" ({s['file']})" if s["file"] else ""
+    where = _where(s)
     if matched:
         head = f"{change_text(s, unit)}: {value(s['base'], unit)} -> {value(s['head'], unit)}"
     else:
@@ -369,7 +378,7 @@ def markdown_sites(data: Data) -> list[str]:
         rows, details = [], []
         for kind, label in zip(KINDS, ("", "new", "gone"), strict=True):
             for s in sec[kind]["sites"]:
-                where = f" ({s['file']})" if s["file"] else ""
+                where = _where(s)
                 ch = change_text(s, unit) if kind == "matched" else label
                 rows.append(f"| {ch} | {value(s['base'], unit)} | {value(s['head'], unit)} "
                             f"| {md(s['location'])}{where} |")

@@ -276,29 +276,32 @@ class RunReader:
         module path, which differ between two builds of one program. `path_key` and
         `levels` (a hash sum over (name, file, position) and the frame count) key a call
         path, `site` and `site_file` name its allocation site (its first frame: the
-        report's location); `stack_id` is one backtrace of the path to print its frames
-        (null, with path_key 0, for allocations with no stack)."""
+        report's location; `site_symbolized` false where that frame is only an address,
+        which another build or process does not share); `stack_id` is one backtrace of
+        the path to print its frames (null, with path_key 0, for allocations with no
+        stack)."""
         sums = ", ".join(f"sum(c.{col})::BIGINT AS {name}" for name, col in METRICS.items())
         return self.con.execute(f"""
-            WITH per_backtrace AS (
+            WITH per_backtrace AS MATERIALIZED (
                 SELECT b.backtrace_id AS stack_id, {sums}
                 FROM stack_costs c LEFT JOIN backtraces b USING (stack_id)
                 WHERE {self.where("c.")} GROUP BY 1),
-            levels AS (
-                SELECT l.stack_id, l.name, regexp_extract(coalesce(l.file, ''), '[^/]*$')
-                       AS file, row_number() OVER (PARTITION BY l.stack_id
-                                                   ORDER BY l.position) AS pos
-                FROM stack_lines l JOIN stacks s USING (stack_id)
-                WHERE l.depth >= {SITE_DEPTH}
-                  AND l.stack_id IN (SELECT stack_id FROM per_backtrace)),
+            levels AS (  -- the logical frames of the backtraces only, numbered
+                SELECT sf.stack_id, f.name, regexp_extract(coalesce(f.file, ''), '[^/]*$')
+                       AS file, f.reason IS NULL AS symbolized,
+                       row_number() OVER (PARTITION BY sf.stack_id
+                                                   ORDER BY sf.depth, f.inline_depth) AS pos
+                FROM backtrace_frames sf JOIN frames f USING (frame_id)
+                WHERE sf.stack_id IN (SELECT stack_id FROM per_backtrace)),
             paths AS (
                 SELECT stack_id, sum(hash(name, file, pos)::HUGEINT) AS path_key,
                        count(*) AS levels, arg_min(name, pos) AS site,
-                       arg_min(file, pos) AS site_file
+                       arg_min(file, pos) AS site_file, arg_min(symbolized, pos)
+                       AS site_symbolized
                 FROM levels GROUP BY stack_id)
             SELECT coalesce(k.path_key, 0) AS path_key, coalesce(k.levels, 0) AS levels,
                    coalesce(k.site, '{NO_STACK}') AS site, coalesce(k.site_file, '')
-                   AS site_file, p.*
+                   AS site_file, coalesce(k.site_symbolized, TRUE) AS site_symbolized, p.*
             FROM per_backtrace p LEFT JOIN paths k USING (stack_id)""").to_arrow_table()
 
     def backtrace(self, stack_id: int | None) -> list[dict[str, Any]]:
