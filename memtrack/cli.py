@@ -143,7 +143,8 @@ app.command(epilog=(
 @app.command()
 def process(
     artifact: Annotated[Path, typer.Argument(help="An artifact directory (NAME.memtrack).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="The DuckDB file to write.")],
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="The DuckDB file to write (optional with --dataset).")] = None,
     parquet: Annotated[
         Path | None,
         typer.Option("--parquet", help="Also write every table as Parquet, one directory each."),
@@ -164,13 +165,24 @@ def process(
         bool, typer.Option("--no-cache", help="Parse every module's DWARF afresh.")
     ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
+    dataset: Annotated[Path | None, typer.Option(
+        "--dataset", help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/).")] = None,
+    run_id: Annotated[str | None, typer.Option(
+        "--run-id", help="The run's id in the dataset (letters, digits, . _ -).")] = None,
+    label: Annotated[list[str] | None, typer.Option(
+        "--label", help="key=value said of the run (commit=..., branch=...); repeatable; "
+                        "kept in meta and in the dataset's runs.")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace the dataset's run of that id.")] = False,
 ) -> None:
-    """Decode, unwind, symbolize and load an artifact into DuckDB tables."""
+    """Decode, unwind, symbolize and load an artifact into DuckDB tables (and/or a run
+    dataset)."""
     from memtrack.commands import process as cmd
 
     call(cmd.run, artifact, output, parquet=parquet, host_modules=host_modules,
          cache_dir=cache_dir, no_cache=no_cache, quiet=quiet,
-         say=lambda line: err.print(line, markup=False, soft_wrap=True))
+         say=lambda line: err.print(line, markup=False, soft_wrap=True),
+         dataset=dataset, run_id=run_id, labels=label or [], force=force)
 
 
 @app.command()
@@ -191,14 +203,52 @@ def report(
 
 @app.command()
 def query(
-    run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
-    sql: Annotated[str, typer.Argument(help="The SQL to run.")],
+    args: Annotated[list[str], typer.Argument(
+        metavar="[RUN] SQL", help="A run database written by `memtrack process` and the SQL "
+                                  "to run; with --dataset, the SQL alone.")],
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+    dataset: Annotated[Path | None, typer.Option(
+        "--dataset", help="Query every run of this dataset (a view per table, with its run "
+                          "column, and runs).")] = None,
 ) -> None:
-    """Run SQL against a processed run and print the result."""
+    """Run SQL against a processed run (or a dataset of runs) and print the result."""
     from memtrack.commands import query as cmd
 
-    call(cmd.run, run, sql, fmt, sys.stdout)
+    call(cmd.run, args, fmt, sys.stdout, dataset)
+
+
+@app.command()
+def diff(
+    base: Annotated[str, typer.Argument(
+        metavar="BASE", help="The base run: a run database, or with --dataset a run id.")],
+    head: Annotated[str, typer.Argument(metavar="HEAD", help="The head run, the same way.")],
+    dataset: Annotated[Path | None, typer.Option(
+        "--dataset", help="BASE and HEAD are run ids of this dataset.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
+    pid: Annotated[str | None, typer.Option(
+        "--pid", help="Only this process: PID in both runs, or BASE_PID:HEAD_PID.")] = None,
+    process: Annotated[str | None, typer.Option(
+        "--process", help="Only the processes of this name (comm) in each run.")] = None,
+    metric: Annotated[list[str] | None, typer.Option(
+        "--metric", show_default="all",
+        help="Site sections: allocated, calls, peak, leaked, temporary (repeatable or "
+             "comma-separated).")] = None,
+    top: Annotated[int, typer.Option("--top", help="Sites per list.")] = 10,
+    fail_above: Annotated[float | None, typer.Option(
+        "--fail-above", metavar="PCT",
+        help="Exit with status 1 when a gated total grew by more than PCT percent.")] = None,
+    fail_on: Annotated[list[str] | None, typer.Option(
+        "--fail-on", show_default="peak,allocated,leaked",
+        help="The gated totals: peak, allocated, leaked, calls, temporary, rss (repeatable "
+             "or comma-separated).")] = None,
+) -> None:
+    """What changed between two runs: totals, processes by name, and the allocation sites
+    whose cost changed, matched across builds by call path."""
+    from memtrack.commands import diff as cmd
+
+    call(cmd.run, base, head, dataset=dataset, fmt=fmt, pid=pid, process=process,
+         metrics=metric or [], top=top, fail_above=fail_above, fail_on=fail_on or [],
+         out=sys.stdout)
 
 
 @app.command()

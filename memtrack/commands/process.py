@@ -1,17 +1,88 @@
 """`memtrack process ARTIFACT -o RUN.duckdb`: decode, unwind, symbolize and load an
-artifact (memtrack.process.pipeline), then print what was done and lost."""
+artifact (memtrack.process.pipeline), then print what was done and lost. With
+`--dataset DIR --run-id ID` the run is also (or only, without -o) appended to a run
+dataset (memtrack.process.dataset)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from memtrack.commands import CommandError
 
+LABEL = re.compile(r"([A-Za-z_][A-Za-z0-9_.-]*)=(.*)", re.S)
 
-def run(artifact: Path, output: Path, *, parquet: Path | None, host_modules: bool,
+
+def parse_labels(labels: Sequence[str]) -> dict[str, str]:
+    """`--label key=value` options as a dict (a key given twice is refused)."""
+    out: dict[str, str] = {}
+    for text in labels:
+        m = LABEL.fullmatch(text)
+        if not m:
+            raise CommandError(f"--label: expected key=value (a key of letters, digits, "
+                               f"'_', '.', '-'), got {text!r}")
+        if m[1] in out:
+            raise CommandError(f"--label: {m[1]} given twice")
+        out[m[1]] = m[2]
+    return out
+
+
+def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool,
         cache_dir: Path | None, no_cache: bool, quiet: bool,
-        say: Callable[[str], None]) -> int:
+        say: Callable[[str], None], dataset: Path | None = None, run_id: str | None = None,
+        labels: Sequence[str] = (), force: bool = False) -> int:
+    from memtrack.schema.dataset import DatasetError
+
+    meta_labels = parse_labels(labels)
+    if (dataset is None) != (run_id is None):
+        raise CommandError("--dataset and --run-id go together")
+    if output is None and dataset is None:
+        raise CommandError("give -o RUN.duckdb, --dataset DIR --run-id ID, or both")
+    if dataset is None or run_id is None:
+        assert output is not None
+        return _process(artifact, output, parquet, host_modules, cache_dir, no_cache,
+                        quiet, say, meta_labels)[0]
+    from memtrack.process.dataset import append_run, check_target
+
+    try:
+        check_target(dataset, run_id, force)
+        dataset.mkdir(parents=True, exist_ok=True)
+    except DatasetError as e:
+        raise CommandError(str(e)) from None
+    except OSError as e:
+        raise CommandError(f"{e.filename or dataset}: {e.strerror or e}") from None
+    # without -o the run database is written beside the dataset's files (a hidden
+    # directory no engine reads), then removed
+    work = None if output is not None else Path(tempfile.mkdtemp(prefix=".process-",
+                                                                 dir=dataset))
+    try:
+        db = output if work is None else work / "run.duckdb"
+        status, metadata = _process(artifact, db, parquet, host_modules, cache_dir, no_cache,
+                                    quiet, say, meta_labels,
+                                    shown=None if work is None else f"{dataset} run {run_id}")
+        try:
+            replaced = append_run(dataset, run_id, db, metadata=metadata, force=force)
+        except DatasetError as e:
+            raise CommandError(str(e)) from None
+        except OSError as e:
+            raise CommandError(f"{e.filename or dataset}: {e.strerror or e}") from None
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    if not quiet:
+        say(f"{dataset}: run {run_id} {'replaced' if replaced else 'appended'}")
+    return status
+
+
+def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: bool,
+             cache_dir: Path | None, no_cache: bool, quiet: bool,
+             say: Callable[[str], None], labels: dict[str, str], shown: str | None = None
+             ) -> tuple[int, Path | None]:
+    """Run the pipeline; the exit status and the memory_metadata.json it wrote. `shown`:
+    the name the summary gives the run (default: the database written)."""
     import duckdb
 
     from memtrack.process.pipeline import ProcessError, process
@@ -22,7 +93,7 @@ def run(artifact: Path, output: Path, *, parquet: Path | None, host_modules: boo
         summary = process(
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()),
-            progress=False if quiet else None,
+            progress=False if quiet else None, labels=labels,
         )
     except (ArtifactError, ProcessError) as e:
         raise CommandError(str(e)) from None
@@ -31,6 +102,8 @@ def run(artifact: Path, output: Path, *, parquet: Path | None, host_modules: boo
     except OSError as e:
         raise CommandError(f"{e.filename or output}: {e.strerror or e}") from None
     if not quiet:
+        if shown is not None:
+            summary.out_db = Path(shown)
         for line in summary.lines():
             say(line)
-    return 0
+    return 0, summary.metadata

@@ -1,10 +1,12 @@
 """`memtrack query RUN.duckdb SQL`: any SQL against a run database, printed as an
-aligned table, CSV or JSON."""
+aligned table, CSV or JSON; `memtrack query --dataset DIR SQL`: against every run of a
+run dataset (a view per table across runs, with its `run` column)."""
 
 from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -15,10 +17,23 @@ from memtrack.commands import CommandError, open_run_db
 FORMATS = ("table", "csv", "json")
 
 
-def run(run_db: Path, sql: str, fmt: str, out: TextIO) -> int:
+def run(args: Sequence[str], fmt: str, out: TextIO, dataset: Path | None = None) -> int:
+    """args: RUN.duckdb and the SQL, or with a dataset the SQL alone."""
     if fmt not in FORMATS:
         raise CommandError(f"--format: expected table, csv or json, got {fmt!r}")
-    con = open_run_db(run_db)
+    if len(args) != (1 if dataset is not None else 2):
+        raise CommandError("expected --dataset DIR SQL" if dataset is not None
+                           else "expected RUN.duckdb SQL (or --dataset DIR SQL)")
+    if dataset is not None:
+        from memtrack.schema.dataset import DatasetError, open_dataset
+
+        try:
+            con = open_dataset(dataset)
+        except DatasetError as e:
+            raise CommandError(str(e)) from None
+    else:
+        con = open_run_db(Path(args[0]))
+    sql = args[-1]
     try:
         cur = con.execute(sql)
     except duckdb.Error as e:

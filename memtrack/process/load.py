@@ -21,12 +21,14 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from memtrack.process.dataset import write_parquet
 from memtrack.process.lifecycle import Lifecycle
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
     END_REASONS,
     EVENT_KINDS,
+    EXPORT_TABLES,
     RSS_CAUSES,
     RSS_MEMBERS,
     TABLE_NAMES,
@@ -315,11 +317,10 @@ def with_stack_ids(table: pa.Table, stacks: pa.Table) -> pa.Table:
 
 def export_parquet(con: duckdb.DuckDBPyConnection, root: Path) -> None:
     """Every table as Parquet, one directory per table (ROOT/TABLE/data.parquet)."""
-    for name in ("meta", *TABLE_NAMES, *DERIVED_NAMES):
+    for name in EXPORT_TABLES:
         d = root / name
         d.mkdir(parents=True, exist_ok=True)
-        target = str(d / "data.parquet").replace("'", "''")
-        con.execute(f"COPY {name} TO '{target}' (FORMAT parquet, COMPRESSION zstd)")
+        write_parquet(con, f"SELECT * FROM {name}", d / "data.parquet")
 
 
 def meta_rows(**values: object) -> dict[str, str]:

@@ -137,6 +137,7 @@ def process(
     cache_dir: Path | str | None = None,
     progress: bool | None = None,
     chunk_bytes: int | None = None,
+    labels: dict[str, str] | None = None,
 ) -> Summary:
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
@@ -145,6 +146,7 @@ def process(
     progress: a progress bar per stage; None = only when stderr is a terminal.
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
+    labels: what the user says of the run (`--label commit=...`), kept in meta.
     """
     artifact_path, out_db = Path(artifact_path), Path(out_db)
     if not out_db.parent.is_dir():
@@ -194,6 +196,7 @@ def process(
                 counters=summary.counters,
                 options=m.options,
                 warnings=summary.warnings,
+                labels=labels or {},
             )
 
         loaded = load(out_db, StageTables(

@@ -17,6 +17,7 @@ from typing import Any
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 
 from memtrack.schema.ddl import SITE_DEPTH
 
@@ -80,15 +81,20 @@ class Costs:
 
 
 class RunReader:
-    """Named queries over a run database, for every process or one (`pid`)."""
+    """Named queries over a run database, for every process, one (`pid`) or several
+    (a tuple of pids: the processes `pids_named` a name, say)."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, pid: int | None = None) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection,
+                 pid: int | tuple[int, ...] | None = None) -> None:
         self.con = con
         self.pid = pid
 
     def where(self, alias: str = "") -> str:
         """The SQL predicate selecting the reader's processes."""
-        return "TRUE" if self.pid is None else f"{alias}pid = {int(self.pid)}"
+        if self.pid is None:
+            return "TRUE"
+        pids = (self.pid,) if isinstance(self.pid, int) else self.pid
+        return f"{alias}pid IN ({', '.join(str(int(p)) for p in pids) or 'NULL'})"
 
     def one(self, sql: str, params: list[Any] | None = None) -> Any:
         row = self.con.execute(sql, params or []).fetchone()
@@ -106,8 +112,19 @@ class RunReader:
     def command(self) -> list[str]:
         return json.loads(self.meta.get("command", "[]"))
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """What `process --label key=value` said of the run (a commit, a build...)."""
+        return json.loads(self.meta.get("labels", "{}"))
+
     def has_process(self) -> bool:
         return bool(self.one(f"SELECT count(*) FROM processes WHERE {self.where()}"))
+
+    def pids_named(self, name: str) -> tuple[int, ...]:
+        """The pids of the processes called `name` (comm), in start order."""
+        return tuple(p for (p,) in self.con.execute(
+            "SELECT pid FROM processes WHERE name = ? ORDER BY start_ts, pid", [name]
+        ).fetchall())
 
     # ---- totals ------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
@@ -251,6 +268,41 @@ class RunReader:
             out.append({"location": location, "file": file, "line": line, "value": total,
                         "stacks": nstacks, "backtraces": bts})
         return out
+
+    def call_paths(self) -> pa.Table:
+        """Every metric (METRICS' names) per call path, the identity by which a site and
+        its backtraces are matched across builds (`memtrack diff`): the backtrace's
+        logical frames by function name and source file name, never by address, line or
+        module path, which differ between two builds of one program. `path_key` and
+        `levels` (a hash sum over (name, file, position) and the frame count) key a call
+        path, `site` and `site_file` name its allocation site (its first frame: the
+        report's location; `site_symbolized` false where that frame is only an address,
+        which another build or process does not share); `stack_id` is one backtrace of
+        the path to print its frames (null, with path_key 0, for allocations with no
+        stack)."""
+        sums = ", ".join(f"sum(c.{col})::BIGINT AS {name}" for name, col in METRICS.items())
+        return self.con.execute(f"""
+            WITH per_backtrace AS MATERIALIZED (
+                SELECT b.backtrace_id AS stack_id, {sums}
+                FROM stack_costs c LEFT JOIN backtraces b USING (stack_id)
+                WHERE {self.where("c.")} GROUP BY 1),
+            levels AS (  -- the logical frames of the backtraces only, numbered
+                SELECT sf.stack_id, f.name, regexp_extract(coalesce(f.file, ''), '[^/]*$')
+                       AS file, f.reason IS NULL AS symbolized,
+                       row_number() OVER (PARTITION BY sf.stack_id
+                                                   ORDER BY sf.depth, f.inline_depth) AS pos
+                FROM backtrace_frames sf JOIN frames f USING (frame_id)
+                WHERE sf.stack_id IN (SELECT stack_id FROM per_backtrace)),
+            paths AS (
+                SELECT stack_id, sum(hash(name, file, pos)::HUGEINT) AS path_key,
+                       count(*) AS levels, arg_min(name, pos) AS site,
+                       arg_min(file, pos) AS site_file, arg_min(symbolized, pos)
+                       AS site_symbolized
+                FROM levels GROUP BY stack_id)
+            SELECT coalesce(k.path_key, 0) AS path_key, coalesce(k.levels, 0) AS levels,
+                   coalesce(k.site, '{NO_STACK}') AS site, coalesce(k.site_file, '')
+                   AS site_file, coalesce(k.site_symbolized, TRUE) AS site_symbolized, p.*
+            FROM per_backtrace p LEFT JOIN paths k USING (stack_id)""").to_arrow_table()
 
     def backtrace(self, stack_id: int | None) -> list[dict[str, Any]]:
         """A stack's logical frames from the allocation site outward."""

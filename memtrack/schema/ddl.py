@@ -199,6 +199,8 @@ TABLE_NAMES = (
     "stack_frames", "frames", "rss",
 )  # fmt: skip
 DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces")
+# The tables a run writes as Parquet (`process --parquet`, `process --dataset`).
+EXPORT_TABLES = ("meta", *TABLE_NAMES, *DERIVED_NAMES)
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
@@ -223,7 +225,7 @@ def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConn
     try:
         con = duckdb.connect(str(path), read_only=read_only)
     except duckdb.Error as e:
-        raise RunError(f"{path}: not a DuckDB database ({_first_line(e)})") from None
+        raise RunError(f"{path}: not a DuckDB database ({first_line(e)})") from None
     try:
         row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     except duckdb.Error:
@@ -241,5 +243,6 @@ def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConn
     return con
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An error's message as one line (its first)."""
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

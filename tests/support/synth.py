@@ -56,8 +56,9 @@ TEMPORARY = [0, 7]
 UNMATCHED_FREES = 3
 
 
-def events_table() -> pa.Table:
-    cols = list(zip(*EVENT_ROWS, strict=True))
+def events_table(rows: list[tuple] | None = None) -> pa.Table:
+    """EVENT_ROWS (or `rows` in their layout) as an events table."""
+    cols = list(zip(*(rows or EVENT_ROWS), strict=True))
     data = {
         "ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in cols[3]],
         "allocator": [LIBC if k in (1, 2, 3, 4, 5) else 0 for k in cols[3]],
@@ -153,10 +154,10 @@ def symbolize(known: pa.Table) -> pa.Table:
         "reason": pa.array([None] * n, pa.string())}, schema=SYMBOLIZED_FRAMES)  # fmt: skip
 
 
-def write_run(path: Path) -> Path:
-    """A run database of EVENT_ROWS with STACKS as their stacks, written by the load
-    stage as `process` writes it."""
-    load(path, stage_tables(events_table()), lambda _: meta_rows(
+def write_run(path: Path, events: pa.Table | None = None) -> Path:
+    """A run database of EVENT_ROWS (or `events`) with STACKS as their stacks, written by
+    the load stage as `process` writes it."""
+    load(path, stage_tables(events if events is not None else events_table()), lambda _: meta_rows(
         start_ns=900, end_ns=END_NS, root_pid=100, command=["p", "-x"], losses={},
         counters={}), symbolize)
     return path
