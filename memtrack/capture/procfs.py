@@ -97,6 +97,18 @@ def read_identity(pid: int) -> tuple[int, str, str, list[str]] | None:
     return ppid, comm, exe, cmdline
 
 
+def thread_identity(tid: int) -> tuple[int, int] | None:
+    """(its process id, its start time in clock ticks) of a live thread, None when it is
+    gone: the start time tells a thread from a later one given the same id."""
+    try:
+        status = (PROC / str(tid) / "status").read_text()
+        tgid = int(status.split("\nTgid:", 1)[1].split()[0])
+        stat = (PROC / str(tgid) / "task" / str(tid) / "stat").read_text()
+    except (OSError, IndexError, ValueError):
+        return None
+    return tgid, int(stat[stat.rfind(")") + 2:].split()[19])
+
+
 def read_memory(pid: int, start: int, length: int) -> bytes | None:
     try:
         fd = os.open(PROC / str(pid) / "mem", os.O_RDONLY)
