@@ -18,7 +18,8 @@ once the command is in effect in the kernel:
 Each returns True once memtrack answered "ok", and False outside memtrack (nothing is
 sent) or when memtrack refused (`last_error` says why). The calls are thread-safe:
 an flock on the answer FIFO keeps one command in flight, and each answer carries the
-sender's thread id. They allocate no memory through malloc for short names.
+sender's thread id. They make no malloc call of their own (only small Python objects,
+from Python's allocator) unless Python runs with PYTHONMALLOC=malloc.
 
 A runner outside the traced tree switches recording with `send(path, "enable")` on the
 FIFO it asked for with --control-fifo.
@@ -75,7 +76,7 @@ def _answer(afd: int, tag: str, timeout: float) -> str | None:
     while True:
         if not poll.poll(int(timeout * 1000)):
             return None
-        buf += os.read(afd, 4096)
+        buf += os.read(afd, 256)  # small: Python's own allocator, not a malloc
         *lines, buf = buf.split(b"\n")
         for line in lines:
             words = line.split(b" ", 2)
