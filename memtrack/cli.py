@@ -135,7 +135,9 @@ def envvars(fn: Callable[..., object]) -> list[str]:
 app.command(epilog=(
     "Every option can also be set in the environment: " + ", ".join(envvars(capture)) +
     ". CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
-    "(one line) to the first, read 'ok' from the second."))(capture)
+    "(one line) to the first, read 'ok' from the second; 'begin TID NAME' / 'end TID' "
+    "mark a region of thread TID (helpers: python3 -m memtrack.control prints where "
+    "memtrack_control.h and .py are; pytest: each test a region)."))(capture)
 
 
 @app.command()
@@ -180,11 +182,14 @@ def report(
     html: Annotated[
         Path | None, typer.Option("--html", help="Also write a self-contained HTML page here.")
     ] = None,
+    region: Annotated[str | None, typer.Option(
+        "--region", help="Only the region (benchmark, test) of this name: its figures and "
+                         "allocation sites.")] = None,
 ) -> None:
     """The heaptrack-style report of a processed run."""
     from memtrack.commands import report as cmd
 
-    call(cmd.run, run, fmt, pid, top, html, sys.stdout)
+    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region)
 
 
 @app.command()
