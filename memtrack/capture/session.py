@@ -282,6 +282,7 @@ class Session:
             ready = []
         if any(fd == self.control.fileno() for fd, _ in ready):
             self.control.serve(self.enable, self.regions)
+        self.regions.flush(force=False)
         self._serve_attach()
         if self._status is None:
             try:
@@ -486,6 +487,7 @@ class Session:
 
     def _finish(self) -> CaptureResult:
         self._release_stragglers()
+        self.regions.flush()
         self.drain.stop()
         self.batches.stop()
         self._drain_legacy()
