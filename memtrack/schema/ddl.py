@@ -79,6 +79,10 @@ CREATE TABLE regions (region_id UBIGINT, name VARCHAR, pid UINTEGER, tid UINTEGE
     begin_ts UBIGINT, end_ts UBIGINT, ended BOOLEAN);
 CREATE TABLE region_allocations (region_id UBIGINT, alloc_id UBIGINT);
 CREATE TABLE region_frees (region_id UBIGINT, alloc_id UBIGINT);
+CREATE TABLE region_heap_timeline (region_id UBIGINT, event_id UBIGINT, ts UBIGINT,
+    delta BIGINT, heap_bytes BIGINT);
+CREATE TABLE region_peak (region_id UBIGINT, peak_event_id UBIGINT, peak_ts UBIGINT,
+    peak_bytes BIGINT);
 """
 
 # An allocation's site is its first logical frame outside the allocator function (depth
@@ -86,10 +90,12 @@ CREATE TABLE region_frees (region_id UBIGINT, alloc_id UBIGINT);
 SITE_DEPTH = "CASE WHEN s.depth > 1 THEN 1 ELSE 0 END"
 
 # Region attribution (regions come from memtrack.process.regions; per thread they nest).
-# `bounds`: after each region boundary of a thread, the innermost region it has open
-# (0: none; where several close at one event, an exit, the outermost's parent); an
-# event of the thread belongs to the innermost region of its last boundary before it
-# (an ASOF join: sorted, not a range join per region) and to that region's ancestors.
+# `bounds`: after each region boundary of a thread (its event and time), the innermost
+# region it has open (0: none; where several close at one event, an exit, the
+# outermost's parent); an event of the thread belongs to the innermost region of its
+# last boundary before it (an ASOF join: sorted, not a range join per region) and to
+# that region's ancestors. The same holds for any time series of the process (RSS),
+# seen from each thread that has regions.
 REGION_SCOPE = """
     WITH RECURSIVE ancestors(region_id, ancestor_id) AS (
         SELECT region_id, region_id FROM regions
@@ -97,10 +103,10 @@ REGION_SCOPE = """
         SELECT a.region_id, r.parent_id FROM ancestors a
         JOIN regions r ON r.region_id = a.ancestor_id WHERE r.parent_id IS NOT NULL),
     bounds AS (
-        SELECT pid, tid, begin_event_id AS event_id, region_id FROM regions
+        SELECT pid, tid, begin_event_id AS event_id, begin_ts AS ts, region_id FROM regions
         UNION ALL
-        SELECT pid, tid, end_event_id, arg_min(coalesce(parent_id, 0), depth) FROM regions
-        WHERE end_event_id IS NOT NULL GROUP BY pid, tid, end_event_id)"""
+        SELECT pid, tid, end_event_id, min(end_ts), arg_min(coalesce(parent_id, 0), depth)
+        FROM regions WHERE end_event_id IS NOT NULL GROUP BY pid, tid, end_event_id)"""
 
 # heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak and
 # backtraces are derived once loaded (as views every report would redo them). A
@@ -142,6 +148,27 @@ DERIVED = {
             WHERE b.region_id <> 0)
         SELECT s.ancestor_id, i.alloc_id FROM innermost i JOIN ancestors s USING (region_id)
         ORDER BY 1, 2""",
+    # the heap above the region's begin after each change its thread made inside it
+    "region_heap_timeline": """
+        INSERT INTO region_heap_timeline
+        WITH d AS (
+            SELECT ra.region_id, a.event_id, a.ts, a.size::BIGINT AS delta
+            FROM region_allocations ra JOIN allocations a USING (alloc_id)
+            UNION ALL
+            SELECT rf.region_id, a.free_event_id, a.free_ts, -a.size::BIGINT
+            FROM region_frees rf JOIN allocations a USING (alloc_id)),
+        g AS (SELECT region_id, event_id, min(ts) AS ts, sum(delta)::BIGINT AS delta FROM d
+              GROUP BY region_id, event_id)
+        SELECT region_id, event_id, ts, delta,
+               sum(delta) OVER (PARTITION BY region_id ORDER BY event_id
+                                ROWS UNBOUNDED PRECEDING)::BIGINT
+        FROM g ORDER BY region_id, event_id""",
+    "region_peak": """
+        INSERT INTO region_peak
+        SELECT region_id, arg_min(event_id, (-heap_bytes, event_id)),
+               arg_min(ts, (-heap_bytes, event_id)), max(heap_bytes)
+        FROM region_heap_timeline GROUP BY region_id HAVING max(heap_bytes) > 0
+        ORDER BY region_id""",
 }
 
 # A leaked allocation: never freed, its process exec'd or exited or the capture ended.
@@ -241,26 +268,6 @@ SELECT coalesce(s.function, i.function) AS function,
        coalesce(i.leaked, s.leaked)::BIGINT AS incl_leaked_bytes
 FROM self s FULL JOIN incl i ON s.function = i.function;
 
-CREATE VIEW region_heap_timeline AS
-WITH d AS (
-    SELECT ra.region_id, a.event_id, a.ts, a.size::BIGINT AS delta
-    FROM region_allocations ra JOIN allocations a USING (alloc_id)
-    UNION ALL
-    SELECT rf.region_id, a.free_event_id, a.free_ts, -a.size::BIGINT
-    FROM region_frees rf JOIN allocations a USING (alloc_id)),
-g AS (SELECT region_id, event_id, min(ts) AS ts, sum(delta)::BIGINT AS delta FROM d
-      GROUP BY region_id, event_id)
-SELECT region_id, event_id, ts, delta,
-       sum(delta) OVER (PARTITION BY region_id ORDER BY event_id
-                        ROWS UNBOUNDED PRECEDING)::BIGINT AS heap_bytes
-FROM g;
-
-CREATE VIEW region_peak AS
-SELECT region_id, event_id AS peak_event_id, ts AS peak_ts, heap_bytes AS peak_bytes
-FROM (SELECT *, row_number() OVER (PARTITION BY region_id
-                                   ORDER BY heap_bytes DESC, event_id) AS n
-      FROM region_heap_timeline)
-WHERE n = 1 AND heap_bytes > 0;
 
 CREATE VIEW region_stack_costs AS
 SELECT ra.region_id, a.stack_id, count(*) AS calls, sum(a.size)::BIGINT AS bytes,
@@ -276,7 +283,8 @@ JOIN regions r USING (region_id) LEFT JOIN region_peak p USING (region_id)
 GROUP BY ra.region_id, a.stack_id;
 
 CREATE VIEW region_metrics AS
-WITH c AS (
+{scope},
+c AS (
     SELECT region_id, sum(calls)::BIGINT AS calls, sum(bytes)::BIGINT AS bytes,
            sum(temporary)::BIGINT AS temporary, sum(alive_calls)::BIGINT AS alive_calls,
            sum(alive_bytes)::BIGINT AS alive_bytes, sum(leaked_calls)::BIGINT AS leaked_calls,
@@ -284,12 +292,19 @@ WITH c AS (
     FROM region_stack_costs GROUP BY region_id),
 f AS (SELECT rf.region_id, count(*) AS frees, sum(a.size)::BIGINT AS freed_bytes
       FROM region_frees rf JOIN allocations a USING (alloc_id) GROUP BY 1),
+t AS MATERIALIZED (
+    SELECT pid, ts, rss FROM rss_timeline WHERE pid IN (SELECT pid FROM regions)),
 rss_begin AS (
-    SELECT r.region_id, t.rss FROM regions r ASOF JOIN rss_timeline t
+    SELECT r.region_id, t.rss FROM regions r ASOF JOIN t
     ON t.pid = r.pid AND t.ts <= r.begin_ts),
+seen AS (  -- each RSS sample, once per thread of its process that has regions
+    SELECT th.tid, t.* FROM (SELECT DISTINCT pid, tid FROM regions) th JOIN t USING (pid)),
+rss_inner AS (  -- in (begin, end]: the last boundary strictly before the sample
+    SELECT b.region_id, max(s.rss) AS rss FROM seen s ASOF JOIN bounds b
+    ON s.pid = b.pid AND s.tid = b.tid AND s.ts > b.ts WHERE b.region_id <> 0 GROUP BY 1),
 rss_in AS (
-    SELECT r.region_id, max(t.rss) AS rss FROM regions r JOIN rss_timeline t
-    ON t.pid = r.pid AND t.ts > r.begin_ts AND t.ts <= r.end_ts GROUP BY 1)
+    SELECT a.ancestor_id AS region_id, max(i.rss) AS rss
+    FROM rss_inner i JOIN ancestors a USING (region_id) GROUP BY 1)
 SELECT r.region_id, r.name, r.pid, r.tid, r.parent_id, r.depth, r.begin_ts, r.end_ts,
        r.end_ts - r.begin_ts AS duration_ns, r.ended,
        coalesce(c.calls, 0) AS calls, coalesce(c.bytes, 0) AS bytes,
@@ -307,7 +322,7 @@ FROM regions r LEFT JOIN c USING (region_id) LEFT JOIN f USING (region_id)
 LEFT JOIN region_peak p USING (region_id) LEFT JOIN rss_begin b USING (region_id)
 LEFT JOIN rss_in i USING (region_id);
 """.replace("{leaked}", LEAKED).replace("{site}", SITE_DEPTH).replace(
-    "{alive}", ALIVE_AT_END).replace(
+    "{alive}", ALIVE_AT_END).replace("{scope}", REGION_SCOPE.strip()).replace(
     "{at_peak}", "a.event_id <= p.peak_event_id AND coalesce(a.end_event_id, "
     f"{NEVER}) > p.peak_event_id")
 
@@ -316,7 +331,7 @@ TABLE_NAMES = (
     "stack_frames", "frames", "rss", "regions",
 )  # fmt: skip
 DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces", "region_allocations",
-                 "region_frees")
+                 "region_frees", "region_heap_timeline", "region_peak")
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
