@@ -275,6 +275,7 @@ def test_stage_nesting_and_closing() -> None:
         ev(140, 7, 7, K.REGION, E, 2),  # ends 2: 4 inside it closes too, not ended
         ev(150, 7, 7, K.REGION, E, 9),  # no such region open: counted
         ev(160, 7, 7, K.REGION, B, 2),  # a second begin of id 2: counted, ignored
+        ev(165, 7, 7, K.REGION, B, 0),  # id 0 is no region: counted, ignored
         ev(170, 7, 8, K.EXIT),  # thread 8 exits: 3 closes
         ev(180, 7, 7, K.REGION, B, 5),
         ev(190, 7, 9, K.REGION, B, 6),
@@ -290,7 +291,7 @@ def test_stage_nesting_and_closing() -> None:
         (100, 200, False), (110, 140, True), (120, 170, False), (130, 140, False),
         (180, 200, False), (190, 200, False), (210, 5000, False)]
     assert by[7]["end_event_id"] is None and by[2]["end_event_id"] == by[4]["end_event_id"]
-    assert counters == {"region_ends_unmatched": 1, "regions_duplicate_id": 1,
+    assert counters == {"region_ends_unmatched": 1, "regions_duplicate_id": 2,
                         "regions_unnamed": 0}
     got, counters = spans([ev(1, 3, 3, K.REGION, B, 1)], named={})
     assert got[0]["name"] == "[region 1]" and counters["regions_unnamed"] == 1

@@ -5,8 +5,9 @@ A region opens at its begin and closes at its end. One never ended is closed at 
 thread's exit, or at its process's exec or exit, by that event (`ended` false), else
 at the capture's end. Regions nest per thread, as capture enforces it; an artifact is
 hostile input, so the stage enforces it again: an end closes the regions opened inside
-its region first (not ended), an end of no open region of its thread and a second
-begin of an id are counted and ignored.
+its region first (not ended); an end of no open region of its thread, a second begin
+of an id and a begin of id 0 (capture's ids start at 1; 0 means "no region" in the
+database) are counted and ignored.
 
 Python walks the region events and the exits and execs of their threads only (a
 region is a benchmark or a test: thousands, not millions); attribution of allocations
@@ -63,7 +64,7 @@ def regions(events: pa.Table, names: pa.Table, end_ts: int) -> RegionSpans:
             stack = stacks.setdefault(key, [])
             rid = ev["addr"]
             if ev["flags"] & REGION_BEGIN:
-                if rid in out:
+                if rid in out or rid == 0:
                     counters["regions_duplicate_id"] += 1
                     continue
                 name = named.get(rid)
