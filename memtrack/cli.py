@@ -137,7 +137,9 @@ def envvars(fn: Callable[..., object]) -> list[str]:
 app.command(epilog=(
     "Every option can also be set in the environment: " + ", ".join(envvars(capture)) +
     ". CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
-    "(one line) to the first, read 'ok' from the second."))(capture)
+    "(one line) to the first, read 'ok' from the second; 'begin TID NAME' / 'end TID' "
+    "mark a region of thread TID (helpers: python3 -m memtrack.control prints where "
+    "memtrack_control.h and .py are; pytest: each test a region)."))(capture)
 
 
 @app.command()
@@ -194,11 +196,14 @@ def report(
     html: Annotated[
         Path | None, typer.Option("--html", help="Also write a self-contained HTML page here.")
     ] = None,
+    region: Annotated[str | None, typer.Option(
+        "--region", help="Only the region (benchmark, test) of this name: its figures and "
+                         "allocation sites.")] = None,
 ) -> None:
     """The heaptrack-style report of a processed run."""
     from memtrack.commands import report as cmd
 
-    call(cmd.run, run, fmt, pid, top, html, sys.stdout)
+    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region)
 
 
 @app.command()
@@ -242,8 +247,8 @@ def diff(
         help="The gated totals: peak, allocated, leaked, calls, temporary, rss (repeatable "
              "or comma-separated).")] = None,
 ) -> None:
-    """What changed between two runs: totals, processes by name, and the allocation sites
-    whose cost changed, matched across builds by call path."""
+    """What changed between two runs: totals, processes and regions by name, and the
+    allocation sites whose cost changed, matched across builds by call path."""
     from memtrack.commands import diff as cmd
 
     call(cmd.run, base, head, dataset=dataset, fmt=fmt, pid=pid, process=process,

@@ -19,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
+CONTROL = ROOT / "memtrack" / "control"  # memtrack_control.h: every build has -I there
 BUILD_DIR = Path(os.environ.get("MEMTRACK_TEST_BUILD", ROOT / "build" / "fixtures"))
 
 pytest_plugins = ("support.capture",)
@@ -75,6 +76,7 @@ def build(sources: list[str | Path], *, name: str | None = None, flags: tuple[st
         h.update(p.read_bytes())
     # Headers the sources may include: every header beside a source, under fixtures/
     # (fixtures include each other's by relative path) and in -I directories.
+    flags = (f"-I{CONTROL}", *flags)
     inc_dirs = {p.parent for p in paths} | {FIXTURES}
     inc_dirs |= {Path(f[2:]) for f in flags if f.startswith("-I")}
     for d in sorted(inc_dirs):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIXTURES, build
+from conftest import CONTROL, FIXTURES, build
 from support.capture import F, M, check_no_loss, run
 
 from memtrack.elf import read_build_id
@@ -147,10 +147,7 @@ def test_start_disabled_records_only_the_enabled_region(tracker: Any,
 
 def test_control_fifo_from_a_runner(tracker: Any, tmp_path: Path) -> None:
     """A runner switches recording on through --control-fifo while CMD runs."""
-    import sys
-
-    sys.path.insert(0, str(FIXTURES / "control"))
-    import memtrack_control
+    from memtrack.control import memtrack_control
 
     allocs = build(["capture/allocs.c"])
     ctl = tmp_path / "ctl"
@@ -164,7 +161,7 @@ def test_control_fifo_from_a_runner(tracker: Any, tmp_path: Path) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            ok = memtrack_control.send(ctl, "enable", ctl.with_name("ctl.ack"))
+            ok = memtrack_control.send(ctl, "enable", ctl.with_name("ctl.ack")) == "ok"
         finally:
             os._exit(0 if ok else 1)
     while os.waitpid(pid, os.WNOHANG) == (0, 0):
@@ -293,7 +290,7 @@ def test_python_program_switches_recording(tracker: Any, tmp_path: Path) -> None
             "b = bytearray(8888888)\n"
             "assert m.disable()\n"
             "c = bytearray(9999999)\n")
-    r = run(tracker, tmp_path, [sys.executable, "-c", code, str(FIXTURES / "control")],
+    r = run(tracker, tmp_path, [sys.executable, "-c", code, str(CONTROL)],
             start_disabled=True)
     assert r.result.status == 0
     sizes = [e["size"] for e in r.heap()]

@@ -20,6 +20,7 @@ from memtrack.cli import app
 from memtrack.process.dataset import append_run
 from memtrack.report import diff as diff_mod
 from memtrack.report.reader import RunReader
+from memtrack.schema.ddl import SCHEMA_VERSION
 from memtrack.report.text import ReportOptions, report_data
 from memtrack.schema.dataset import open_dataset_run
 from memtrack.schema.ddl import EXPORT_TABLES, open_run
@@ -103,7 +104,7 @@ def test_process_into_a_dataset(tmp_path: Path) -> None:
     assert code == 0
     (row,) = json.loads(out)
     assert row == {"run": "build-1.2_x", "c": "abc", "command": ["p", "-x"], "exit_code": None,
-                   "root_pid": 100, "schema_version": 3, "md": True}
+                   "root_pid": 100, "schema_version": SCHEMA_VERSION, "md": True}
     # again: refused, then replaced with --force
     code, _, err = invoke(*args)
     assert code == 2 and "already in the dataset (--force replaces it)" in err

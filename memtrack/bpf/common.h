@@ -8,6 +8,7 @@
 enum mt_kind {
     MT_MALLOC = 1, MT_CALLOC = 2, MT_REALLOC = 3, MT_ALIGNED_ALLOC = 4, MT_FREE = 5,
     MT_MMAP = 6, MT_MUNMAP = 7, MT_BRK = 8, MT_FORK = 9, MT_EXEC = 10, MT_EXIT = 11,
+    MT_REGION = 14,
 };
 
 enum mt_allocator {

@@ -5,7 +5,8 @@
  * munmap / brk events for successful calls, and asks userspace to classify and probe
  * every file a tracked process maps executable (and every exec'd image): it submits
  * an attach request, then stops the whole process with SIGSTOP; userspace attaches
- * the probes and sends SIGCONT. Uses mt_events, mt_emit and mt_loss of alloc.c. */
+ * the probes and sends SIGCONT. Also writes the REGION events of the control FIFO's
+ * begin/end (mt_region_mark). Uses mt_events, mt_emit and mt_loss of alloc.c. */
 
 #ifndef MT_ATTACH_PAGES
 #define MT_ATTACH_PAGES 64
@@ -229,5 +230,22 @@ TRACEPOINT_PROBE(syscalls, sys_exit_brk) {
     if (!prev || before == now || !mt_is_enabled())
         return 0;
     mt_emit(pid, tid, MT_BRK, MT_A_SYSCALL, 0, now, before, now > before ? now - before : before - now, 0);
+    return 0;
+}
+
+/* A region's begin or end, for the thread that asked on the control FIFO: run by the
+ * session itself (BPF_PROG_TEST_RUN, memtrack.capture.regions) while that thread waits
+ * for the answer, so the record's time, on the events' clock, falls after every event
+ * the thread made before asking and before every event it makes after the answer.
+ * args: pid, tid, region id, 1 = begin / 0 = end. Returns 1 when the ring is full (the
+ * session retries once the drain has made room; nothing is counted lost), and writes
+ * without backpressure: the caller is memtrack, which must not stop itself. */
+int mt_region_mark(struct bpf_raw_tracepoint_args *ctx) {
+    struct mt_event *e = mt_events.ringbuf_reserve(sizeof(struct mt_event));
+    if (!e)
+        return 1;
+    mt_fill_event(e, (u32)ctx->args[0], (u32)ctx->args[1], MT_REGION, MT_A_NONE,
+                  ctx->args[3], ctx->args[2], 0, 0, 0);
+    mt_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }

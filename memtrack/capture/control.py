@@ -1,7 +1,18 @@
-"""The control FIFO: the traced program or a runner switches recording on and off.
+"""The control FIFO: the traced program or a runner switches recording on and off, and
+marks regions (memtrack.capture.regions).
 
-CMD sees MEMTRACK_CONTROL (write one command a line: enable/on/1/start,
-disable/off/0/stop) and MEMTRACK_CONTROL_ACK (read "ok" or "error ..." a line back).
+CMD sees MEMTRACK_CONTROL (write one command a line) and MEMTRACK_CONTROL_ACK (read the
+answer, a line back, once the command is in effect in the kernel):
+
+    enable [TAG]  (or on, 1, start)     ok [TAG]             recording on, whole tree
+    disable [TAG] (or off, 0, stop)     ok [TAG]             recording off
+    begin TID NAME                      ok TID | error TID WHY   thread TID enters NAME
+    end TID [NAME]                      ok TID | error TID WHY   ... leaves its innermost
+
+A TAG (digits: the helpers send their thread id) comes back in the answer, so that
+threads sharing the answer FIFO can tell theirs apart; the helpers (memtrack/control/)
+also hold an flock on it from their command to its answer. An unknown command is
+answered `error [TAG] unknown command ...`.
 """
 
 from __future__ import annotations
@@ -10,6 +21,8 @@ import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
+
+from memtrack.capture.regions import RegionError, Regions
 
 CONTROL_ENV = "MEMTRACK_CONTROL"
 CONTROL_ACK_ENV = "MEMTRACK_CONTROL_ACK"
@@ -60,7 +73,7 @@ class ControlFifo:
     def fileno(self) -> int:
         return self._fd
 
-    def serve(self, enable: Callable[[bool], None]) -> None:
+    def serve(self, enable: Callable[[bool], None], regions: Regions | None = None) -> None:
         """Run the commands that arrived; answer each on the ack FIFO."""
         try:
             data = os.read(self._fd, 4096)
@@ -69,17 +82,13 @@ class ControlFifo:
         self._buf += data
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
-            cmd = line.strip().decode(errors="replace").lower()
-            if not cmd:
-                continue
-            if cmd in ON or cmd in OFF:
-                enable(cmd in ON)
-                reply = "ok"
-            else:
-                reply = f"error unknown command {cmd!r}"
-            self._ack(reply)
+            text = line.decode(errors="replace").strip()
+            if text:
+                self._ack(run_command(text, enable, regions))
 
     def _ack(self, reply: str) -> None:
+        """Write one answer line, if anyone reads the ack FIFO (lines of at most 4096
+        bytes go in at once, never interleaved with another writer's)."""
         try:
             fd = os.open(self.ack_path, os.O_WRONLY | os.O_NONBLOCK)
         except OSError as e:  # nobody waits for an answer (a runner's plain write)
@@ -101,3 +110,30 @@ class ControlFifo:
                 os.unlink(p)
             except OSError:
                 pass
+
+
+def run_command(text: str, enable: Callable[[bool], None], regions: Regions | None) -> str:
+    """Run one command line; its answer line."""
+    verb, _, rest = text.partition(" ")
+    verb = verb.lower()
+    tag, _, arg = rest.strip().partition(" ")
+    if verb in ON or verb in OFF:
+        if tag and not tag.isdigit() or arg:
+            return f"error unknown command {text!r}"
+        enable(verb in ON)
+        return f"ok {tag}" if tag else "ok"
+    if verb not in ("begin", "end"):
+        return f"error unknown command {text!r}"
+    if not tag.isdigit():
+        usage = "begin TID NAME" if verb == "begin" else "end TID [NAME]"
+        return f"error {verb} needs a thread id: {usage}"
+    if regions is None:
+        return f"error {tag} regions are not recorded by this session"
+    try:
+        if verb == "begin":
+            regions.begin(int(tag), arg)
+        else:
+            regions.end(int(tag), arg or None)
+    except RegionError as e:
+        return f"error {tag} {e}"
+    return f"ok {tag}"

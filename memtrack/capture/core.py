@@ -3,6 +3,8 @@ address-space syscalls and attach requests (bpf/lifecycle.c).
 
 Its tracepoints are attached by bcc when the program loads (TRACEPOINT_PROBE); its
 uprobes are attached module by module by the session as the tracked tree maps them.
+`mark_region` writes a REGION event into the events ring from memtrack itself, by
+running `mt_region_mark` (a raw tracepoint program attached nowhere) once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.capture.parts import RING_EVENTS, CaptureOptions, Ring
+from memtrack.capture.program import PROG_RAW_TRACEPOINT, LoadError, test_run
 from memtrack.capture.ringbuf import RingReader
 from memtrack.schema import EVENT_DTYPE, EVENTS
 from memtrack.schema.artifact import ArtifactWriter
@@ -55,6 +58,8 @@ class CorePart:
         self.events: RingReader | None = None
         self.attach_requests: RingReader | None = None
         self.written = 0
+        self._region_fd = -1
+        self.regions_unavailable: str | None = "not attached yet"
 
     def sources(self) -> list[str]:
         return ["alloc.c", "lifecycle.c"]
@@ -66,7 +71,19 @@ class CorePart:
     def attach(self, bpf: Any) -> list[str]:
         self.events = RingReader(bpf, "mt_events")
         self.attach_requests = RingReader(bpf, "mt_attach")
+        try:
+            self._region_fd = bpf.load_func("mt_region_mark", PROG_RAW_TRACEPOINT).fd
+            self.regions_unavailable = None
+        except LoadError as e:  # said when a region is asked for, not at every capture
+            self.regions_unavailable = str(e)
         return []
+
+    def mark_region(self, pid: int, tid: int, region_id: int, begin: bool) -> bool:
+        """Write the REGION event of `tid`'s region now (False: the events ring is full,
+        nothing was written). OSError when the kernel cannot run the program."""
+        if self.regions_unavailable is not None:
+            raise OSError(self.regions_unavailable)
+        return test_run(self._region_fd, [pid, tid, region_id, int(begin)]) == 0
 
     def read_events(self) -> np.ndarray:
         assert self.events is not None, "CorePart.attach was not called"

@@ -11,8 +11,9 @@ Three threads share the work, so that the rings are read whatever else is going 
 - the drain thread (drain.Drain) only copies ring records into memory, and resumes
   the processes a ring pause stopped once the rings have room (stops.Pauses);
 - the writer thread (drain.BatchWriter) turns them into Arrow batches and writes them;
-- the caller's thread (poll/wait) serves attach requests and the control FIFO, copies
-  modules, reaps the command, refreshes the status line and the manifest.
+- the caller's thread (poll/wait) serves attach requests and the control FIFO (enable,
+  disable, region begin/end: capture/regions.py), copies modules, reaps the command,
+  refreshes the status line and the manifest.
 Whatever stops a process goes through one StopRegistry (stops.py); the tracker's
 supervisor (supervisor.py) continues every tracked process if memtrack dies.
 
@@ -46,6 +47,7 @@ from memtrack.capture.drain import Backlog, BatchWriter, Drain, Source, min_ring
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
 from memtrack.capture.procfs import map_file, read_identity, wait_stopped
+from memtrack.capture.regions import Regions
 from memtrack.capture.ringbuf import RingReader
 from memtrack.capture.status import StatusLine
 from memtrack.capture.stops import ATTACH, Pauses, StopRegistry
@@ -155,6 +157,9 @@ class Session:
         except ControlError as e:
             self._discard_artifact()
             raise CaptureError(str(e)) from None
+        tracked = self.bpf["mt_tracked"]
+        self.regions = Regions(tracker.core.mark_region, self.writer,
+                               lambda pid: tracked.Key(pid) in tracked)
         self._epoll = select.epoll()
         self._epoll.register(self.control.fileno(), select.EPOLLIN)
         # The data rings never wake us (the drain thread polls them); attach requests do.
@@ -276,7 +281,8 @@ class Session:
         except InterruptedError:
             ready = []
         if any(fd == self.control.fileno() for fd, _ in ready):
-            self.control.serve(self.enable)
+            self.control.serve(self.enable, self.regions)
+        self.regions.flush(force=False)
         self._serve_attach()
         if self._status is None:
             try:
@@ -484,6 +490,7 @@ class Session:
 
     def _finish(self) -> CaptureResult:
         self._release_stragglers()
+        self.regions.flush()
         self.drain.stop()
         self.batches.stop()
         self._drain_legacy()

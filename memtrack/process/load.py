@@ -36,7 +36,7 @@ from memtrack.schema.ddl import (
     derive,
 )
 from memtrack.schema.enums import ALLOC_KINDS, EventKind
-from memtrack.schema.stages import SYMBOLIZED_FRAMES
+from memtrack.schema.stages import REGIONS, SYMBOLIZED_FRAMES
 
 
 @dataclass
@@ -52,6 +52,7 @@ class StageTables:
     modules: pa.Table  # MODULES
     stacks: pa.Table  # UNWOUND_STACKS, one row per stack hash
     stack_frames: pa.Table  # UNWOUND_STACK_FRAMES
+    regions: pa.Table = field(default_factory=REGIONS.empty_table)  # REGIONS
 
 
 @dataclass
@@ -154,6 +155,7 @@ INSERTS = {
     "rss": f"""
         INSERT INTO rss SELECT ts, pid, {MEMBER_SQL}, bytes, {CAUSE_SQL} FROM src_rss""",
     "processes": "INSERT INTO processes SELECT * FROM src_processes",
+    "regions": "INSERT INTO regions SELECT * FROM src_regions",
     # A thread starts at the FORK that made it (a process's main thread at the process
     # fork), else when first seen; `events` counts its allocator events.
     "threads": f"""
@@ -241,7 +243,7 @@ class RunDatabase:
         self.con.unregister("src_events")
 
     def table(self, name: str, tbl: pa.Table) -> None:
-        """Load mappings or rss."""
+        """Load mappings, rss or regions."""
         self.con.register(f"src_{name}", tbl)
         self.con.execute(INSERTS[name])
         self.con.unregister(f"src_{name}")
@@ -289,6 +291,7 @@ def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, s
             db.lives(tables.life, tables.events)
             db.table("mappings", tables.mappings)
             db.table("rss", tables.rss)
+            db.table("regions", tables.regions)
             db.meta(meta(out))
             out.rows = db.finish(parquet_dir)
     except BaseException:

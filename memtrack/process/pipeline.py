@@ -1,4 +1,4 @@
-"""`memtrack process`: read -> lifecycle, rss -> pair -> decode + unwind -> load
+"""`memtrack process`: read -> lifecycle, rss -> pair, regions -> decode + unwind -> load
 (symbolizing the code locations the stacks hold) -> memory_metadata.json.
 
 Each stage is its module's entry point; this module runs them in order, times them and
@@ -28,6 +28,7 @@ from memtrack.process import metadata
 from memtrack.process.load import Loaded, StageTables, load, meta_rows
 from memtrack.process.pair import pair
 from memtrack.process.read import read_artifact
+from memtrack.process.regions import regions
 from memtrack.process.rss import resident
 from memtrack.process.unwind import UnwoundStacks
 from memtrack.schema import FORMAT_VERSION, loss_lines
@@ -93,7 +94,8 @@ class Summary:
 NOTABLE = (
     "events_bad_kind", "frees_unmatched", "allocations_reused_without_free",
     "decode_mismatch", "events_stack_missing", "symbolize_missing_rows",
-    "stacks_duplicate_hash",
+    "stacks_duplicate_hash", "region_ends_unmatched", "regions_duplicate_id",
+    "regions_unnamed",
 )  # fmt: skip
 
 
@@ -163,10 +165,13 @@ def process(
         events = tables.events
         summary.counters["events_bad_kind"] = tables.events_bad_kind
         summary.events = events.num_rows
+        end_ns = m.end_ns or (int(events.column("ts")[-1].as_py()) if events.num_rows else 0)
         res = st.run("rss", lambda: resident(tables, m))
         pairing = st.run("pair", lambda: pair(events, res.life, m.end_ns or None))
         summary.add(pairing.counters)
         summary.allocations = pairing.allocations.num_rows
+        spans = st.run("regions", lambda: regions(events, tables.region_names, end_ns))
+        summary.add(spans.counters)
 
         store = ModuleStore(artifact_path, host_modules=host_modules)
         unwound = unwind_runs(tables.stacks, tables.mappings, store, summary, st, chunk_bytes)
@@ -187,8 +192,7 @@ def process(
                 command=m.command,
                 root_pid=m.root_pid,
                 start_ns=m.start_ns,
-                end_ns=m.end_ns or (int(events.column("ts")[-1].as_py()) if events.num_rows
-                                    else 0),
+                end_ns=end_ns,
                 wall_offset_ns=m.clock.wall_offset_ns,
                 exit_status=m.exit_status.__dict__,
                 host=m.host.__dict__,
@@ -203,7 +207,7 @@ def process(
             events=events, allocations=pairing.allocations,
             heap_timeline=pairing.heap_timeline, life=res.life, mappings=tables.mappings,
             rss=res.rss, modules=modules, stacks=unwound.stacks,
-            stack_frames=unwound.stack_frames,
+            stack_frames=unwound.stack_frames, regions=spans.regions,
         ), meta, lambda known: symbolize_locations(store, known, cache),
             Path(parquet_dir) if parquet_dir else None, st.stage)
         summary.rows = loaded.rows

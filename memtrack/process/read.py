@@ -21,6 +21,7 @@ class ArtifactTables:
     rss: pa.Table
     faults: pa.Table
     stacks: pa.Table  # the stack records, in file order
+    region_names: pa.Table  # region_id, name
     events_bad_kind: int = 0  # events dropped for a kind this reader does not know
 
 
@@ -39,6 +40,7 @@ def read_artifact(art: Artifact) -> ArtifactTables:
         rss=art.read("rss", required=False).table,
         faults=art.read("faults", required=False).table,
         stacks=art.read("stacks", required=False).table,
+        region_names=art.read("region_names", required=False).table,
         events_bad_kind=bad,
     )
 

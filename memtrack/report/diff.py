@@ -3,7 +3,7 @@ JSON output) rendered as text or markdown (a pull-request comment).
 
 Both runs are read through the run reader (memtrack.report.reader). The diff is a list
 of sections (SECTIONS), each built from the two runs and rendered in text and markdown:
-the totals side by side, the processes matched by name, then per metric the allocation
+the totals side by side, the processes and the regions matched by name, then per metric the allocation
 sites whose cost changed; a further section is one more DiffSection in that list. The
 gate (`--fail-above`) judges the totals.
 
@@ -25,6 +25,7 @@ from typing import Any
 import duckdb
 
 from memtrack.report.reader import METRICS, NO_STACK, RunReader
+from memtrack.report.regions import RegionReader
 from memtrack.report.text import human_bytes
 
 Data = dict[str, Any]
@@ -185,10 +186,10 @@ def build_processes(base: Side, head: Side, opts: DiffOptions) -> Data | None:
     return {"rows": rows}
 
 
-def _process_cells(r: Data) -> list[str]:
+def _cells(r: Data, figures: tuple[tuple[str, str, str], ...]) -> list[str]:
     """`7`, `7 -> 9 (+2, +28.6%)`; a name in one run only: its figures there."""
     out = []
-    for k, _, unit in PROCESS_FIGURES:
+    for k, _, unit in figures:
         c = r[k]
         if not (r["in_base"] and r["in_head"]):
             out.append(value(c["head" if r["in_head"] else "base"], unit))
@@ -200,24 +201,65 @@ def _process_cells(r: Data) -> list[str]:
     return out
 
 
-def _process_name(r: Data) -> str:
+def _name(r: Data) -> str:
     return r["name"] + ("" if r["in_base"] and r["in_head"] else
                         " (only in head)" if r["in_head"] else " (only in base)")
 
 
-def text_processes(data: Data) -> list[str]:
-    rows = [["PROCESSES BY NAME", *(label for _, label, _ in PROCESS_FIGURES)]]
-    rows += [[_process_name(r), *_process_cells(r)] for r in data["rows"]]
+def _text_by_name(title: str, figures: tuple[tuple[str, str, str], ...],
+                  data: Data) -> list[str]:
+    rows = [[title, *(label for _, label, _ in figures)]]
+    rows += [[_name(r), *_cells(r, figures)] for r in data["rows"]]
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(n) for c, n in zip(r, w, strict=True)).rstrip() for r in rows]
 
 
-def markdown_processes(data: Data) -> list[str]:
-    out = ["| process | " + " | ".join(label for _, label, _ in PROCESS_FIGURES) + " |",
-           "|:--|" + "--:|" * len(PROCESS_FIGURES)]
-    out += [f"| {md(_process_name(r))} | " + " | ".join(_process_cells(r)) + " |"
+def _markdown_by_name(title: str, figures: tuple[tuple[str, str, str], ...],
+                      data: Data) -> list[str]:
+    out = [f"| {title} | " + " | ".join(label for _, label, _ in figures) + " |",
+           "|:--|" + "--:|" * len(figures)]
+    out += [f"| {md(_name(r))} | " + " | ".join(_cells(r, figures)) + " |"
             for r in data["rows"]]
     return out
+
+
+def text_processes(data: Data) -> list[str]:
+    return _text_by_name("PROCESSES BY NAME", PROCESS_FIGURES, data)
+
+
+def markdown_processes(data: Data) -> list[str]:
+    return _markdown_by_name("process", PROCESS_FIGURES, data)
+
+
+# ---- regions, matched by name ---------------------------------------------------------
+REGION_FIGURES = (("instances", "instances", "calls"), ("calls", "calls", "calls"),
+                  ("allocated_bytes", "allocated", "bytes"),
+                  ("peak_heap_bytes", "peak heap", "bytes"),
+                  ("leaked_bytes", "leaked", "bytes"), ("temporary", "temporary", "calls"))
+
+
+def build_regions(base: Side, head: Side, opts: DiffOptions) -> Data | None:
+    """Per region name (a benchmark, a test), its instances in each run side by side,
+    biggest change of allocated bytes first (shown when a run has regions)."""
+    b, h = RegionReader(base.reader).by_name(), RegionReader(head.reader).by_name()
+    if not b and not h:
+        return None
+    none = {k: 0 for k, _, _ in REGION_FIGURES}
+    rows = []
+    for name in dict.fromkeys([*b, *h]):
+        bn, hn = b.get(name, none), h.get(name, none)
+        rows.append({"name": name, "in_base": name in b, "in_head": name in h,
+                     **{k: change(bn[k], hn[k]) for k, _, _ in REGION_FIGURES}})
+    rows.sort(key=lambda r: (-abs(r["allocated_bytes"]["delta"] or 0), r["name"]))
+    return {"rows": rows}
+
+
+def text_regions(data: Data) -> list[str]:
+    return _text_by_name("REGIONS BY NAME", REGION_FIGURES, data)
+
+
+def markdown_regions(data: Data) -> list[str]:
+    return _markdown_by_name("region", REGION_FIGURES, data)
 
 
 # ---- sites ----------------------------------------------------------------------------
@@ -401,6 +443,7 @@ def markdown_sites(data: Data) -> list[str]:
 SECTIONS: list[DiffSection] = [
     DiffSection("totals", build_totals, text_totals, markdown_totals),
     DiffSection("processes", build_processes, text_processes, markdown_processes),
+    DiffSection("regions", build_regions, text_regions, markdown_regions),
     DiffSection("sites", build_sites, text_sites, markdown_sites),
 ]
 

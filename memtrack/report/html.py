@@ -1,7 +1,8 @@
 """`memtrack report --html OUT.html`: one self-contained page (no network).
 
 A flame graph of bytes allocated / alive at the heap peak / leaked (switchable), the heap
-and RSS timeline of each process, and the report's tables, all from the run reader
+and RSS timeline of each process, the report's tables and, for a run with regions, a
+sortable table of them (memtrack.report.regions), all from the run reader
 (memtrack.report.reader). The data is embedded as JSON;
 the page draws it with the small script below (SVG, no library).
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import duckdb
 
+from memtrack.report import regions
 from memtrack.report.reader import Costs, RunReader
 from memtrack.report.text import ReportOptions, report_data
 
@@ -53,13 +55,15 @@ def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, 
         "flame": {m: flame_tree(c, m) for m in FLAME_METRICS},
         "timelines": run.timelines(TIMELINE_POINTS),
         "hotspots": RunReader(con).hotspots(50),
+        "regions": regions.html_data(run),
     }
 
 
 def render(data: dict[str, Any]) -> str:
     blob = json.dumps(data, default=str, separators=(",", ":")).replace("</", "<\\/")
     title = "memtrack: " + " ".join(data["report"].get("command") or []) or "memtrack"
-    return TEMPLATE.replace("__TITLE__", html.escape(title)).replace("__DATA__", blob)
+    return TEMPLATE.replace("__TITLE__", html.escape(title)).replace(
+        "__REGIONS_SCRIPT__", regions.HTML_SCRIPT).replace("__DATA__", blob)
 
 
 def write_html(con: duckdb.DuckDBPyConnection, out: Path, opts: ReportOptions | None = None,
@@ -90,10 +94,13 @@ tr:nth-child(even) td { background: #f6f6f6; }
 .plot .heap { fill: none; stroke: #c33; stroke-width: 1.5; }
 .plot .rss { fill: none; stroke: #36c; stroke-width: 1.5; }
 .plot .axis { stroke: #888; } small { color: #666; }
+th[data-sorted="asc"]::after { content: " \25B4"; }
+th[data-sorted="desc"]::after { content: " \25BE"; }
 </style></head>
 <body data-status="loading">
 <h1>__TITLE__</h1>
 <div id="totals"></div>
+<div id="regions"></div>
 <h2>Flame graph <small>(root at the top; click to zoom, click the root to reset)</small></h2>
 <div id="metric"></div>
 <div id="flame"></div>
@@ -260,7 +267,8 @@ function tables() {
   }
 }
 
-totals(); metricButtons(); flame(); timeline(); tables();
+__REGIONS_SCRIPT__
+totals(); regions(); metricButtons(); flame(); timeline(); tables();
 window.addEventListener("resize", flame);
 if (document.body.dataset.status === "loading") document.body.dataset.status = "ok";
 </script>

@@ -220,10 +220,10 @@ class RunReader:
             USING (stack_id) ORDER BY sf.stack_id, sf.depth""").to_arrow_table()
         sid = seq.column("stack_id").to_numpy()
         fid = seq.column("frame_id").to_numpy()
-        cut = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]]) if len(sid) else sid
+        cut = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
         keys: dict[int, Backtrace] = {
             int(sid[a]): tuple(f.tolist()) for a, f in zip(cut.tolist(), np.split(fid, cut[1:]),
-                                                           strict=True)}
+                                                           strict=True)} if len(sid) else {}
         rows = sorted((Cost(keys[bt] if bt is not None else None, *rest) for bt, *rest in raw),
                       key=lambda r: (r.pid, r.backtrace is not None, r.backtrace or ()))
         frames: dict[int, list[tuple[str, str | None, int | None, int | None]]] = {}
@@ -242,10 +242,16 @@ class RunReader:
     def sites(self, metric: str, top: int = 10, backtraces: int = 3) -> list[dict[str, Any]]:
         """The `top` allocation sites by `metric`, each with its `backtraces` costliest
         backtraces (frames from the site outward)."""
-        col, counted = METRICS[metric], COUNTED[metric]
+        return self.sites_of(f"SELECT * FROM stack_costs WHERE {self.where()}",
+                             METRICS[metric], COUNTED[metric], top, backtraces)
+
+    def sites_of(self, costs: str, col: str, counted: str, top: int = 10,
+                 backtraces: int = 3) -> list[dict[str, Any]]:
+        """`sites` over any relation of per-stack costs (the SQL of one, with stack_id,
+        the value column `col` and the count of allocations it counts `counted`)."""
         rows = self.con.execute(f"""
             WITH per_stack AS (
-                SELECT stack_id, sum({col}) AS v FROM stack_costs WHERE {self.where()}
+                SELECT stack_id, sum({col}) AS v FROM ({costs})
                 GROUP BY stack_id HAVING sum({counted}) > 0),
             per_backtrace AS (
                 SELECT b.backtrace_id AS stack_id, sum(s.v) AS v

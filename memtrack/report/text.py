@@ -33,6 +33,8 @@ class ReportOptions:
 
 def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = None) -> dict:
     """Everything the report shows, as plain data (the --format json output)."""
+    from memtrack.report.regions import RegionReader
+
     opts = opts or ReportOptions()
     run = RunReader(con, opts.pid)
     return {
@@ -44,6 +46,7 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
         "sections": {k: run.sites(metric, opts.top, opts.backtraces)
                      for k, (_, metric, _) in SECTIONS.items()},
         "losses": {k: v for k, v in json.loads(run.meta.get("losses", "{}")).items() if v},
+        "regions": RegionReader(run).rows(),
     }
 
 
@@ -101,25 +104,34 @@ def format_text(data: dict) -> str:
             lines.append(f"  ({len(data['processes']) - len(procs)} more with fewer calls: "
                          "--format json lists them all)")
     lines += loss_lines(data["losses"])
+    if data.get("regions"):
+        from memtrack.report.regions import region_table_lines
+
+        lines += ["", *region_table_lines(data["regions"])]
     for key, (title, _, noun) in SECTIONS.items():
-        lines += ["", title]
-        entries = data["sections"][key]
-        if not entries:
-            lines.append("  (none)")
-        for e in entries:
-            where = f" ({e['file']}:{e['line']})" if e["file"] else ""
-            lines.append(f"{_value(e['value'], noun)} from {e['location']}{where}"
-                         f" in {e['stacks']} backtrace{'s' if e['stacks'] != 1 else ''}")
-            for bt in e["backtraces"]:
-                lines.append(f"    {_value(bt['value'], noun)} from:")
-                frames = bt["frames"] or [{"function": NO_STACK, "file": None}]
-                for f in frames[:MAX_FRAMES]:
-                    loc = f"  {f['file']}:{f['line']}" if f.get("file") else ""
-                    lines.append(f"      {f['function']}{loc}")
-                if len(frames) > MAX_FRAMES:
-                    lines.append(f"      ... {len(frames) - MAX_FRAMES} outer frames "
-                                 "(--format json has them all)")
+        lines += section_lines(title, data["sections"][key], noun)
     return "\n".join(lines) + "\n"
+
+
+def section_lines(title: str, entries: list[dict], noun: str) -> list[str]:
+    """One section of allocation sites (`sites` of the run reader) with backtraces."""
+    lines = ["", title]
+    if not entries:
+        lines.append("  (none)")
+    for e in entries:
+        where = f" ({e['file']}:{e['line']})" if e["file"] else ""
+        lines.append(f"{_value(e['value'], noun)} from {e['location']}{where}"
+                     f" in {e['stacks']} backtrace{'s' if e['stacks'] != 1 else ''}")
+        for bt in e["backtraces"]:
+            lines.append(f"    {_value(bt['value'], noun)} from:")
+            frames = bt["frames"] or [{"function": NO_STACK, "file": None}]
+            for f in frames[:MAX_FRAMES]:
+                loc = f"  {f['file']}:{f['line']}" if f.get("file") else ""
+                lines.append(f"      {f['function']}{loc}")
+            if len(frames) > MAX_FRAMES:
+                lines.append(f"      ... {len(frames) - MAX_FRAMES} outer frames "
+                             "(--format json has them all)")
+    return lines
 
 
 def report_json(data: dict) -> str:

@@ -18,7 +18,7 @@ from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember
 # the codes of the artifact's columns, re-exported: the contract is read from here
 __all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember"]
 
-FORMAT_VERSION = "2.0"
+FORMAT_VERSION = "2.1"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
@@ -46,6 +46,10 @@ VDSO_PATH = "[vdso]"
 #   MADVISE      addr = start, size = length, flags = advice (MADV_*)
 #   MREMAP       addr = new address, old_addr = old address, size = new length,
 #                flags = mremap flags (low 8 bits) | old length << 8
+#   REGION       pid/tid = the thread that sent begin/end on the control FIFO,
+#                flags = REGION_BEGIN (1) at its begin, 0 at its end,
+#                addr = the region id (region_names.arrow names it; ids start at 1);
+#                written by capture into the events ring before it answers "ok"
 # stack_hash is 0 where no stack was captured.
 EVENTS = pa.schema(
     [
@@ -195,6 +199,14 @@ PROCESSES = pa.schema(
     ]
 )
 
+# The name of each region (events of kind REGION carry its id), one row when it begins.
+REGION_NAMES = pa.schema(
+    [
+        ("region_id", pa.uint64()),
+        ("name", pa.string()),
+    ]
+)
+
 # Every Arrow file of an artifact: name -> schema. All are IPC streams with zstd
 # buffers, written batch by batch, so a capture killed mid-way leaves files that are
 # readable up to their last whole batch.
@@ -206,6 +218,7 @@ TABLES: dict[str, pa.Schema] = {
     "mappings": MAPPINGS,
     "processes": PROCESSES,
     "faults": FAULTS,
+    "region_names": REGION_NAMES,
 }
 
 # Loss counters the manifest always carries (0 when nothing was lost). Stages may add

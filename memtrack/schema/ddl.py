@@ -13,7 +13,7 @@ import duckdb
 
 from memtrack.schema.enums import Allocator, EndReason, EventKind, RssCause, RssMember, names
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class RunError(Exception):
@@ -74,11 +74,39 @@ CREATE TABLE heap_peak (pid UINTEGER, peak_event_id UBIGINT, peak_ts UBIGINT,
 CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT,
     cause rss_cause);
 CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
+CREATE TABLE regions (region_id UBIGINT, name VARCHAR, pid UINTEGER, tid UINTEGER,
+    parent_id UBIGINT, depth UINTEGER, begin_event_id UBIGINT, end_event_id UBIGINT,
+    begin_ts UBIGINT, end_ts UBIGINT, ended BOOLEAN);
+CREATE TABLE region_allocations (region_id UBIGINT, alloc_id UBIGINT);
+CREATE TABLE region_frees (region_id UBIGINT, alloc_id UBIGINT);
+CREATE TABLE region_heap_timeline (region_id UBIGINT, event_id UBIGINT, ts UBIGINT,
+    delta BIGINT, heap_bytes BIGINT);
+CREATE TABLE region_peak (region_id UBIGINT, peak_event_id UBIGINT, peak_ts UBIGINT,
+    peak_bytes BIGINT);
 """
 
 # An allocation's site is its first logical frame outside the allocator function (depth
 # 1), as heaptrack reports it; the allocator itself where the stack has no caller.
 SITE_DEPTH = "CASE WHEN s.depth > 1 THEN 1 ELSE 0 END"
+
+# Region attribution (regions come from memtrack.process.regions; per thread they nest).
+# `bounds`: after each region boundary of a thread (its event and time), the innermost
+# region it has open (0: none; where several close at one event, an exit, the
+# outermost's parent); an event of the thread belongs to the innermost region of its
+# last boundary before it (an ASOF join: sorted, not a range join per region) and to
+# that region's ancestors. The same holds for any time series of the process (RSS),
+# seen from each thread that has regions.
+REGION_SCOPE = """
+    WITH RECURSIVE ancestors(region_id, ancestor_id) AS (
+        SELECT region_id, region_id FROM regions
+        UNION ALL
+        SELECT a.region_id, r.parent_id FROM ancestors a
+        JOIN regions r ON r.region_id = a.ancestor_id WHERE r.parent_id IS NOT NULL),
+    bounds AS (
+        SELECT pid, tid, begin_event_id AS event_id, begin_ts AS ts, region_id FROM regions
+        UNION ALL
+        SELECT pid, tid, end_event_id, min(end_ts), arg_min(coalesce(parent_id, 0), depth)
+        FROM regions WHERE end_event_id IS NOT NULL GROUP BY pid, tid, end_event_id)"""
 
 # heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak and
 # backtraces are derived once loaded (as views every report would redo them). A
@@ -98,10 +126,57 @@ DERIVED = {
             SELECT stack_id, sum(hash(frame_id, depth)::HUGEINT) AS key, count(*) AS n
             FROM backtrace_frames GROUP BY stack_id)
         SELECT stack_id, min(stack_id) OVER (PARTITION BY key, n) FROM k ORDER BY stack_id""",
+    # allocations made by a region's thread inside it (or inside a region nested in it)
+    "region_allocations": f"""
+        INSERT INTO region_allocations
+        {REGION_SCOPE},
+        innermost AS (
+            SELECT a.alloc_id, b.region_id FROM allocations a ASOF JOIN bounds b
+            ON a.pid = b.pid AND a.tid = b.tid AND a.event_id > b.event_id
+            WHERE b.region_id <> 0)
+        SELECT s.ancestor_id, i.alloc_id FROM innermost i JOIN ancestors s USING (region_id)
+        ORDER BY 1, 2""",
+    # blocks (allocated anywhere in the process) freed by a region's thread inside it
+    "region_frees": f"""
+        INSERT INTO region_frees
+        {REGION_SCOPE},
+        freed AS (SELECT alloc_id, pid, free_tid, free_event_id FROM allocations
+                  WHERE free_event_id IS NOT NULL),
+        innermost AS (
+            SELECT f.alloc_id, b.region_id FROM freed f ASOF JOIN bounds b
+            ON f.pid = b.pid AND f.free_tid = b.tid AND f.free_event_id > b.event_id
+            WHERE b.region_id <> 0)
+        SELECT s.ancestor_id, i.alloc_id FROM innermost i JOIN ancestors s USING (region_id)
+        ORDER BY 1, 2""",
+    # the heap above the region's begin after each change its thread made inside it
+    "region_heap_timeline": """
+        INSERT INTO region_heap_timeline
+        WITH d AS (
+            SELECT ra.region_id, a.event_id, a.ts, a.size::BIGINT AS delta
+            FROM region_allocations ra JOIN allocations a USING (alloc_id)
+            UNION ALL
+            SELECT rf.region_id, a.free_event_id, a.free_ts, -a.size::BIGINT
+            FROM region_frees rf JOIN allocations a USING (alloc_id)),
+        g AS (SELECT region_id, event_id, min(ts) AS ts, sum(delta)::BIGINT AS delta FROM d
+              GROUP BY region_id, event_id)
+        SELECT region_id, event_id, ts, delta,
+               sum(delta) OVER (PARTITION BY region_id ORDER BY event_id
+                                ROWS UNBOUNDED PRECEDING)::BIGINT
+        FROM g ORDER BY region_id, event_id""",
+    "region_peak": """
+        INSERT INTO region_peak
+        SELECT region_id, arg_min(event_id, (-heap_bytes, event_id)),
+               arg_min(ts, (-heap_bytes, event_id)), max(heap_bytes)
+        FROM region_heap_timeline GROUP BY region_id HAVING max(heap_bytes) > 0
+        ORDER BY region_id""",
 }
 
 # A leaked allocation: never freed, its process exec'd or exited or the capture ended.
 LEAKED = "end_reason IN ('exec', 'exit', 'end')"
+# An allocation `a` of region `r` still alive when the region closed (a block that
+# ends by the very event that closed the region, an exit, was alive until then).
+NEVER = "18446744073709551615::UBIGINT"
+ALIVE_AT_END = (f"coalesce(a.end_event_id, {NEVER}) >= coalesce(r.end_event_id, {NEVER})")
 
 # Views. A stack's logical frames run from the allocator itself (position 0) outward,
 # inline levels innermost first. An allocation's *location* is its site (SITE_DEPTH).
@@ -192,13 +267,71 @@ SELECT coalesce(s.function, i.function) AS function,
        coalesce(i.peak, s.peak)::BIGINT AS incl_peak_bytes,
        coalesce(i.leaked, s.leaked)::BIGINT AS incl_leaked_bytes
 FROM self s FULL JOIN incl i ON s.function = i.function;
-""".replace("{leaked}", LEAKED).replace("{site}", SITE_DEPTH)
+
+
+CREATE VIEW region_stack_costs AS
+SELECT ra.region_id, a.stack_id, count(*) AS calls, sum(a.size)::BIGINT AS bytes,
+       count(*) FILTER (WHERE a.temporary) AS temporary,
+       count(*) FILTER (WHERE {at_peak}) AS peak_calls,
+       coalesce(sum(a.size) FILTER (WHERE {at_peak}), 0)::BIGINT AS peak_bytes,
+       count(*) FILTER (WHERE {alive}) AS alive_calls,
+       coalesce(sum(a.size) FILTER (WHERE {alive}), 0)::BIGINT AS alive_bytes,
+       count(*) FILTER (WHERE {leaked}) AS leaked_calls,
+       coalesce(sum(a.size) FILTER (WHERE {leaked}), 0)::BIGINT AS leaked_bytes
+FROM region_allocations ra JOIN allocations a USING (alloc_id)
+JOIN regions r USING (region_id) LEFT JOIN region_peak p USING (region_id)
+GROUP BY ra.region_id, a.stack_id;
+
+CREATE VIEW region_metrics AS
+{scope},
+c AS (
+    SELECT region_id, sum(calls)::BIGINT AS calls, sum(bytes)::BIGINT AS bytes,
+           sum(temporary)::BIGINT AS temporary, sum(alive_calls)::BIGINT AS alive_calls,
+           sum(alive_bytes)::BIGINT AS alive_bytes, sum(leaked_calls)::BIGINT AS leaked_calls,
+           sum(leaked_bytes)::BIGINT AS leaked_bytes
+    FROM region_stack_costs GROUP BY region_id),
+f AS (SELECT rf.region_id, count(*) AS frees, sum(a.size)::BIGINT AS freed_bytes
+      FROM region_frees rf JOIN allocations a USING (alloc_id) GROUP BY 1),
+t AS MATERIALIZED (
+    SELECT pid, ts, rss FROM rss_timeline WHERE pid IN (SELECT pid FROM regions)),
+rss_begin AS (
+    SELECT r.region_id, t.rss FROM regions r ASOF JOIN t
+    ON t.pid = r.pid AND t.ts <= r.begin_ts),
+seen AS (  -- each RSS sample, once per thread of its process that has regions
+    SELECT th.tid, t.* FROM (SELECT DISTINCT pid, tid FROM regions) th JOIN t USING (pid)),
+rss_inner AS (  -- in (begin, end]: the last boundary strictly before the sample
+    SELECT b.region_id, max(s.rss) AS rss FROM seen s ASOF JOIN bounds b
+    ON s.pid = b.pid AND s.tid = b.tid AND s.ts > b.ts WHERE b.region_id <> 0 GROUP BY 1),
+rss_in AS (
+    SELECT a.ancestor_id AS region_id, max(i.rss) AS rss
+    FROM rss_inner i JOIN ancestors a USING (region_id) GROUP BY 1)
+SELECT r.region_id, r.name, r.pid, r.tid, r.parent_id, r.depth, r.begin_ts, r.end_ts,
+       r.end_ts - r.begin_ts AS duration_ns, r.ended,
+       coalesce(c.calls, 0) AS calls, coalesce(c.bytes, 0) AS bytes,
+       CASE WHEN c.calls > 0 THEN c.bytes / c.calls END AS avg_size,
+       coalesce(c.temporary, 0) AS temporary,
+       coalesce(f.frees, 0) AS frees, coalesce(f.freed_bytes, 0) AS freed_bytes,
+       coalesce(p.peak_bytes, 0) AS peak_heap_bytes,
+       coalesce(p.peak_ts, r.begin_ts) AS peak_heap_ts,
+       coalesce(c.alive_calls, 0) AS alive_calls, coalesce(c.alive_bytes, 0) AS alive_bytes,
+       coalesce(c.leaked_calls, 0) AS leaked_calls, coalesce(c.leaked_bytes, 0) AS leaked_bytes,
+       b.rss AS rss_at_begin_bytes,
+       CASE WHEN b.rss IS NOT NULL OR i.rss IS NOT NULL
+            THEN greatest(coalesce(b.rss, 0), coalesce(i.rss, 0)) END AS peak_rss_bytes
+FROM regions r LEFT JOIN c USING (region_id) LEFT JOIN f USING (region_id)
+LEFT JOIN region_peak p USING (region_id) LEFT JOIN rss_begin b USING (region_id)
+LEFT JOIN rss_in i USING (region_id);
+""".replace("{leaked}", LEAKED).replace("{site}", SITE_DEPTH).replace(
+    "{alive}", ALIVE_AT_END).replace("{scope}", REGION_SCOPE.strip()).replace(
+    "{at_peak}", "a.event_id <= p.peak_event_id AND coalesce(a.end_event_id, "
+    f"{NEVER}) > p.peak_event_id")
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
-    "stack_frames", "frames", "rss",
+    "stack_frames", "frames", "rss", "regions",
 )  # fmt: skip
-DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces")
+DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces", "region_allocations",
+                 "region_frees", "region_heap_timeline", "region_peak")
 # The tables a run writes as Parquet (`process --parquet`, `process --dataset`).
 EXPORT_TABLES = ("meta", *TABLE_NAMES, *DERIVED_NAMES)
 

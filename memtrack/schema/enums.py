@@ -33,6 +33,7 @@ class EventKind(enum.IntEnum):
     EXIT = 11
     MADVISE = 12  # from the rss part (memtrack/bpf/rss.c), successful calls only
     MREMAP = 13  # idem
+    REGION = 14  # a region's begin or end (the control FIFO's begin/end: capture/regions.py)
 
 
 ALLOC_KINDS = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC, EventKind.ALIGNED_ALLOC)
@@ -129,6 +130,7 @@ _DASHED = frozenset((Method, Stop, Unresolved))
 
 CLONE_THREAD = 0x10000  # FORK `flags`: a new thread, not a new process
 EXIT_PROCESS = 0x1  # EXIT `flags`: the whole process exits (its last thread)
+REGION_BEGIN = 0x1  # REGION `flags`: the region begins (else it ends)
 
 # MMAP `flags` (low 32 bits; prot is in the high 32 bits)
 MAP_SHARED = 0x01

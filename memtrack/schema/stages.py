@@ -61,6 +61,25 @@ HEAP_TIMELINE = pa.schema([
     ("heap_bytes", pa.int64()),
 ])
 
+# regions (memtrack.process.regions): one row per region, by region_id (-> `regions`).
+# A region opens at its begin event and closes at its end event, or, never ended, at
+# its thread's exit or its process's exec (that event: ended = false), or at the
+# capture's end (end_event_id null). Per thread, regions nest: parent_id is the
+# innermost region open at its begin (null at depth 0).
+REGIONS = pa.schema([
+    ("region_id", pa.uint64()),
+    ("name", pa.string()),
+    ("pid", pa.uint32()),
+    ("tid", pa.uint32()),
+    ("parent_id", pa.uint64()),
+    ("depth", pa.uint32()),
+    ("begin_event_id", pa.uint64()),
+    ("end_event_id", pa.uint64()),
+    ("begin_ts", pa.uint64()),
+    ("end_ts", pa.uint64()),
+    ("ended", pa.bool_()),  # its end arrived (false: closed at exit, exec or the end)
+])
+
 # rss (memtrack.process.rss): each process's resident bytes per member over time as the
 # stage makes them effective, ts-ordered (-> `rss`).
 EFFECTIVE_RSS = pa.schema([
