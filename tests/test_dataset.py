@@ -20,10 +20,9 @@ from memtrack.cli import app
 from memtrack.process.dataset import append_run
 from memtrack.report import diff as diff_mod
 from memtrack.report.reader import RunReader
-from memtrack.schema.ddl import SCHEMA_VERSION
 from memtrack.report.text import ReportOptions, report_data
 from memtrack.schema.dataset import open_dataset_run
-from memtrack.schema.ddl import EXPORT_TABLES, open_run
+from memtrack.schema.ddl import EXPORT_TABLES, SCHEMA_VERSION, open_run
 
 runner = CliRunner()
 

@@ -9,7 +9,6 @@ report totals."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pytest
 from conftest import build
+from support.capture import spawn
 from typer.testing import CliRunner
 
 from memtrack.capture.parts import CaptureOptions
@@ -74,15 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                            ("rerun", "base", "c0ffee1"),
                                            ("head", "head", "d00d002")):
             art = tmp / f"{run_id}.memtrack"
-            with open(tmp / "stdout", "w") as f:
-                saved = os.dup(1)
-                os.dup2(f.fileno(), 1)
-                try:
-                    session = t.spawn([str(programs[build_name])], art)
-                finally:
-                    os.dup2(saved, 1)
-                    os.close(saved)
-                result = session.wait(timeout=120)
+            result = spawn(t, [str(programs[build_name])], art, tmp / "stdout", timeout=120)
             assert result.status == 0 and result.nonzero_losses() == {}
             db = tmp / f"{run_id}.duckdb"
             args = ["process", str(art), "-q", "--dataset", str(dataset), "--run-id", run_id,

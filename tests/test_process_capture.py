@@ -5,7 +5,6 @@ missing modules, and heaptrack side by side on the same programs. One BPF progra
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from typing import Any
 import duckdb
 import pytest
 from conftest import build
+from support.capture import spawn
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.pipeline import process
@@ -39,15 +39,8 @@ def tracker() -> Any:
 def capture(t: Any, tmp: Path, cmd: list[str], name: str, *,
             start_disabled: bool = False) -> tuple[Path, str]:
     out = tmp / "stdout"
-    with open(out, "w") as f:
-        saved = os.dup(1)
-        os.dup2(f.fileno(), 1)
-        try:
-            session = t.spawn(cmd, tmp / f"{name}.memtrack", start_disabled=start_disabled)
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        result = session.wait(timeout=120)
+    result = spawn(t, cmd, tmp / f"{name}.memtrack", out, timeout=120,
+                   start_disabled=start_disabled)
     assert result.status == 0
     assert result.nonzero_losses() == {}
     return tmp / f"{name}.memtrack", out.read_text()

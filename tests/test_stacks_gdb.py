@@ -6,7 +6,6 @@ frames are gdb's `bt` (past main), return address for return address."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 from conftest import build
+from support.capture import spawn
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.pipeline import process
@@ -81,15 +81,9 @@ def capture(cmd: list[str], tmp: Path) -> Path:
 
     out = tmp / "run.memtrack"
     opts = CaptureOptions(rss=False, modules=False)
-    with Tracker(opts) as tracker, open(tmp / "stdout", "w") as f:
-        saved = os.dup(1)
-        os.dup2(f.fileno(), 1)
-        try:
-            session = tracker.spawn(["setarch", "-R", *cmd], out, env=ENV, cwd=tmp)
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        result = session.wait(timeout=300)
+    with Tracker(opts) as tracker:
+        result = spawn(tracker, ["setarch", "-R", *cmd], out, tmp / "stdout", timeout=300,
+                       env=ENV, cwd=tmp)
     assert result.status == 0
     assert result.nonzero_losses() == {}
     return out

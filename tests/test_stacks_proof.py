@@ -4,7 +4,6 @@ frames of the record its hash names (tests/stack_proof.py), while the records st
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pytest
 from conftest import FIXTURES, build
+from support.capture import spawn
 from support.snaps import VARIANTS, build_fixture
 from support.stackproof import prove
 
@@ -89,15 +89,8 @@ def test_every_allocation_unwinds_as_its_record(tracker: Any, name: str,
                                                 tmp_path: Path) -> None:
     cmd = _cases(tmp_path)[name]()
     out = tmp_path / f"{name}.memtrack"
-    with open(tmp_path / "stdout", "w") as f:
-        saved = os.dup(1)
-        os.dup2(f.fileno(), 1)
-        try:
-            session = tracker.spawn(cmd, out, start_disabled=name == "cxx")
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        result = session.wait(timeout=120)
+    result = spawn(tracker, cmd, out, tmp_path / "stdout", timeout=120,
+                   start_disabled=name == "cxx")
     assert result.status == 0
     assert result.nonzero_losses() == {}
     art = Artifact.open(out)

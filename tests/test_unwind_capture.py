@@ -3,7 +3,6 @@ four ways, a thread, the system python3, and the `memtrack unwind` command."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from support.capture import spawn
 from support.snaps import VARIANTS, build_fixture
 
 from memtrack.capture.parts import CaptureOptions
@@ -38,16 +38,7 @@ def tracker() -> Any:
 
 
 def capture(t: Any, tmp: Path, cmd: list[str], name: str) -> Path:
-    out = tmp / "stdout"
-    with open(out, "w") as f:
-        saved = os.dup(1)
-        os.dup2(f.fileno(), 1)
-        try:
-            session = t.spawn(cmd, tmp / f"{name}.memtrack")
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        result = session.wait(timeout=120)
+    result = spawn(t, cmd, tmp / f"{name}.memtrack", tmp / "stdout", timeout=120)
     assert result.status == 0
     return tmp / f"{name}.memtrack"
 

@@ -3,9 +3,9 @@ JSON output) rendered as text or markdown (a pull-request comment).
 
 Both runs are read through the run reader (memtrack.report.reader). The diff is a list
 of sections (SECTIONS), each built from the two runs and rendered in text and markdown:
-the totals side by side, the processes and the regions matched by name, then per metric the allocation
-sites whose cost changed; a further section is one more DiffSection in that list. The
-gate (`--fail-above`) judges the totals.
+the totals side by side, the processes and the regions matched by name, then per metric
+the allocation sites whose cost changed; a further section is one more DiffSection in
+that list. The gate (`--fail-above`) judges the totals.
 
 Sites are matched across builds by call path (RunReader.call_paths): a site is its
 function and source file name, a backtrace the names and source files of its frames,
