@@ -11,7 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from support.synth import (
+    CHILD_PEAK,
     END_NS,
+    INHERITED,
     LEAKS,
     PEAK,
     SIZES,
@@ -52,7 +54,7 @@ def q(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
 
 def test_allocations_one_for_one(run: duckdb.DuckDBPyConnection) -> None:
     rows = q(run, "SELECT alloc_id, size, kind, pid, tid, ts, free_ts, lifetime_ns, end_reason,"
-                  " realloc_of FROM allocations ORDER BY alloc_id")
+                  " realloc_of FROM allocations WHERE inherited_from IS NULL ORDER BY alloc_id")
     assert [r[1] for r in rows] == SIZES
     assert [r[2] for r in rows] == ["malloc", "malloc", "malloc", "malloc", "realloc", "calloc",
                                     "malloc", "aligned_alloc", "malloc"]
@@ -64,9 +66,39 @@ def test_allocations_one_for_one(run: duckdb.DuckDBPyConnection) -> None:
     assert by_id[3][6:9] == (1500, 200, "free")
     assert by_id[7][6:9] == (2200, 100, "free")
     for aid, (reason, size) in LEAKS.items():
+        if aid in INHERITED:
+            continue
         assert by_id[aid][8] == reason and by_id[aid][1] == size and by_id[aid][6] is None
-    ends = dict(q(run, "SELECT alloc_id, end_ts FROM allocations WHERE free_ts IS NULL"))
+    ends = dict(q(run, "SELECT alloc_id, end_ts FROM allocations WHERE free_ts IS NULL "
+                       "AND inherited_from IS NULL"))
     assert ends == {4: END_NS, 5: END_NS, 6: 2000, 8: 2600}
+
+
+def test_inherited_blocks(run: duckdb.DuckDBPyConnection) -> None:
+    """Each pid 200 life gets a copy of D and E, alive in pid 100 at its fork: the
+    child's free of E's address ends its copy, the parent's blocks stay the parent's."""
+    rows = q(run, """
+        SELECT c.alloc_id, c.inherited_from, c.pid, c.tid, c.ts, c.event_id, c.size, c.addr,
+               c.stack_id IS NOT DISTINCT FROM o.stack_id, c.end_reason::VARCHAR, c.end_ts,
+               c.temporary, c.lifetime_ns
+        FROM allocations c JOIN allocations o ON o.alloc_id = c.inherited_from
+        ORDER BY c.alloc_id""")
+    forks = dict(q(run, "SELECT ts, event_id FROM events WHERE kind = 'fork'"))
+    sizes = {4: 4096, 5: 1000}
+    addrs = {4: 0xD0, 5: 0xE0}
+    assert rows == [
+        (aid, src, 200, 200, ts, forks[ts], sizes[src], addrs[src], True, reason, end, False,
+         end - ts if reason == "free" else None)
+        for aid, (src, ts, reason, end) in INHERITED.items()]
+    # the parent's D and E are untouched by the children
+    assert q(run, "SELECT alloc_id, end_reason::VARCHAR, end_ts FROM allocations "
+                  "WHERE alloc_id IN (4, 5) ORDER BY 1") == [(4, "end", END_NS),
+                                                             (5, "end", END_NS)]
+    # a copy is no call: it does not count in the calls and bytes allocated
+    assert q(run, "SELECT sum(calls), sum(bytes) FROM stack_costs") == [(len(SIZES),
+                                                                       sum(SIZES))]
+    assert q(run, "SELECT alloc_id FROM peak WHERE pid = 200 ORDER BY 1") == [
+        (a,) for a in CHILD_PEAK["alive"]]
 
 
 def test_leaks_exact(run: duckdb.DuckDBPyConnection) -> None:
@@ -83,8 +115,12 @@ def test_peak_exact(run: duckdb.DuckDBPyConnection) -> None:
     final = q(run, "SELECT heap_bytes FROM heap_timeline WHERE pid = 100 "
                    "ORDER BY event_id DESC LIMIT 1")
     assert final == [(4096 + 1000,)]
-    child = q(run, "SELECT pid, heap_bytes FROM heap_timeline WHERE pid = 200 ORDER BY event_id")
-    assert child == [(200, 64), (200, 0), (200, 128), (200, 0)]
+    child = q(run, "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = 200 ORDER BY event_id")
+    de = 4096 + 1000  # the copies of D and E at each fork
+    assert child == [(1800, de), (1900, de + 64), (1950, 4096 + 64), (2000, 0), (2300, de),
+                     (2500, de + 128), (2600, 0)]
+    assert q(run, "SELECT peak_ts, peak_bytes FROM heap_peak WHERE pid = 200") == [
+        (CHILD_PEAK["ts"], CHILD_PEAK["bytes"])]
 
 
 def test_temporary(run: duckdb.DuckDBPyConnection) -> None:
@@ -113,7 +149,7 @@ def test_parquet_dirs(run: duckdb.DuckDBPyConnection, tmp_path_factory) -> None:
     root = next(Path(tmp_path_factory.getbasetemp()).glob("proc*")) / "pq"
     assert (root / "allocations" / "data.parquet").is_file()
     n = duckdb.sql(f"SELECT count(*) FROM '{root}/allocations/*.parquet'").fetchone()[0]
-    assert n == 9
+    assert n == len(SIZES) + len(INHERITED)
 
 
 def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:

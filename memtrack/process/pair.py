@@ -4,6 +4,9 @@ Rules (docs/DESIGN.md, Process):
 - every event of an allocation kind with a non-null address is one allocation;
 - a realloc is the free of its old block (old_addr) followed, in the same event, by a
   new allocation linked to the old one (`realloc_of`);
+- a forked child that allocates or frees before its exec or exit inherits a copy of
+  every block alive in its parent at the fork (`inherited_from`: the parent's block):
+  its frees end the copies, the parent's frees the originals;
 - an allocation's lifetime ends at the first later free of the same address in the same
   process; a process instance is bounded by fork (a child starts), exec and exit, so a
   reused pid never pairs with its predecessor's blocks;
@@ -20,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.schema.enums import EndReason, EventKind
+from memtrack.schema.enums import CLONE_VM, EndReason, EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
 END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
@@ -50,101 +53,48 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     if end_ts is None or (n and end_ts < int(col["ts"][-1])):
         end_ts = int(col["ts"][-1]) if n else 0
 
-    # Process-instance boundaries: (pid, event index, kind of boundary).
-    forks, execs, exits = life.forks, life.execs, life.process_exits
-    b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
-                            exits["pid"].to_numpy()]).astype(np.int64)
-    b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
-                            exits["event_id"].to_numpy()]).astype(np.int64)
-    b_reason = np.concatenate([
-        np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
-        np.full(exits.num_rows, END_EXIT)])  # fmt: skip
-    stride = n + 1
-    b_key = b_pid * stride + b_eid
-    border = np.argsort(b_key, kind="stable")
-    b_key, b_pid, b_eid, b_reason = b_key[border], b_pid[border], b_eid[border], b_reason[border]
-
-    def instance(p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """How many boundaries of process p came at or before event e."""
-        return np.searchsorted(b_key, p * stride + e, side="right") - np.searchsorted(
-            b_key, p * stride, side="left"
-        )
-
     is_alloc_kind = (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC)
     a_mask = is_alloc_kind & (addr != 0)
     f_mask = (kind == EventKind.FREE) & (addr != 0)
     r_mask = (kind == EventKind.REALLOC) & (old != 0)
-    a_eid, f_eid, r_eid = eid[a_mask], eid[f_mask], eid[r_mask]
+    a_eid = eid[a_mask]
     n_alloc = len(a_eid)
+    m = _Matcher(life, n, pid)
+    m.frees(np.concatenate([eid[f_mask], eid[r_mask]]),
+            np.concatenate([addr[f_mask], old[r_mask]]),
+            np.concatenate([np.zeros(int(f_mask.sum()), bool), np.ones(int(r_mask.sum()), bool)]))
+    m.blocks(a_eid, pid[a_eid], addr[a_eid], np.full(n_alloc, -1, np.int64))
+    m.match(np.arange(n_alloc), np.arange(len(m.f_ev)))
+    m.inherit(life.forks)
 
-    # Operations: frees (sub 0) before the allocation (sub 1) of the same event.
-    op_eid = np.concatenate([a_eid, f_eid, r_eid])
-    op_addr = np.concatenate([addr[a_mask], addr[f_mask], old[r_mask]])
-    op_sub = np.concatenate([np.ones(n_alloc, np.int8), np.zeros(len(f_eid) + len(r_eid),
-                                                                 np.int8)])
-    op_is_realloc_free = np.concatenate([np.zeros(n_alloc + len(f_eid), bool),
-                                         np.ones(len(r_eid), bool)])
-    op_pid = pid[op_eid]
-    op_inst = instance(op_pid, op_eid)
-    order = np.lexsort((op_sub, op_eid, op_addr, op_inst, op_pid))
-    s_eid, s_addr, s_sub = op_eid[order], op_addr[order], op_sub[order]
-    s_pid, s_inst, s_rf = op_pid[order], op_inst[order], op_is_realloc_free[order]
-    s_alloc_index = order  # < n_alloc: index of the allocation (ops are allocs first)
-
-    same_next = np.zeros(len(order), bool)
-    if len(order) > 1:
-        same_next[:-1] = (s_pid[1:] == s_pid[:-1]) & (s_inst[1:] == s_inst[:-1]) & (
-            s_addr[1:] == s_addr[:-1])
-    is_a = s_sub == 1
-    nxt = np.minimum(np.arange(len(order)) + 1, max(len(order) - 1, 0))
-    freed = is_a & same_next & (s_sub[nxt] == 0)
-    reused = is_a & same_next & (s_sub[nxt] == 1)
-
-    # Frees that end nothing (block allocated before tracking, by an untracked
-    # allocator, inherited across fork, or a double free).
-    prev_is_alloc = np.zeros(len(order), bool)
-    if len(order) > 1:
-        prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
-    unmatched_free = (~is_a) & ~prev_is_alloc
-
-    ai = s_alloc_index[is_a]  # allocation index of each sorted alloc op
-    free_eid = np.full(n_alloc, -1, np.int64)
-    end_eid = np.full(n_alloc, -1, np.int64)
-    reason = np.full(n_alloc, END_END, np.uint8)
-    f_rows = freed[is_a]
-    u_rows = reused[is_a]
-    nx_eid = s_eid[nxt][is_a]
-    free_eid[ai[f_rows]] = nx_eid[f_rows]
-    end_eid[ai[f_rows | u_rows]] = nx_eid[f_rows | u_rows]
-    reason[ai[f_rows]] = np.where(s_rf[nxt][is_a][f_rows], END_REALLOC, END_FREE)
-    reason[ai[u_rows]] = END_REUSED
-
-    # Never freed: bounded by the next exec/exit of the process instance, if any.
-    open_ = end_eid < 0
-    a_pid = pid[a_eid]
-    if len(b_key) and open_.any():
-        j = np.searchsorted(b_key, a_pid[open_] * stride + a_eid[open_], side="right")
-        jc = np.minimum(j, len(b_key) - 1)
-        hit = (j < len(b_key)) & (b_pid[jc] == a_pid[open_])
-        idx = np.flatnonzero(open_)[hit]
-        end_eid[idx] = b_eid[jc[hit]]
-        reason[idx] = b_reason[jc[hit]]
+    # The allocations in event order, then the copies forked children inherited (in
+    # fork order): the rows and their alloc_id.
+    nb = len(m.b_ev)
+    order = np.lexsort((np.arange(nb), m.b_ev, m.src >= 0))
+    rank = np.empty(nb, np.int64)
+    rank[order] = np.arange(nb)
+    b_ev, b_pid, end_eid = m.b_ev[order], m.b_pid[order], m.end[order]
+    free_eid, reason = m.free[order], m.reason[order]
+    origin = m.origin[order]  # the allocation (index into a_eid) each block copies
+    src = m.src[order]
+    inherited = src >= 0
+    o_eid = a_eid[origin]
 
     ts = col["ts"]
-    a_ts = ts[a_eid]
+    b_ts = ts[b_ev]
     has_free = free_eid >= 0
     has_end = end_eid >= 0
     free_ts = np.where(has_free, ts[np.where(has_free, free_eid, 0)], 0)
     end_ts_a = np.where(has_end, ts[np.where(has_end, end_eid, 0)], np.uint64(end_ts))
     free_tid = np.where(has_free, col["tid"][np.where(has_free, free_eid, 0)], 0)
 
-    # realloc_of: the allocation whose block a realloc event freed.
-    realloc_of = np.full(n_alloc, -1, np.int64)
+    # realloc_of: the block a realloc event freed.
+    realloc_of = np.full(nb, -1, np.int64)
     by_free_event = np.full(n, -1, np.int64)
     rr = reason == END_REALLOC
     by_free_event[free_eid[rr]] = np.flatnonzero(rr)
-    is_realloc_alloc = kind[a_eid] == EventKind.REALLOC
-    realloc_of[is_realloc_alloc] = by_free_event[a_eid[is_realloc_alloc]]
+    is_realloc_alloc = (kind[b_ev] == EventKind.REALLOC) & ~inherited
+    realloc_of[is_realloc_alloc] = by_free_event[b_ev[is_realloc_alloc]]
 
     # temporary (heaptrack's definition, per thread): the thread's next allocator event
     # after the allocation is the one that freed it.
@@ -156,24 +106,25 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         col["tid"][h_sorted][1:] == col["tid"][h_sorted][:-1])
     next_eid = np.full(n, -1, np.int64)
     next_eid[h_sorted[:-1][same_thread]] = h_sorted[1:][same_thread]
-    temporary = has_free & (next_eid[a_eid] == free_eid)
+    temporary = has_free & ~inherited & (next_eid[b_ev] == free_eid)
 
     def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
         dtype = np.uint32 if typ == pa.uint32() else np.uint64
         return pa.array(values.astype(dtype), type=typ, mask=~valid)
 
+    inherited_from = np.where(inherited, rank[np.maximum(src, 0)], -1)
     table = pa.table(
         {
-            "alloc_id": pa.array(np.arange(n_alloc, dtype=np.uint64)),
-            "event_id": pa.array(col["event_id"][a_eid]),
-            "pid": pa.array(col["pid"][a_eid]),
-            "tid": pa.array(col["tid"][a_eid]),
-            "ts": pa.array(a_ts),
-            "kind": pa.array(kind[a_eid]),
-            "allocator": pa.array(col["allocator"][a_eid]),
-            "addr": pa.array(addr[a_eid]),
-            "size": pa.array(col["size"][a_eid]),
-            "stack_hash": pa.array(col["stack_hash"][a_eid]),
+            "alloc_id": pa.array(np.arange(nb, dtype=np.uint64)),
+            "event_id": pa.array(col["event_id"][b_ev]),
+            "pid": pa.array(b_pid.astype(np.uint32)),
+            "tid": pa.array(np.where(inherited, b_pid, col["tid"][b_ev]).astype(np.uint32)),
+            "ts": pa.array(b_ts),
+            "kind": pa.array(kind[o_eid]),
+            "allocator": pa.array(col["allocator"][o_eid]),
+            "addr": pa.array(addr[o_eid]),
+            "size": pa.array(col["size"][o_eid]),
+            "stack_hash": pa.array(col["stack_hash"][o_eid]),
             "free_ts": nullable(free_ts, has_free, pa.uint64()),
             "free_event_id": nullable(free_eid, has_free, pa.uint64()),
             "free_tid": nullable(free_tid, has_free, pa.uint32()),
@@ -181,24 +132,183 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
             "end_event_id": nullable(end_eid, has_end, pa.uint64()),
             "end_reason": pa.array(reason),
             "lifetime_ns": nullable(
-                free_ts.astype(np.int64) - a_ts.astype(np.int64), has_free, pa.uint64()
+                free_ts.astype(np.int64) - b_ts.astype(np.int64), has_free, pa.uint64()
             ),
             "realloc_of": nullable(realloc_of, realloc_of >= 0, pa.uint64()),
             "temporary": pa.array(temporary),
+            "inherited_from": nullable(inherited_from, inherited, pa.uint64()),
         },
         schema=ALLOCATIONS,
     )
     counters = {
         "allocations": n_alloc,
-        "frees": len(f_eid),
+        "allocations_inherited": int(inherited.sum()),
+        "frees": int(f_mask.sum()),
         "reallocs": int(is_realloc_alloc.sum()),
-        "frees_unmatched": int(unmatched_free.sum()),
+        "frees_unmatched": int((~m.f_matched).sum()),
         "allocations_reused_without_free": int((reason == END_REUSED).sum()),
-        "allocations_not_freed": int((reason >= END_EXEC).sum()),
+        "allocations_not_freed": int((reason[~inherited] >= END_EXEC).sum()),
         "failed_allocations": int((is_alloc_kind & (addr == 0)).sum()),
     }
-    timeline = _heap_timeline(a_pid, a_eid, end_eid, col["size"][a_eid].astype(np.int64), ts)
+    timeline = _heap_timeline(b_pid, b_ev, end_eid, col["size"][o_eid].astype(np.int64), ts)
     return Pairing(table, timeline, counters)
+
+
+class _Matcher:
+    """Blocks (allocations, and the copies a forked child inherits) matched with the
+    frees that end them, process life by process life.
+
+    A block's life in its process ends at the first later free of its address in the
+    same process instance (a process instance is bounded by fork: a child starts,
+    exec and exit), or where that address is handed out again (`reused`: a free that
+    was not recorded), else at the instance's next exec or exit (a leak), else at the
+    capture's end. Events are indexed by their position (`ev`)."""
+
+    def __init__(self, life: Lifecycle, n: int, pid: np.ndarray) -> None:
+        forks, execs, exits = life.forks, life.execs, life.process_exits
+        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
+                                exits["pid"].to_numpy()]).astype(np.int64)
+        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
+                                exits["event_id"].to_numpy()]).astype(np.int64)
+        b_reason = np.concatenate([
+            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
+            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
+        self.stride = n + 1
+        key = b_pid * self.stride + b_eid
+        order = np.argsort(key, kind="stable")
+        self.bound_key, self.bound_pid = key[order], b_pid[order]
+        self.bound_eid, self.bound_reason = b_eid[order], b_reason[order]
+        self.n, self.pid = n, pid
+
+    def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """How many boundaries of process p came at or before event e."""
+        return np.searchsorted(self.bound_key, p * self.stride + e, side="right") - \
+            np.searchsorted(self.bound_key, p * self.stride, side="left")
+
+    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Index into the boundaries of process p's first one after event e, -1: none."""
+        j = np.searchsorted(self.bound_key, p * self.stride + e, side="right")
+        jc = np.minimum(j, max(len(self.bound_key) - 1, 0))
+        hit = (j < len(self.bound_key)) & (self.bound_pid[jc] == p) if len(self.bound_key) \
+            else np.zeros(len(j), bool)
+        return np.where(hit, jc, -1)
+
+    def frees(self, ev: np.ndarray, addr: np.ndarray, by_realloc: np.ndarray) -> None:
+        self.f_ev, self.f_addr, self.f_rf = ev, addr, by_realloc
+        self.f_pid = self.pid[ev]
+        self.f_inst = self.instance(self.f_pid, ev)
+        self.f_matched = np.zeros(len(ev), bool)
+        order = np.lexsort((ev, self.f_pid))
+        self.f_by_pid = order
+        self.f_pid_sorted = self.f_pid[order]
+
+    def blocks(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray, src: np.ndarray
+               ) -> None:
+        """The allocations (src -1) to match; inherited copies are added by `inherit`."""
+        self.b_ev, self.b_pid, self.b_addr, self.src = ev, pid, addr, src
+        self.origin = np.arange(len(ev), dtype=np.int64)
+        self.b_inst = self.instance(pid, ev)
+        nb = len(ev)
+        self.end = np.full(nb, -1, np.int64)
+        self.free = np.full(nb, -1, np.int64)
+        self.reason = np.full(nb, END_END, np.uint8)
+
+    def match(self, blocks: np.ndarray, frees: np.ndarray) -> None:
+        """Match these blocks with these frees (all of their processes' ones)."""
+        nb = len(blocks)
+        op_pid = np.concatenate([self.b_pid[blocks], self.f_pid[frees]])
+        op_inst = np.concatenate([self.b_inst[blocks], self.f_inst[frees]])
+        op_addr = np.concatenate([self.b_addr[blocks], self.f_addr[frees]])
+        op_ev = np.concatenate([self.b_ev[blocks], self.f_ev[frees]])
+        op_sub = np.concatenate([np.ones(nb, np.int8), np.zeros(len(frees), np.int8)])
+        op_ref = np.concatenate([blocks, frees])
+        # frees (sub 0) before the allocation (sub 1) of the same event
+        order = np.lexsort((op_sub, op_ev, op_addr, op_inst, op_pid))
+        s_ev, s_sub, s_ref = op_ev[order], op_sub[order], op_ref[order]
+        k = len(order)
+        same_next = np.zeros(k, bool)
+        if k > 1:
+            same_next[:-1] = (op_pid[order][1:] == op_pid[order][:-1]) & (
+                op_inst[order][1:] == op_inst[order][:-1]) & (
+                op_addr[order][1:] == op_addr[order][:-1])
+        is_a = s_sub == 1
+        nxt = np.minimum(np.arange(k) + 1, max(k - 1, 0))
+        freed = is_a & same_next & (s_sub[nxt] == 0)
+        reused = is_a & same_next & (s_sub[nxt] == 1)
+        # Frees that end nothing (block allocated before tracking, by an untracked
+        # allocator, inherited across a vfork, or a double free).
+        prev_is_alloc = np.zeros(k, bool)
+        if k > 1:
+            prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
+        self.f_matched[s_ref[~is_a]] = prev_is_alloc[~is_a]
+        b = s_ref[is_a]
+        f_rows, u_rows = freed[is_a], reused[is_a]
+        nx_ev = s_ev[nxt][is_a]
+        self.end[b], self.free[b] = -1, -1
+        self.reason[b] = END_END
+        self.free[b[f_rows]] = nx_ev[f_rows]
+        self.end[b[f_rows | u_rows]] = nx_ev[f_rows | u_rows]
+        by_realloc = self.f_rf[s_ref[nxt][is_a][f_rows]]
+        self.reason[b[f_rows]] = np.where(by_realloc, END_REALLOC, END_FREE)
+        self.reason[b[u_rows]] = END_REUSED
+        # Never freed: bounded by the next exec/exit of the process instance, if any.
+        open_ = b[self.end[b] < 0]
+        j = self.next_boundary(self.b_pid[open_], self.b_ev[open_])
+        hit = j >= 0
+        self.end[open_[hit]] = self.bound_eid[j[hit]]
+        self.reason[open_[hit]] = self.bound_reason[j[hit]]
+
+    def inherit(self, forks: pa.Table) -> None:
+        """A forked child (not a vfork: CLONE_VM shares the parent's memory) gets a copy
+        of every block alive in its parent at the fork, in its own heap: its frees end
+        those copies, the parent's end the parent's blocks. Only a child that allocates
+        or frees before its exec or exit inherits (a fork + exec child's copy of its
+        parent's heap is never used: listing it would put the parent's heap in every
+        such child's peak and leaks). Forks go in event order, each child matched
+        again with its copies, so that a grandchild inherits its parent's copies as
+        they were at its own fork."""
+        fv = forks.filter(pa.array((forks["flags"].to_numpy() & CLONE_VM) == 0)) \
+            if forks.num_rows else forks
+        if fv.num_rows == 0:
+            return
+        f_ev = fv["event_id"].to_numpy().astype(np.int64)
+        parent = fv["parent"].to_numpy().astype(np.int64)
+        child = fv["child"].to_numpy().astype(np.int64)
+        # the child's heap events before its next boundary (exec, exit, a reused pid)
+        j = self.next_boundary(child, f_ev)
+        until = np.where(j >= 0, self.bound_eid[np.maximum(j, 0)], self.n)
+        h_key = np.sort(np.concatenate([self.b_pid * self.stride + self.b_ev,
+                                        self.f_pid * self.stride + self.f_ev]))
+        busy = np.searchsorted(h_key, child * self.stride + until, side="left") > \
+            np.searchsorted(h_key, child * self.stride + f_ev, side="right")
+        if not busy.any():
+            return
+        # blocks and frees by pid: the allocations once, the copies as they are added
+        real = np.lexsort((self.b_ev, self.b_pid))
+        real_pid = self.b_pid[real]
+        copies: dict[int, list[np.ndarray]] = {}
+        for e, p, c in zip(f_ev[busy].tolist(), parent[busy].tolist(), child[busy].tolist(),
+                           strict=True):
+            lo, hi = np.searchsorted(real_pid, [p, p + 1])
+            cand = np.concatenate([real[lo:hi], *copies.get(p, [])])
+            alive = cand[(self.b_ev[cand] < e) & ((self.end[cand] < 0) | (self.end[cand] > e))]
+            if not len(alive):
+                continue
+            new = np.arange(len(self.b_ev), len(self.b_ev) + len(alive))
+            k = len(alive)
+            self.b_ev = np.concatenate([self.b_ev, np.full(k, e, np.int64)])
+            self.b_pid = np.concatenate([self.b_pid, np.full(k, c, np.int64)])
+            self.b_addr = np.concatenate([self.b_addr, self.b_addr[alive]])
+            self.src = np.concatenate([self.src, alive])
+            self.origin = np.concatenate([self.origin, self.origin[alive]])
+            self.b_inst = np.concatenate([self.b_inst, self.instance(np.full(k, c), np.full(k, e))])
+            self.end = np.concatenate([self.end, np.full(k, -1, np.int64)])
+            self.free = np.concatenate([self.free, np.full(k, -1, np.int64)])
+            self.reason = np.concatenate([self.reason, np.full(k, END_END, np.uint8)])
+            copies.setdefault(c, []).append(new)
+            lo, hi = np.searchsorted(real_pid, [c, c + 1])
+            flo, fhi = np.searchsorted(self.f_pid_sorted, [c, c + 1])
+            self.match(np.concatenate([real[lo:hi], *copies[c]]), self.f_by_pid[flo:fhi])
 
 
 def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,

@@ -164,7 +164,7 @@ def process(
         res = st.run("rss", lambda: resident(tables, m))
         pairing = st.run("pair", lambda: pair(events, res.life, m.end_ns or None))
         summary.add(pairing.counters)
-        summary.allocations = pairing.allocations.num_rows
+        summary.allocations = pairing.counters["allocations"]
 
         store = ModuleStore(artifact_path, host_modules=host_modules)
         unwound = unwind_runs(tables.stacks, tables.mappings, store, summary, st, chunk_bytes)

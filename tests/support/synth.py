@@ -38,7 +38,7 @@ EVENT_ROWS = [
     (1700, 100, 100, K.FREE, 0, 0xF0, 0, 0, 0),
     (1800, 100, 100, K.FORK, 0, 200, 0, 0, 0),  # child 200
     (1900, 200, 200, K.MALLOC, 0, 0x60, 0, 64, 13),  # G: child, ends at its exit
-    (1950, 200, 200, K.FREE, 0, 0xE0, 0, 0, 0),  # inherited block: unmatched
+    (1950, 200, 200, K.FREE, 0, 0xE0, 0, 0, 0),  # frees its copy of E
     (2000, 200, 200, K.EXIT, 1, 0, 0, 3 << 8, 0),
     (2100, 100, 100, K.ALIGNED_ALLOC, 0, 0x80, 0, 512, 14),  # H: temporary
     (2200, 100, 100, K.FREE, 0, 0x80, 0, 0, 0),
@@ -48,12 +48,21 @@ EVENT_ROWS = [
     (2500, 200, 200, K.MALLOC, 0, 0x70, 0, 128, 0),  # X: leaked by the second 200
     (2600, 200, 200, K.EXIT, 1, 0, 0, 9, 0),  # killed by SIGKILL
 ]
-# alloc_id order: A B F C D E G H X
+# alloc_id order: A B F C D E G H X, then the copies each pid 200 inherits of the blocks
+# alive in pid 100 at its fork (D and E both times; both children allocate or free)
 SIZES = [512, 1024, 300, 2048, 4096, 1000, 64, 512, 128]
+# alloc_id: (the block copied, fork ts, end reason, end ts)
+INHERITED = {9: (4, 1800, "exit", 2000), 10: (5, 1800, "free", 1950),
+             11: (4, 2300, "exit", 2600), 12: (5, 2300, "exit", 2600)}
 PEAK = {"pid": 100, "ts": 1400, "bytes": 300 + 2048 + 4096, "alive": [2, 3, 4]}
-LEAKS = {5: ("end", 1000), 4: ("end", 4096), 6: ("exit", 64), 8: ("exit", 128)}
+# pid 200's peak: its second life after X's malloc (D, E copies and X)
+CHILD_PEAK = {"ts": 2500, "bytes": 4096 + 1000 + 128, "alive": [8, 11, 12]}
+# both processes together: D and E in pid 100 and in the second pid 200, and X
+PEAK_ALL = {"ts": 2500, "bytes": 2 * (4096 + 1000) + 128}
+LEAKS = {5: ("end", 1000), 4: ("end", 4096), 6: ("exit", 64), 8: ("exit", 128),
+         9: ("exit", 4096), 11: ("exit", 4096), 12: ("exit", 1000)}
 TEMPORARY = [0, 7]
-UNMATCHED_FREES = 3
+UNMATCHED_FREES = 2
 
 
 def events_table() -> pa.Table:
