@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -39,13 +41,17 @@ SITES = {1000: ["parent_alloc", *LIBC_START], 2001: ["child_work", *LIBC_START],
          4321: ["ctor_alloc", "call_init", "call_init", "_dl_init", "_dl_start_user"]}
 
 
+def fixture_exe() -> Path:
+    lib = build(["stacks/forkctor.c"], name="libforkctor", shared=True, flags=("-O1", "-g"))
+    return build(["stacks/forktree.c"], flags=("-O1", "-g"),
+                 libs=(str(lib), f"-Wl,-rpath,{lib.parent}"))
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[duckdb.DuckDBPyConnection,
                                                            tuple[int, int, int]]:
     d = tmp_path_factory.mktemp("forktree")
-    lib = build(["stacks/forkctor.c"], name="libforkctor", shared=True, flags=("-O1", "-g"))
-    exe = build(["stacks/forktree.c"], flags=("-O1", "-g"),
-                libs=(str(lib), f"-Wl,-rpath,{lib.parent}"))
+    exe = fixture_exe()
     art, db = d / "f.memtrack", d / "f.duckdb"
     cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", str(exe)],
                          capture_output=True, text=True, timeout=300)
@@ -156,3 +162,27 @@ def test_stacks_unwind_as_the_parents(run) -> None:
                 "ORDER BY position", [row[0]]).fetchall()]
             assert names == want, (pid, size)
             assert row[1:] == (True, "complete"), (pid, size)
+
+
+def test_leaks_match_valgrind(run, tmp_path: Path) -> None:
+    """valgrind --trace-children=yes as the oracle: each process's blocks in use at its
+    exit (the copies it inherited included) are the blocks memtrack says it leaked."""
+    assert shutil.which("valgrind"), "valgrind missing: run scripts/setup"
+    con, pids = run
+    r = subprocess.run(["valgrind", "--trace-children=yes",
+                        f"--log-file={tmp_path}/vg.%p", str(fixture_exe())],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (parent, child), = [(int(a), int(b)) for a, b in
+                        re.findall(r"^parent (\d+) (\d+)$", r.stdout, re.M)]
+    in_use = {}
+    for log in tmp_path.glob("vg.*"):
+        m = re.search(r"in use at exit: ([\d,]+) bytes in ([\d,]+) blocks", log.read_text())
+        assert m, log.read_text()
+        in_use[int(log.name[3:])] = (int(m[2].replace(",", "")), int(m[1].replace(",", "")))
+    assert len(in_use) == 3
+    (grandchild,) = set(in_use) - {parent, child}
+    want = [in_use[p] for p in (parent, child, grandchild)]
+    got = [tuple(con.execute("SELECT count(*), coalesce(sum(size), 0) FROM leaks "
+                             "WHERE pid = ?", [p]).fetchone()) for p in pids]
+    assert got == want
