@@ -30,7 +30,7 @@ END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
 
 @dataclass
 class Pairing:
-    allocations: pa.Table  # ALLOCATIONS, one row per allocation in event order
+    allocations: pa.Table  # ALLOCATIONS: the allocations in event order, then the copies
     heap_timeline: pa.Table  # HEAP_TIMELINE: heap bytes per process after each change
     counters: dict[str, int] = field(default_factory=dict)
 
@@ -63,20 +63,15 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     m.frees(np.concatenate([eid[f_mask], eid[r_mask]]),
             np.concatenate([addr[f_mask], old[r_mask]]),
             np.concatenate([np.zeros(int(f_mask.sum()), bool), np.ones(int(r_mask.sum()), bool)]))
-    m.blocks(a_eid, pid[a_eid], addr[a_eid], np.full(n_alloc, -1, np.int64))
-    m.match(np.arange(n_alloc), np.arange(len(m.f_ev)))
+    m.allocations(a_eid, pid[a_eid], addr[a_eid])
     m.inherit(life.forks)
 
     # The allocations in event order, then the copies forked children inherited (in
     # fork order): the rows and their alloc_id.
-    nb = len(m.b_ev)
-    order = np.lexsort((np.arange(nb), m.b_ev, m.src >= 0))
-    rank = np.empty(nb, np.int64)
-    rank[order] = np.arange(nb)
-    b_ev, b_pid, end_eid = m.b_ev[order], m.b_pid[order], m.end[order]
-    free_eid, reason = m.free[order], m.reason[order]
-    origin = m.origin[order]  # the allocation (index into a_eid) each block copies
-    src = m.src[order]
+    b = m.gathered()
+    nb = len(b.ev)
+    b_ev, b_pid, end_eid, free_eid, reason = b.ev, b.pid, b.end, b.free, b.reason
+    origin, src = b.origin, b.src  # the allocation each copies (index into a_eid), the block
     inherited = src >= 0
     o_eid = a_eid[origin]
 
@@ -112,7 +107,7 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         dtype = np.uint32 if typ == pa.uint32() else np.uint64
         return pa.array(values.astype(dtype), type=typ, mask=~valid)
 
-    inherited_from = np.where(inherited, rank[np.maximum(src, 0)], -1)
+    inherited_from = src
     table = pa.table(
         {
             "alloc_id": pa.array(np.arange(nb, dtype=np.uint64)),
@@ -154,6 +149,29 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     return Pairing(table, timeline, counters)
 
 
+@dataclass
+class _Blocks:
+    """Blocks to match: the allocations, or the copies one child inherits at one fork;
+    `base` is the index of the first among all (allocations first, then the copies in
+    the order they were made)."""
+
+    ev: np.ndarray  # event index where the block starts in its process
+    pid: np.ndarray
+    addr: np.ndarray
+    inst: np.ndarray  # process instance (_Matcher.instance)
+    src: np.ndarray  # index of the block copied, -1 for an allocation
+    origin: np.ndarray  # index of the allocation copied (itself for an allocation)
+    base: int
+    end: np.ndarray = field(init=False)  # event index where the block's life ends, -1
+    free: np.ndarray = field(init=False)  # event index of the free that ended it, -1
+    reason: np.ndarray = field(init=False)  # EndReason
+
+    def __post_init__(self) -> None:
+        self.end = np.full(len(self.ev), -1, np.int64)
+        self.free = np.full(len(self.ev), -1, np.int64)
+        self.reason = np.full(len(self.ev), END_END, np.uint8)
+
+
 class _Matcher:
     """Blocks (allocations, and the copies a forked child inherits) matched with the
     frees that end them, process life by process life.
@@ -162,7 +180,7 @@ class _Matcher:
     same process instance (a process instance is bounded by fork: a child starts,
     exec and exit), or where that address is handed out again (`reused`: a free that
     was not recorded), else at the instance's next exec or exit (a leak), else at the
-    capture's end. Events are indexed by their position (`ev`)."""
+    capture's end. Events are indexed by their position."""
 
     def __init__(self, life: Lifecycle, n: int, pid: np.ndarray) -> None:
         forks, execs, exits = life.forks, life.execs, life.process_exits
@@ -179,6 +197,8 @@ class _Matcher:
         self.bound_key, self.bound_pid = key[order], b_pid[order]
         self.bound_eid, self.bound_reason = b_eid[order], b_reason[order]
         self.n, self.pid = n, pid
+        self.copies: dict[int, list[_Blocks]] = {}  # child pid -> its copies, by fork
+        self.chunks: list[_Blocks] = []  # every copy, in the order made
 
     def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
         """How many boundaries of process p came at or before event e."""
@@ -187,41 +207,50 @@ class _Matcher:
 
     def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
         """Index into the boundaries of process p's first one after event e, -1: none."""
+        if not len(self.bound_key):
+            return np.full(len(p), -1, np.int64)
         j = np.searchsorted(self.bound_key, p * self.stride + e, side="right")
-        jc = np.minimum(j, max(len(self.bound_key) - 1, 0))
-        hit = (j < len(self.bound_key)) & (self.bound_pid[jc] == p) if len(self.bound_key) \
-            else np.zeros(len(j), bool)
-        return np.where(hit, jc, -1)
+        jc = np.minimum(j, len(self.bound_key) - 1)
+        return np.where((j < len(self.bound_key)) & (self.bound_pid[jc] == p), jc, -1)
 
     def frees(self, ev: np.ndarray, addr: np.ndarray, by_realloc: np.ndarray) -> None:
         self.f_ev, self.f_addr, self.f_rf = ev, addr, by_realloc
         self.f_pid = self.pid[ev]
         self.f_inst = self.instance(self.f_pid, ev)
         self.f_matched = np.zeros(len(ev), bool)
-        order = np.lexsort((ev, self.f_pid))
-        self.f_by_pid = order
-        self.f_pid_sorted = self.f_pid[order]
+        self.f_by_pid = np.lexsort((ev, self.f_pid))
+        self.f_pid_sorted = self.f_pid[self.f_by_pid]
 
-    def blocks(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray, src: np.ndarray
-               ) -> None:
-        """The allocations (src -1) to match; inherited copies are added by `inherit`."""
-        self.b_ev, self.b_pid, self.b_addr, self.src = ev, pid, addr, src
-        self.origin = np.arange(len(ev), dtype=np.int64)
-        self.b_inst = self.instance(pid, ev)
-        nb = len(ev)
-        self.end = np.full(nb, -1, np.int64)
-        self.free = np.full(nb, -1, np.int64)
-        self.reason = np.full(nb, END_END, np.uint8)
+    def allocations(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray) -> None:
+        n = len(ev)
+        self.real = _Blocks(ev, pid, addr, self.instance(pid, ev), np.full(n, -1, np.int64),
+                            np.arange(n, dtype=np.int64), 0)
+        self.by_pid = np.lexsort((ev, pid))
+        self.pid_sorted = pid[self.by_pid]
+        self.size = n
+        self.match([(self.real, np.arange(n))], np.arange(len(self.f_ev)))
 
-    def match(self, blocks: np.ndarray, frees: np.ndarray) -> None:
+    def of_pid(self, p: int) -> tuple[list[tuple[_Blocks, np.ndarray]], np.ndarray]:
+        """The blocks of process p (its allocations and copies) and its frees."""
+        lo, hi = np.searchsorted(self.pid_sorted, [p, p + 1])
+        parts = [(self.real, self.by_pid[lo:hi])]
+        parts += [(c, np.arange(len(c.ev))) for c in self.copies.get(p, [])]
+        flo, fhi = np.searchsorted(self.f_pid_sorted, [p, p + 1])
+        return parts, self.f_by_pid[flo:fhi]
+
+    def match(self, parts: list[tuple[_Blocks, np.ndarray]], frees: np.ndarray) -> None:
         """Match these blocks with these frees (all of their processes' ones)."""
-        nb = len(blocks)
-        op_pid = np.concatenate([self.b_pid[blocks], self.f_pid[frees]])
-        op_inst = np.concatenate([self.b_inst[blocks], self.f_inst[frees]])
-        op_addr = np.concatenate([self.b_addr[blocks], self.f_addr[frees]])
-        op_ev = np.concatenate([self.b_ev[blocks], self.f_ev[frees]])
+        b_pid = np.concatenate([b.pid[i] for b, i in parts])
+        b_inst = np.concatenate([b.inst[i] for b, i in parts])
+        b_addr = np.concatenate([b.addr[i] for b, i in parts])
+        b_ev = np.concatenate([b.ev[i] for b, i in parts])
+        nb = len(b_ev)
+        op_pid = np.concatenate([b_pid, self.f_pid[frees]])
+        op_inst = np.concatenate([b_inst, self.f_inst[frees]])
+        op_addr = np.concatenate([b_addr, self.f_addr[frees]])
+        op_ev = np.concatenate([b_ev, self.f_ev[frees]])
         op_sub = np.concatenate([np.ones(nb, np.int8), np.zeros(len(frees), np.int8)])
-        op_ref = np.concatenate([blocks, frees])
+        op_ref = np.concatenate([np.arange(nb), frees])
         # frees (sub 0) before the allocation (sub 1) of the same event
         order = np.lexsort((op_sub, op_ev, op_addr, op_inst, op_pid))
         s_ev, s_sub, s_ref = op_ev[order], op_sub[order], op_ref[order]
@@ -241,22 +270,28 @@ class _Matcher:
         if k > 1:
             prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
         self.f_matched[s_ref[~is_a]] = prev_is_alloc[~is_a]
+        end = np.full(nb, -1, np.int64)
+        free = np.full(nb, -1, np.int64)
+        reason = np.full(nb, END_END, np.uint8)
         b = s_ref[is_a]
         f_rows, u_rows = freed[is_a], reused[is_a]
         nx_ev = s_ev[nxt][is_a]
-        self.end[b], self.free[b] = -1, -1
-        self.reason[b] = END_END
-        self.free[b[f_rows]] = nx_ev[f_rows]
-        self.end[b[f_rows | u_rows]] = nx_ev[f_rows | u_rows]
-        by_realloc = self.f_rf[s_ref[nxt][is_a][f_rows]]
-        self.reason[b[f_rows]] = np.where(by_realloc, END_REALLOC, END_FREE)
-        self.reason[b[u_rows]] = END_REUSED
+        free[b[f_rows]] = nx_ev[f_rows]
+        end[b[f_rows | u_rows]] = nx_ev[f_rows | u_rows]
+        reason[b[f_rows]] = np.where(self.f_rf[s_ref[nxt][is_a][f_rows]], END_REALLOC,
+                                     END_FREE)
+        reason[b[u_rows]] = END_REUSED
         # Never freed: bounded by the next exec/exit of the process instance, if any.
-        open_ = b[self.end[b] < 0]
-        j = self.next_boundary(self.b_pid[open_], self.b_ev[open_])
+        open_ = np.flatnonzero(end < 0)
+        j = self.next_boundary(b_pid[open_], b_ev[open_])
         hit = j >= 0
-        self.end[open_[hit]] = self.bound_eid[j[hit]]
-        self.reason[open_[hit]] = self.bound_reason[j[hit]]
+        end[open_[hit]] = self.bound_eid[j[hit]]
+        reason[open_[hit]] = self.bound_reason[j[hit]]
+        o = 0
+        for blk, i in parts:
+            blk.end[i], blk.free[i], blk.reason[i] = (
+                end[o:o + len(i)], free[o:o + len(i)], reason[o:o + len(i)])
+            o += len(i)
 
     def inherit(self, forks: pa.Table) -> None:
         """A forked child (not a vfork: CLONE_VM shares the parent's memory) gets a copy
@@ -267,48 +302,47 @@ class _Matcher:
         such child's peak and leaks). Forks go in event order, each child matched
         again with its copies, so that a grandchild inherits its parent's copies as
         they were at its own fork."""
-        fv = forks.filter(pa.array((forks["flags"].to_numpy() & CLONE_VM) == 0)) \
-            if forks.num_rows else forks
-        if fv.num_rows == 0:
+        if forks.num_rows == 0:
             return
+        fv = forks.filter(pa.array((forks["flags"].to_numpy() & CLONE_VM) == 0))
         f_ev = fv["event_id"].to_numpy().astype(np.int64)
         parent = fv["parent"].to_numpy().astype(np.int64)
         child = fv["child"].to_numpy().astype(np.int64)
         # the child's heap events before its next boundary (exec, exit, a reused pid)
         j = self.next_boundary(child, f_ev)
         until = np.where(j >= 0, self.bound_eid[np.maximum(j, 0)], self.n)
-        h_key = np.sort(np.concatenate([self.b_pid * self.stride + self.b_ev,
+        h_key = np.sort(np.concatenate([self.real.pid * self.stride + self.real.ev,
                                         self.f_pid * self.stride + self.f_ev]))
         busy = np.searchsorted(h_key, child * self.stride + until, side="left") > \
             np.searchsorted(h_key, child * self.stride + f_ev, side="right")
-        if not busy.any():
-            return
-        # blocks and frees by pid: the allocations once, the copies as they are added
-        real = np.lexsort((self.b_ev, self.b_pid))
-        real_pid = self.b_pid[real]
-        copies: dict[int, list[np.ndarray]] = {}
         for e, p, c in zip(f_ev[busy].tolist(), parent[busy].tolist(), child[busy].tolist(),
                            strict=True):
-            lo, hi = np.searchsorted(real_pid, [p, p + 1])
-            cand = np.concatenate([real[lo:hi], *copies.get(p, [])])
-            alive = cand[(self.b_ev[cand] < e) & ((self.end[cand] < 0) | (self.end[cand] > e))]
-            if not len(alive):
+            parts, _ = self.of_pid(p)
+            alive = [(blk, i[(blk.ev[i] < e) & ((blk.end[i] < 0) | (blk.end[i] > e))])
+                     for blk, i in parts]
+            k = sum(len(i) for _, i in alive)
+            if not k:
                 continue
-            new = np.arange(len(self.b_ev), len(self.b_ev) + len(alive))
-            k = len(alive)
-            self.b_ev = np.concatenate([self.b_ev, np.full(k, e, np.int64)])
-            self.b_pid = np.concatenate([self.b_pid, np.full(k, c, np.int64)])
-            self.b_addr = np.concatenate([self.b_addr, self.b_addr[alive]])
-            self.src = np.concatenate([self.src, alive])
-            self.origin = np.concatenate([self.origin, self.origin[alive]])
-            self.b_inst = np.concatenate([self.b_inst, self.instance(np.full(k, c), np.full(k, e))])
-            self.end = np.concatenate([self.end, np.full(k, -1, np.int64)])
-            self.free = np.concatenate([self.free, np.full(k, -1, np.int64)])
-            self.reason = np.concatenate([self.reason, np.full(k, END_END, np.uint8)])
-            copies.setdefault(c, []).append(new)
-            lo, hi = np.searchsorted(real_pid, [c, c + 1])
-            flo, fhi = np.searchsorted(self.f_pid_sorted, [c, c + 1])
-            self.match(np.concatenate([real[lo:hi], *copies[c]]), self.f_by_pid[flo:fhi])
+            copy = _Blocks(
+                np.full(k, e, np.int64), np.full(k, c, np.int64),
+                np.concatenate([blk.addr[i] for blk, i in alive]),
+                self.instance(np.full(k, c, np.int64), np.full(k, e, np.int64)),
+                np.concatenate([blk.base + i for blk, i in alive]),
+                np.concatenate([blk.origin[i] for blk, i in alive]), self.size)
+            self.size += k
+            self.chunks.append(copy)
+            self.copies.setdefault(c, []).append(copy)
+            self.match(*self.of_pid(c))
+
+    def gathered(self) -> _Blocks:
+        """Every block, the allocations first, then the copies in the order made."""
+        every = [self.real, *self.chunks]
+        out = _Blocks(*(np.concatenate([getattr(b, f) for b in every])
+                        for f in ("ev", "pid", "addr", "inst", "src", "origin")), 0)
+        out.end = np.concatenate([b.end for b in every])
+        out.free = np.concatenate([b.free for b in every])
+        out.reason = np.concatenate([b.reason for b in every])
+        return out
 
 
 def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,
