@@ -186,3 +186,53 @@ def test_leaks_match_valgrind(run, tmp_path: Path) -> None:
     got = [tuple(con.execute("SELECT count(*), coalesce(sum(size), 0) FROM leaks "
                              "WHERE pid = ?", [p]).fetchone()) for p in pids]
     assert got == want
+
+
+PY_FORK = """
+import os
+keep = [str(i) * 20 for i in range(5000)]
+pid = os.fork()
+if pid == 0:
+    del keep
+    junk = [bytes(100) for _ in range(1000)]
+    os._exit(0)
+os.waitpid(pid, 0)
+print("parent", os.getpid(), pid)
+"""
+
+
+def test_python_child_frees_its_inherited_objects(tmp_path: Path) -> None:
+    """Debian's python3 (PYTHONMALLOC=malloc) builds 5000 strings, forks, and the child
+    drops them: every free of the child ends a copy of its parent's block (none is
+    unmatched), the strings' copies among them, and its own allocations' stacks are
+    complete, as the parent's."""
+    art, db = tmp_path / "p.memtrack", tmp_path / "p.duckdb"
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "PYTHONMALLOC": "malloc"}
+    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", "/usr/bin/python3",
+                          "-c", PY_FORK], capture_output=True, text=True, timeout=300, env=env)
+    assert cap.returncode == 0, cap.stderr
+    (parent, child), = [(int(a), int(b)) for a, b in
+                        re.findall(r"^parent (\d+) (\d+)$", cap.stdout, re.M)]
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    con = open_run(db)
+    unmatched = con.execute("""
+        SELECT count(*) FROM events e WHERE e.kind = 'free' AND e.addr != 0 AND e.pid = ?
+          AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.free_event_id = e.event_id)
+        """, [child]).fetchone()[0]
+    frees = con.execute("SELECT count(*) FROM events WHERE kind = 'free' AND pid = ?",
+                        [child]).fetchone()[0]
+    assert frees >= 5000 and unmatched == 0
+    # the strings: one malloc each in the parent (str(i) * 20: 20 to 80 characters),
+    # each freed by the child as its copy
+    strings = con.execute("""
+        SELECT count(*) FROM allocations c JOIN allocations o ON o.alloc_id = c.inherited_from
+        WHERE c.pid = ? AND o.pid = ? AND c.end_reason = 'free'
+          AND o.size BETWEEN 49 + 20 AND 49 + 80""", [child, parent]).fetchone()[0]
+    assert strings >= 5000
+    own = con.execute("""
+        SELECT count(*), count(*) FILTER (WHERE s.complete) FROM allocations a
+        JOIN stacks s USING (stack_id) WHERE a.pid = ? AND a.inherited_from IS NULL""",
+                      [child]).fetchone()
+    assert own[0] >= 1000 and own[1] >= 0.99 * own[0]
