@@ -189,3 +189,48 @@ def test_older_database_refused(tmp_path: Path) -> None:
     duckdb.connect(str(plain)).close()
     with pytest.raises(RunError, match="not a memtrack run database"):
         open_run(plain)
+
+
+def test_inheritance_rules(tmp_path: Path) -> None:
+    """A child's realloc of an inherited block ends its copy (and links the new block to
+    it); a vfork child (CLONE_VM) and a child that execs before touching the heap
+    inherit nothing; a grandchild inherits its parent's copies as they are at its fork."""
+    from memtrack.schema import EventKind as K
+    from memtrack.schema.enums import CLONE_VM
+
+    rows = [
+        (10, 5, 5, K.MALLOC, 0, 0x10, 0, 8, 0),
+        (20, 5, 5, K.MALLOC, 0, 0x20, 0, 16, 0),
+        (30, 5, 5, K.FORK, 0, 6, 0, 0, 0),  # 6 reallocs 0x10, forks 8, exits
+        (31, 6, 6, K.REALLOC, 0, 0x30, 0x10, 24, 0),
+        (32, 6, 6, K.FORK, 0, 8, 0, 0, 0),
+        (33, 8, 8, K.FREE, 0, 0x30, 0, 0, 0),  # 8 frees 6's new block: a copy too
+        (34, 8, 8, K.EXIT, 1, 0, 0, 0, 0),
+        (35, 6, 6, K.EXIT, 1, 0, 0, 0, 0),
+        (40, 5, 5, K.FORK, CLONE_VM, 7, 0, 0, 0),  # vfork: shares 5's memory
+        (41, 7, 7, K.FREE, 0, 0x20, 0, 0, 0),  # unmatched: the shared block is 5's
+        (42, 7, 7, K.EXIT, 1, 0, 0, 0, 0),
+        (50, 5, 5, K.FORK, 0, 9, 0, 0, 0),  # fork + exec, no heap event between
+        (51, 9, 9, K.EXEC, 0, 9, 0, 0, 0),
+        (52, 9, 9, K.EXIT, 1, 0, 0, 0, 0),
+    ]
+    cols = list(zip(*rows, strict=True))
+    ev = pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in
+                   cols[3]], "allocator": [1] * len(rows), "flags": cols[4],
+                   "addr": cols[5], "old_addr": cols[6], "size": cols[7],
+                   "stack_hash": cols[8]}, schema=EVENTS)
+    art = write_artifact(tmp_path / "i.memtrack", ev)
+    s = process(art, tmp_path / "i.duckdb", progress=False)
+    assert s.counters["frees_unmatched"] == 1
+    assert s.counters["allocations"] == 3 and s.counters["allocations_inherited"] == 4
+    con = open_run(tmp_path / "i.duckdb")
+    assert q(con, "SELECT alloc_id, pid, ts, size, end_reason::VARCHAR, end_ts, "
+                  "inherited_from, realloc_of FROM allocations ORDER BY alloc_id") == [
+        (0, 5, 10, 8, "end", END_NS, None, None),
+        (1, 5, 20, 16, "end", END_NS, None, None),
+        (2, 6, 31, 24, "exit", 35, None, 3),  # 6's realloc of its copy of 0x10
+        (3, 6, 30, 8, "realloc", 31, 0, None),
+        (4, 6, 30, 16, "exit", 35, 1, None),
+        (5, 8, 32, 24, "free", 33, 2, None),  # 8: 6's new block, freed by 8 ...
+        (6, 8, 32, 16, "exit", 34, 4, None),  # ... and 6's copy of 0x20
+    ]
