@@ -164,6 +164,21 @@ def test_stacks_unwind_as_the_parents(run) -> None:
             assert row[1:] == (True, "complete"), (pid, size)
 
 
+def test_unwind_command_shows_a_childs_record(run) -> None:
+    """`memtrack unwind --record` unwinds a child's record in its inherited space."""
+    con, (_, _, grandchild) = run
+    (h,), = con.execute("""SELECT s.stack_hash FROM allocations a JOIN stacks s
+                           USING (stack_id) WHERE a.pid = ? AND a.size = 3001""",
+                        [grandchild]).fetchall()
+    art = con.execute("SELECT value FROM meta WHERE key = 'artifact'").fetchone()[0]
+    r = subprocess.run([*MEMTRACK, "unwind", art, "--record", hex(h)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"pid {grandchild}: 7 frames (complete)" in r.stdout  # malloc, SITES[3001]
+    for name in ("grandchild_work", "child_work", "main", "_start"):
+        assert name in r.stdout
+
+
 def test_leaks_match_valgrind(run, tmp_path: Path) -> None:
     """valgrind --trace-children=yes as the oracle: each process's blocks in use at its
     exit (the copies it inherited included) are the blocks memtrack says it leaked."""

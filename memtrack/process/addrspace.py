@@ -16,6 +16,11 @@ import bisect
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from memtrack.process.lifecycle import lifecycle
+from memtrack.schema.artifact import Artifact
+from memtrack.schema.enums import EventKind
 
 
 def inherited_mappings(mappings: pa.Table, forks: pa.Table, pids: np.ndarray) -> pa.Table:
@@ -61,3 +66,11 @@ def inherited_mappings(mappings: pa.Table, forks: pa.Table, pids: np.ndarray) ->
         np.repeat([s for _, s, _, _ in picked], lens).astype(np.uint64),
         extra.schema.field("ts").type))
     return pa.concat_tables([mappings, extra.cast(mappings.schema)])
+
+
+def artifact_mappings(art: Artifact, pids: np.ndarray) -> pa.Table:
+    """An artifact's snapshots and the inherited ones of its forked children among
+    `pids`, from its events' forks alone (`memtrack unwind` on one record)."""
+    events = art.read("events").table
+    forks = events.filter(pc.equal(events.column("kind"), int(EventKind.FORK)))
+    return inherited_mappings(art.read("mappings").table, lifecycle(forks).forks, pids)
