@@ -11,21 +11,22 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from support.synth import (
-    CHILD_PEAK,
     END_NS,
-    INHERITED,
     LEAKS,
     PEAK,
     SIZES,
     TEMPORARY,
     UNMATCHED_FREES,
+    VFORK,
     events_table,
     write_artifact,
 )
 
 from memtrack.process.pipeline import process
 from memtrack.schema import EVENTS
+from memtrack.schema import EventKind as K
 from memtrack.schema.ddl import RunError, open_run
+from memtrack.schema.enums import CLONE_VM
 
 
 def no_stacks(events: pa.Table) -> pa.Table:
@@ -54,7 +55,7 @@ def q(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
 
 def test_allocations_one_for_one(run: duckdb.DuckDBPyConnection) -> None:
     rows = q(run, "SELECT alloc_id, size, kind, pid, tid, ts, free_ts, lifetime_ns, end_reason,"
-                  " realloc_of FROM allocations WHERE inherited_from IS NULL ORDER BY alloc_id")
+                  " realloc_of FROM allocations ORDER BY alloc_id")
     assert [r[1] for r in rows] == SIZES
     assert [r[2] for r in rows] == ["malloc", "malloc", "malloc", "malloc", "realloc", "calloc",
                                     "malloc", "aligned_alloc", "malloc"]
@@ -66,39 +67,9 @@ def test_allocations_one_for_one(run: duckdb.DuckDBPyConnection) -> None:
     assert by_id[3][6:9] == (1500, 200, "free")
     assert by_id[7][6:9] == (2200, 100, "free")
     for aid, (reason, size) in LEAKS.items():
-        if aid in INHERITED:
-            continue
         assert by_id[aid][8] == reason and by_id[aid][1] == size and by_id[aid][6] is None
-    ends = dict(q(run, "SELECT alloc_id, end_ts FROM allocations WHERE free_ts IS NULL "
-                       "AND inherited_from IS NULL"))
+    ends = dict(q(run, "SELECT alloc_id, end_ts FROM allocations WHERE free_ts IS NULL"))
     assert ends == {4: END_NS, 5: END_NS, 6: 2000, 8: 2600}
-
-
-def test_inherited_blocks(run: duckdb.DuckDBPyConnection) -> None:
-    """Each pid 200 life gets a copy of D and E, alive in pid 100 at its fork: the
-    child's free of E's address ends its copy, the parent's blocks stay the parent's."""
-    rows = q(run, """
-        SELECT c.alloc_id, c.inherited_from, c.pid, c.tid, c.ts, c.event_id, c.size, c.addr,
-               c.stack_id IS NOT DISTINCT FROM o.stack_id, c.end_reason::VARCHAR, c.end_ts,
-               c.temporary, c.lifetime_ns
-        FROM allocations c JOIN allocations o ON o.alloc_id = c.inherited_from
-        ORDER BY c.alloc_id""")
-    forks = dict(q(run, "SELECT ts, event_id FROM events WHERE kind = 'fork'"))
-    sizes = {4: 4096, 5: 1000}
-    addrs = {4: 0xD0, 5: 0xE0}
-    assert rows == [
-        (aid, src, 200, 200, ts, forks[ts], sizes[src], addrs[src], True, reason, end, False,
-         end - ts if reason == "free" else None)
-        for aid, (src, ts, reason, end) in INHERITED.items()]
-    # the parent's D and E are untouched by the children
-    assert q(run, "SELECT alloc_id, end_reason::VARCHAR, end_ts FROM allocations "
-                  "WHERE alloc_id IN (4, 5) ORDER BY 1") == [(4, "end", END_NS),
-                                                             (5, "end", END_NS)]
-    # a copy is no call: it does not count in the calls and bytes allocated
-    assert q(run, "SELECT sum(calls), sum(bytes) FROM stack_costs") == [(len(SIZES),
-                                                                       sum(SIZES))]
-    assert q(run, "SELECT alloc_id FROM peak WHERE pid = 200 ORDER BY 1") == [
-        (a,) for a in CHILD_PEAK["alive"]]
 
 
 def test_leaks_exact(run: duckdb.DuckDBPyConnection) -> None:
@@ -115,12 +86,8 @@ def test_peak_exact(run: duckdb.DuckDBPyConnection) -> None:
     final = q(run, "SELECT heap_bytes FROM heap_timeline WHERE pid = 100 "
                    "ORDER BY event_id DESC LIMIT 1")
     assert final == [(4096 + 1000,)]
-    child = q(run, "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = 200 ORDER BY event_id")
-    de = 4096 + 1000  # the copies of D and E at each fork
-    assert child == [(1800, de), (1900, de + 64), (1950, 4096 + 64), (2000, 0), (2300, de),
-                     (2500, de + 128), (2600, 0)]
-    assert q(run, "SELECT peak_ts, peak_bytes FROM heap_peak WHERE pid = 200") == [
-        (CHILD_PEAK["ts"], CHILD_PEAK["bytes"])]
+    child = q(run, "SELECT pid, heap_bytes FROM heap_timeline WHERE pid = 200 ORDER BY event_id")
+    assert child == [(200, 64), (200, 0), (200, 128), (200, 0)]
 
 
 def test_temporary(run: duckdb.DuckDBPyConnection) -> None:
@@ -149,12 +116,19 @@ def test_parquet_dirs(run: duckdb.DuckDBPyConnection, tmp_path_factory) -> None:
     root = next(Path(tmp_path_factory.getbasetemp()).glob("proc*")) / "pq"
     assert (root / "allocations" / "data.parquet").is_file()
     n = duckdb.sql(f"SELECT count(*) FROM '{root}/allocations/*.parquet'").fetchone()[0]
-    assert n == len(SIZES) + len(INHERITED)
+    assert n == 9
+
+
+def rows_table(rows: list[tuple]) -> pa.Table:
+    """Events (ts, pid, tid, kind, flags, addr, old_addr, size, stack_hash) as a table."""
+    cols = list(zip(*rows, strict=True))
+    return pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2],
+                     "kind": [int(k) for k in cols[3]], "allocator": [1] * len(rows),
+                     "flags": cols[4], "addr": cols[5], "old_addr": cols[6], "size": cols[7],
+                     "stack_hash": cols[8]}, schema=EVENTS)
 
 
 def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:
-    from memtrack.schema import EventKind as K
-
     rows = [
         (10, 5, 5, K.MALLOC, 0, 0x10, 0, 8, 0),
         (20, 5, 5, K.EXEC, 0, 5, 0, 0, 0),
@@ -162,11 +136,7 @@ def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:
         (40, 5, 5, K.MALLOC, 0, 0x10, 0, 16, 0),
         (50, 5, 5, K.MALLOC, 0, 0x10, 0, 32, 0),  # same address again: a free was missed
     ]
-    cols = list(zip(*rows, strict=True))
-    ev = pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in
-                   cols[3]], "allocator": [1] * 5, "flags": cols[4], "addr": cols[5],
-                   "old_addr": cols[6], "size": cols[7], "stack_hash": cols[8]}, schema=EVENTS)
-    art = write_artifact(tmp_path / "b.memtrack", ev)
+    art = write_artifact(tmp_path / "b.memtrack", rows_table(rows))
     s = process(art, tmp_path / "b.duckdb", progress=False)
     assert s.counters["frees_unmatched"] == 1
     assert s.counters["allocations_reused_without_free"] == 1
@@ -191,13 +161,83 @@ def test_older_database_refused(tmp_path: Path) -> None:
         open_run(plain)
 
 
+# The synthetic run with plain forks: each pid 200 life (both allocate or free) gets a
+# copy of the blocks alive in pid 100 at its fork, D and E both times; alloc_ids after
+# the calls' (A B F C D E G H X): {alloc_id: (the block copied, fork ts, end, end ts)}
+INHERITED = {9: (4, 1800, "exit", 2000), 10: (5, 1800, "free", 1950),
+             11: (4, 2300, "exit", 2600), 12: (5, 2300, "exit", 2600)}
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory: pytest.TempPathFactory) -> duckdb.DuckDBPyConnection:
+    d = tmp_path_factory.mktemp("forked")
+    ev = events_table()
+    flags = ev.column("flags").to_numpy()
+    ev = ev.set_column(ev.schema.get_field_index("flags"), "flags",
+                       pa.array(np.where(flags == VFORK, 0, flags), pa.uint64()))
+    art = write_artifact(d / "f.memtrack", no_stacks(ev))
+    s = process(art, d / "f.duckdb", progress=False)
+    assert s.allocations == len(SIZES)
+    assert s.counters["allocations_inherited"] == len(INHERITED)
+    # the child's free of E's address ends its copy; 0xDEAD and the second life's free
+    # of G's address stay unmatched
+    assert s.counters["frees_unmatched"] == UNMATCHED_FREES - 1
+    con = open_run(d / "f.duckdb")
+    yield con
+    con.close()
+
+
+def test_inherited_blocks(forked: duckdb.DuckDBPyConnection,
+                          run: duckdb.DuckDBPyConnection) -> None:
+    """The copies: the child's pid and first thread, the fork's time and event, the
+    copied block's size, address and stack; the child's free of E's address ends its
+    copy of E, its exits end the rest; the parent's D and E stay the parent's."""
+    rows = q(forked, """
+        SELECT c.alloc_id, c.inherited_from, c.pid, c.tid, c.ts, c.event_id, c.size, c.addr,
+               c.stack_id IS NOT DISTINCT FROM o.stack_id, c.end_reason::VARCHAR, c.end_ts,
+               c.temporary, c.lifetime_ns
+        FROM allocations c JOIN allocations o ON o.alloc_id = c.inherited_from
+        ORDER BY c.alloc_id""")
+    forks = dict(q(forked, "SELECT ts, event_id FROM events WHERE kind = 'fork'"))
+    sizes, addrs = {4: 4096, 5: 1000}, {4: 0xD0, 5: 0xE0}
+    assert rows == [
+        (aid, src, 200, 200, ts, forks[ts], sizes[src], addrs[src], True, reason, end, False,
+         end - ts if reason == "free" else None)
+        for aid, (src, ts, reason, end) in INHERITED.items()]
+    calls = q(forked, "SELECT alloc_id, size, end_reason::VARCHAR FROM allocations "
+                      "WHERE inherited_from IS NULL ORDER BY 1")
+    assert calls == q(run, "SELECT alloc_id, size, end_reason::VARCHAR "
+                                      "FROM allocations ORDER BY 1")
+    # a copy is no call: stack_costs counts it in peak and leaked only
+    assert q(forked, "SELECT sum(calls), sum(bytes) FROM stack_costs") == [
+        (len(SIZES), sum(SIZES))]
+
+
+def test_inherited_heap_peak_leaks(forked: duckdb.DuckDBPyConnection) -> None:
+    child = q(forked, "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = 200 "
+                      "ORDER BY event_id")
+    de = 4096 + 1000  # the copies of D and E at each fork
+    assert child == [(1800, de), (1900, de + 64), (1950, 4096 + 64), (2000, 0), (2300, de),
+                     (2500, de + 128), (2600, 0)]
+    # the second life's peak after X's malloc: its copies of D and E, and X
+    assert q(forked, "SELECT peak_ts, peak_bytes FROM heap_peak WHERE pid = 200") == [
+        (2500, de + 128)]
+    assert q(forked, "SELECT alloc_id FROM peak WHERE pid = 200 ORDER BY 1") == [
+        (8,), (11,), (12,)]
+    # pid 100's peak and heap are as in the vfork run
+    assert q(forked, "SELECT peak_ts, peak_bytes FROM heap_peak WHERE pid = 100") == [
+        (PEAK["ts"], PEAK["bytes"])]
+    leaks = dict(q(forked, "SELECT alloc_id, end_reason::VARCHAR FROM leaks"))
+    assert leaks == {**{k: v[0] for k, v in LEAKS.items()},
+                     **{k: v[2] for k, v in INHERITED.items() if v[2] != "free"}}
+    assert q(forked, "SELECT sum(leaked_bytes) FROM stack_costs WHERE pid = 200") == [
+        (64 + 128 + 4096 + 4096 + 1000,)]
+
+
 def test_inheritance_rules(tmp_path: Path) -> None:
     """A child's realloc of an inherited block ends its copy (and links the new block to
     it); a vfork child (CLONE_VM) and a child that execs before touching the heap
     inherit nothing; a grandchild inherits its parent's copies as they are at its fork."""
-    from memtrack.schema import EventKind as K
-    from memtrack.schema.enums import CLONE_VM
-
     rows = [
         (10, 5, 5, K.MALLOC, 0, 0x10, 0, 8, 0),
         (20, 5, 5, K.MALLOC, 0, 0x20, 0, 16, 0),
@@ -214,12 +254,7 @@ def test_inheritance_rules(tmp_path: Path) -> None:
         (51, 9, 9, K.EXEC, 0, 9, 0, 0, 0),
         (52, 9, 9, K.EXIT, 1, 0, 0, 0, 0),
     ]
-    cols = list(zip(*rows, strict=True))
-    ev = pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in
-                   cols[3]], "allocator": [1] * len(rows), "flags": cols[4],
-                   "addr": cols[5], "old_addr": cols[6], "size": cols[7],
-                   "stack_hash": cols[8]}, schema=EVENTS)
-    art = write_artifact(tmp_path / "i.memtrack", ev)
+    art = write_artifact(tmp_path / "i.memtrack", rows_table(rows))
     s = process(art, tmp_path / "i.duckdb", progress=False)
     assert s.counters["frees_unmatched"] == 1
     assert s.counters["allocations"] == 3 and s.counters["allocations_inherited"] == 4

@@ -201,6 +201,15 @@ def test_leaks_match_valgrind(run, tmp_path: Path) -> None:
     got = [tuple(con.execute("SELECT count(*), coalesce(sum(size), 0) FROM leaks "
                              "WHERE pid = ?", [p]).fetchone()) for p in pids]
     assert got == want
+    # and as the report tells them, per process
+    db = Path(con.execute("SELECT value FROM meta WHERE key = 'artifact'").fetchone()[0]
+              ).with_suffix(".duckdb")
+    for p, (blocks, size) in zip(pids, want, strict=True):
+        r = subprocess.run([*MEMTRACK, "report", str(db), "--format", "json", "--pid", str(p)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        t = json.loads(r.stdout)["totals"]
+        assert (t["leaked_allocations"], t["leaked_bytes"]) == (blocks, size)
 
 
 PY_FORK = """
