@@ -17,13 +17,16 @@ from support.synth import (
     SIZES,
     TEMPORARY,
     UNMATCHED_FREES,
+    VFORK,
     events_table,
     write_artifact,
 )
 
 from memtrack.process.pipeline import process
 from memtrack.schema import EVENTS
+from memtrack.schema import EventKind as K
 from memtrack.schema.ddl import RunError, open_run
+from memtrack.schema.enums import CLONE_VM
 
 
 def no_stacks(events: pa.Table) -> pa.Table:
@@ -116,9 +119,16 @@ def test_parquet_dirs(run: duckdb.DuckDBPyConnection, tmp_path_factory) -> None:
     assert n == 9
 
 
-def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:
-    from memtrack.schema import EventKind as K
+def rows_table(rows: list[tuple]) -> pa.Table:
+    """Events (ts, pid, tid, kind, flags, addr, old_addr, size, stack_hash) as a table."""
+    cols = list(zip(*rows, strict=True))
+    return pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2],
+                     "kind": [int(k) for k in cols[3]], "allocator": [1] * len(rows),
+                     "flags": cols[4], "addr": cols[5], "old_addr": cols[6], "size": cols[7],
+                     "stack_hash": cols[8]}, schema=EVENTS)
 
+
+def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:
     rows = [
         (10, 5, 5, K.MALLOC, 0, 0x10, 0, 8, 0),
         (20, 5, 5, K.EXEC, 0, 5, 0, 0, 0),
@@ -126,11 +136,7 @@ def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:
         (40, 5, 5, K.MALLOC, 0, 0x10, 0, 16, 0),
         (50, 5, 5, K.MALLOC, 0, 0x10, 0, 32, 0),  # same address again: a free was missed
     ]
-    cols = list(zip(*rows, strict=True))
-    ev = pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in
-                   cols[3]], "allocator": [1] * 5, "flags": cols[4], "addr": cols[5],
-                   "old_addr": cols[6], "size": cols[7], "stack_hash": cols[8]}, schema=EVENTS)
-    art = write_artifact(tmp_path / "b.memtrack", ev)
+    art = write_artifact(tmp_path / "b.memtrack", rows_table(rows))
     s = process(art, tmp_path / "b.duckdb", progress=False)
     assert s.counters["frees_unmatched"] == 1
     assert s.counters["allocations_reused_without_free"] == 1
@@ -153,3 +159,113 @@ def test_older_database_refused(tmp_path: Path) -> None:
     duckdb.connect(str(plain)).close()
     with pytest.raises(RunError, match="not a memtrack run database"):
         open_run(plain)
+
+
+# The synthetic run with plain forks: each pid 200 life (both allocate or free) gets a
+# copy of the blocks alive in pid 100 at its fork, D and E both times; alloc_ids after
+# the calls' (A B F C D E G H X): {alloc_id: (the block copied, fork ts, end, end ts)}
+INHERITED = {9: (4, 1800, "exit", 2000), 10: (5, 1800, "free", 1950),
+             11: (4, 2300, "exit", 2600), 12: (5, 2300, "exit", 2600)}
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory: pytest.TempPathFactory) -> duckdb.DuckDBPyConnection:
+    d = tmp_path_factory.mktemp("forked")
+    ev = events_table()
+    flags = ev.column("flags").to_numpy()
+    ev = ev.set_column(ev.schema.get_field_index("flags"), "flags",
+                       pa.array(np.where(flags == VFORK, 0, flags), pa.uint64()))
+    art = write_artifact(d / "f.memtrack", no_stacks(ev))
+    s = process(art, d / "f.duckdb", progress=False)
+    assert s.allocations == len(SIZES)
+    assert s.counters["allocations_inherited"] == len(INHERITED)
+    # the child's free of E's address ends its copy; 0xDEAD and the second life's free
+    # of G's address stay unmatched
+    assert s.counters["frees_unmatched"] == UNMATCHED_FREES - 1
+    con = open_run(d / "f.duckdb")
+    yield con
+    con.close()
+
+
+def test_inherited_blocks(forked: duckdb.DuckDBPyConnection,
+                          run: duckdb.DuckDBPyConnection) -> None:
+    """The copies: the child's pid and first thread, the fork's time and event, the
+    copied block's size, address and stack; the child's free of E's address ends its
+    copy of E, its exits end the rest; the parent's D and E stay the parent's."""
+    rows = q(forked, """
+        SELECT c.alloc_id, c.inherited_from, c.pid, c.tid, c.ts, c.event_id, c.size, c.addr,
+               c.stack_id IS NOT DISTINCT FROM o.stack_id, c.end_reason::VARCHAR, c.end_ts,
+               c.temporary, c.lifetime_ns
+        FROM allocations c JOIN allocations o ON o.alloc_id = c.inherited_from
+        ORDER BY c.alloc_id""")
+    forks = dict(q(forked, "SELECT ts, event_id FROM events WHERE kind = 'fork'"))
+    sizes, addrs = {4: 4096, 5: 1000}, {4: 0xD0, 5: 0xE0}
+    assert rows == [
+        (aid, src, 200, 200, ts, forks[ts], sizes[src], addrs[src], True, reason, end, False,
+         end - ts if reason == "free" else None)
+        for aid, (src, ts, reason, end) in INHERITED.items()]
+    calls = q(forked, "SELECT alloc_id, size, end_reason::VARCHAR FROM allocations "
+                      "WHERE inherited_from IS NULL ORDER BY 1")
+    assert calls == q(run, "SELECT alloc_id, size, end_reason::VARCHAR "
+                                      "FROM allocations ORDER BY 1")
+    # a copy is no call: stack_costs counts it in peak and leaked only
+    assert q(forked, "SELECT sum(calls), sum(bytes) FROM stack_costs") == [
+        (len(SIZES), sum(SIZES))]
+
+
+def test_inherited_heap_peak_leaks(forked: duckdb.DuckDBPyConnection) -> None:
+    child = q(forked, "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = 200 "
+                      "ORDER BY event_id")
+    de = 4096 + 1000  # the copies of D and E at each fork
+    assert child == [(1800, de), (1900, de + 64), (1950, 4096 + 64), (2000, 0), (2300, de),
+                     (2500, de + 128), (2600, 0)]
+    # the second life's peak after X's malloc: its copies of D and E, and X
+    assert q(forked, "SELECT peak_ts, peak_bytes FROM heap_peak WHERE pid = 200") == [
+        (2500, de + 128)]
+    assert q(forked, "SELECT alloc_id FROM peak WHERE pid = 200 ORDER BY 1") == [
+        (8,), (11,), (12,)]
+    # pid 100's peak and heap are as in the vfork run
+    assert q(forked, "SELECT peak_ts, peak_bytes FROM heap_peak WHERE pid = 100") == [
+        (PEAK["ts"], PEAK["bytes"])]
+    leaks = dict(q(forked, "SELECT alloc_id, end_reason::VARCHAR FROM leaks"))
+    assert leaks == {**{k: v[0] for k, v in LEAKS.items()},
+                     **{k: v[2] for k, v in INHERITED.items() if v[2] != "free"}}
+    assert q(forked, "SELECT sum(leaked_bytes) FROM stack_costs WHERE pid = 200") == [
+        (64 + 128 + 4096 + 4096 + 1000,)]
+
+
+def test_inheritance_rules(tmp_path: Path) -> None:
+    """A child's realloc of an inherited block ends its copy (and links the new block to
+    it); a vfork child (CLONE_VM) and a child that execs before touching the heap
+    inherit nothing; a grandchild inherits its parent's copies as they are at its fork."""
+    rows = [
+        (10, 5, 5, K.MALLOC, 0, 0x10, 0, 8, 0),
+        (20, 5, 5, K.MALLOC, 0, 0x20, 0, 16, 0),
+        (30, 5, 5, K.FORK, 0, 6, 0, 0, 0),  # 6 reallocs 0x10, forks 8, exits
+        (31, 6, 6, K.REALLOC, 0, 0x30, 0x10, 24, 0),
+        (32, 6, 6, K.FORK, 0, 8, 0, 0, 0),
+        (33, 8, 8, K.FREE, 0, 0x30, 0, 0, 0),  # 8 frees 6's new block: a copy too
+        (34, 8, 8, K.EXIT, 1, 0, 0, 0, 0),
+        (35, 6, 6, K.EXIT, 1, 0, 0, 0, 0),
+        (40, 5, 5, K.FORK, CLONE_VM, 7, 0, 0, 0),  # vfork: shares 5's memory
+        (41, 7, 7, K.FREE, 0, 0x20, 0, 0, 0),  # unmatched: the shared block is 5's
+        (42, 7, 7, K.EXIT, 1, 0, 0, 0, 0),
+        (50, 5, 5, K.FORK, 0, 9, 0, 0, 0),  # fork + exec, no heap event between
+        (51, 9, 9, K.EXEC, 0, 9, 0, 0, 0),
+        (52, 9, 9, K.EXIT, 1, 0, 0, 0, 0),
+    ]
+    art = write_artifact(tmp_path / "i.memtrack", rows_table(rows))
+    s = process(art, tmp_path / "i.duckdb", progress=False)
+    assert s.counters["frees_unmatched"] == 1
+    assert s.counters["allocations"] == 3 and s.counters["allocations_inherited"] == 4
+    con = open_run(tmp_path / "i.duckdb")
+    assert q(con, "SELECT alloc_id, pid, ts, size, end_reason::VARCHAR, end_ts, "
+                  "inherited_from, realloc_of FROM allocations ORDER BY alloc_id") == [
+        (0, 5, 10, 8, "end", END_NS, None, None),
+        (1, 5, 20, 16, "end", END_NS, None, None),
+        (2, 6, 31, 24, "exit", 35, None, 3),  # 6's realloc of its copy of 0x10
+        (3, 6, 30, 8, "realloc", 31, 0, None),
+        (4, 6, 30, 16, "exit", 35, 1, None),
+        (5, 8, 32, 24, "free", 33, 2, None),  # 8: 6's new block, freed by 8 ...
+        (6, 8, 32, 16, "exit", 34, 4, None),  # ... and 6's copy of 0x20
+    ]

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.commands import CommandError
+from memtrack.process.addrspace import artifact_mappings
 from memtrack.process.decode import decode_chunks
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact, ArtifactError
@@ -57,7 +58,7 @@ def show_record(artifact_path: Path, record: str, out: TextIO, *,
     if rows is None:
         raise ValueError(f"no stack record with hash {want:#x} in {artifact_path}")
     store = ModuleStore(artifact_path, host_modules=host_modules)
-    res = unwind(rows, art.read("mappings").table, store)
+    res = unwind(rows, artifact_mappings(art, rows.column("pid").to_numpy()), store)
     frames = res.stack_frames
     sym = symbolize_frames(store, frames)
     levels: dict[int, list[dict[str, Any]]] = {}

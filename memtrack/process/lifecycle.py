@@ -67,17 +67,18 @@ def exit_status(raw: int | None) -> dict[str, int | None] | None:
 class Lifecycle:
     """The lifecycle events as tables (ts-ordered), and the process lives."""
 
-    clones: pa.Table  # every FORK: event_id, ts, pid, tid (the parent), child, thread
+    clones: pa.Table  # every FORK: event_id, ts, pid, tid (the parent), child, thread, flags
     execs: pa.Table  # event_id, ts, pid
     exits: pa.Table  # every EXIT: event_id, ts, pid, tid, status, process (whole process)
     lives: list[Life]  # by start, then pid
 
     @property
     def forks(self) -> pa.Table:
-        """Process forks (not new threads): event_id, ts, parent, child."""
+        """Process forks (not new threads): event_id, ts, parent, child, flags (clone
+        flags: CLONE_VM, a vfork, shares its parent's memory)."""
         t = self.clones.filter(pa.array(~self.clones["thread"].to_numpy(zero_copy_only=False)))
         return pa.table({"event_id": t["event_id"], "ts": t["ts"], "parent": t["pid"],
-                         "child": t["child"]})
+                         "child": t["child"], "flags": t["flags"]})
 
     @property
     def process_exits(self) -> pa.Table:
@@ -135,7 +136,8 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
         "event_id": pa.array(eid[fk], pa.uint64()), "ts": pa.array(col["ts"][fk], pa.uint64()),
         "pid": pa.array(col["pid"][fk], pa.uint32()), "tid": pa.array(col["tid"][fk], pa.uint32()),
         "child": pa.array(col["addr"][fk].astype(np.uint32), pa.uint32()),
-        "thread": pa.array((flags[fk] & CLONE_THREAD) != 0)})  # fmt: skip
+        "thread": pa.array((flags[fk] & CLONE_THREAD) != 0),
+        "flags": pa.array(flags[fk], pa.uint64())})  # fmt: skip
     ex = kind == EventKind.EXEC
     execs = pa.table({"event_id": pa.array(eid[ex], pa.uint64()),
                       "ts": pa.array(col["ts"][ex], pa.uint64()),

@@ -141,7 +141,7 @@ INSERTS = {
     "allocations": f"""
         INSERT INTO allocations SELECT alloc_id, event_id, pid, tid, ts, {KIND_SQL},
             {ALLOCATOR_SQL}, addr, size, stack_id, free_ts, free_event_id, free_tid, end_ts,
-            end_event_id, {END_SQL}, lifetime_ns, realloc_of, temporary
+            end_event_id, {END_SQL}, lifetime_ns, realloc_of, temporary, inherited_from
         FROM src_allocations""",
     "heap_timeline": "INSERT INTO heap_timeline SELECT * FROM src_heap_timeline",
     "modules": """

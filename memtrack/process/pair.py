@@ -4,6 +4,9 @@ Rules (docs/DESIGN.md, Process):
 - every event of an allocation kind with a non-null address is one allocation;
 - a realloc is the free of its old block (old_addr) followed, in the same event, by a
   new allocation linked to the old one (`realloc_of`);
+- a forked child that allocates or frees before its exec or exit inherits a copy of
+  every block alive in its parent at the fork (`inherited_from`: the parent's block):
+  its frees end the copies, the parent's frees the originals;
 - an allocation's lifetime ends at the first later free of the same address in the same
   process; a process instance is bounded by fork (a child starts), exec and exit, so a
   reused pid never pairs with its predecessor's blocks;
@@ -20,14 +23,14 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.schema.enums import EndReason, EventKind
+from memtrack.schema.enums import CLONE_VM, EndReason, EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
 END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
 
 @dataclass
 class Pairing:
-    allocations: pa.Table  # ALLOCATIONS, one row per allocation in event order
+    allocations: pa.Table  # ALLOCATIONS: the allocations in event order, then the copies
     heap_timeline: pa.Table  # HEAP_TIMELINE: heap bytes per process after each change
     counters: dict[str, int] = field(default_factory=dict)
 
@@ -50,101 +53,43 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     if end_ts is None or (n and end_ts < int(col["ts"][-1])):
         end_ts = int(col["ts"][-1]) if n else 0
 
-    # Process-instance boundaries: (pid, event index, kind of boundary).
-    forks, execs, exits = life.forks, life.execs, life.process_exits
-    b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
-                            exits["pid"].to_numpy()]).astype(np.int64)
-    b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
-                            exits["event_id"].to_numpy()]).astype(np.int64)
-    b_reason = np.concatenate([
-        np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
-        np.full(exits.num_rows, END_EXIT)])  # fmt: skip
-    stride = n + 1
-    b_key = b_pid * stride + b_eid
-    border = np.argsort(b_key, kind="stable")
-    b_key, b_pid, b_eid, b_reason = b_key[border], b_pid[border], b_eid[border], b_reason[border]
-
-    def instance(p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """How many boundaries of process p came at or before event e."""
-        return np.searchsorted(b_key, p * stride + e, side="right") - np.searchsorted(
-            b_key, p * stride, side="left"
-        )
-
     is_alloc_kind = (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC)
     a_mask = is_alloc_kind & (addr != 0)
     f_mask = (kind == EventKind.FREE) & (addr != 0)
     r_mask = (kind == EventKind.REALLOC) & (old != 0)
-    a_eid, f_eid, r_eid = eid[a_mask], eid[f_mask], eid[r_mask]
+    a_eid = eid[a_mask]
     n_alloc = len(a_eid)
+    m = _Matcher(life, n, pid)
+    m.frees(np.concatenate([eid[f_mask], eid[r_mask]]),
+            np.concatenate([addr[f_mask], old[r_mask]]),
+            np.concatenate([np.zeros(int(f_mask.sum()), bool), np.ones(int(r_mask.sum()), bool)]))
+    m.allocations(a_eid, pid[a_eid], addr[a_eid])
+    m.inherit(life.forks)
 
-    # Operations: frees (sub 0) before the allocation (sub 1) of the same event.
-    op_eid = np.concatenate([a_eid, f_eid, r_eid])
-    op_addr = np.concatenate([addr[a_mask], addr[f_mask], old[r_mask]])
-    op_sub = np.concatenate([np.ones(n_alloc, np.int8), np.zeros(len(f_eid) + len(r_eid),
-                                                                 np.int8)])
-    op_is_realloc_free = np.concatenate([np.zeros(n_alloc + len(f_eid), bool),
-                                         np.ones(len(r_eid), bool)])
-    op_pid = pid[op_eid]
-    op_inst = instance(op_pid, op_eid)
-    order = np.lexsort((op_sub, op_eid, op_addr, op_inst, op_pid))
-    s_eid, s_addr, s_sub = op_eid[order], op_addr[order], op_sub[order]
-    s_pid, s_inst, s_rf = op_pid[order], op_inst[order], op_is_realloc_free[order]
-    s_alloc_index = order  # < n_alloc: index of the allocation (ops are allocs first)
-
-    same_next = np.zeros(len(order), bool)
-    if len(order) > 1:
-        same_next[:-1] = (s_pid[1:] == s_pid[:-1]) & (s_inst[1:] == s_inst[:-1]) & (
-            s_addr[1:] == s_addr[:-1])
-    is_a = s_sub == 1
-    nxt = np.minimum(np.arange(len(order)) + 1, max(len(order) - 1, 0))
-    freed = is_a & same_next & (s_sub[nxt] == 0)
-    reused = is_a & same_next & (s_sub[nxt] == 1)
-
-    # Frees that end nothing (block allocated before tracking, by an untracked
-    # allocator, inherited across fork, or a double free).
-    prev_is_alloc = np.zeros(len(order), bool)
-    if len(order) > 1:
-        prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
-    unmatched_free = (~is_a) & ~prev_is_alloc
-
-    ai = s_alloc_index[is_a]  # allocation index of each sorted alloc op
-    free_eid = np.full(n_alloc, -1, np.int64)
-    end_eid = np.full(n_alloc, -1, np.int64)
-    reason = np.full(n_alloc, END_END, np.uint8)
-    f_rows = freed[is_a]
-    u_rows = reused[is_a]
-    nx_eid = s_eid[nxt][is_a]
-    free_eid[ai[f_rows]] = nx_eid[f_rows]
-    end_eid[ai[f_rows | u_rows]] = nx_eid[f_rows | u_rows]
-    reason[ai[f_rows]] = np.where(s_rf[nxt][is_a][f_rows], END_REALLOC, END_FREE)
-    reason[ai[u_rows]] = END_REUSED
-
-    # Never freed: bounded by the next exec/exit of the process instance, if any.
-    open_ = end_eid < 0
-    a_pid = pid[a_eid]
-    if len(b_key) and open_.any():
-        j = np.searchsorted(b_key, a_pid[open_] * stride + a_eid[open_], side="right")
-        jc = np.minimum(j, len(b_key) - 1)
-        hit = (j < len(b_key)) & (b_pid[jc] == a_pid[open_])
-        idx = np.flatnonzero(open_)[hit]
-        end_eid[idx] = b_eid[jc[hit]]
-        reason[idx] = b_reason[jc[hit]]
+    # The allocations in event order, then the copies forked children inherited (in
+    # fork order): the rows and their alloc_id.
+    b = m.gathered()
+    nb = len(b.ev)
+    b_ev, b_pid, end_eid, free_eid, reason = b.ev, b.pid, b.end, b.free, b.reason
+    origin, src = b.origin, b.src  # the allocation each copies (index into a_eid), the block
+    inherited = src >= 0
+    o_eid = a_eid[origin]
 
     ts = col["ts"]
-    a_ts = ts[a_eid]
+    b_ts = ts[b_ev]
     has_free = free_eid >= 0
     has_end = end_eid >= 0
     free_ts = np.where(has_free, ts[np.where(has_free, free_eid, 0)], 0)
     end_ts_a = np.where(has_end, ts[np.where(has_end, end_eid, 0)], np.uint64(end_ts))
     free_tid = np.where(has_free, col["tid"][np.where(has_free, free_eid, 0)], 0)
 
-    # realloc_of: the allocation whose block a realloc event freed.
-    realloc_of = np.full(n_alloc, -1, np.int64)
+    # realloc_of: the block a realloc event freed.
+    realloc_of = np.full(nb, -1, np.int64)
     by_free_event = np.full(n, -1, np.int64)
     rr = reason == END_REALLOC
     by_free_event[free_eid[rr]] = np.flatnonzero(rr)
-    is_realloc_alloc = kind[a_eid] == EventKind.REALLOC
-    realloc_of[is_realloc_alloc] = by_free_event[a_eid[is_realloc_alloc]]
+    is_realloc_alloc = (kind[b_ev] == EventKind.REALLOC) & ~inherited
+    realloc_of[is_realloc_alloc] = by_free_event[b_ev[is_realloc_alloc]]
 
     # temporary (heaptrack's definition, per thread): the thread's next allocator event
     # after the allocation is the one that freed it.
@@ -156,24 +101,25 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         col["tid"][h_sorted][1:] == col["tid"][h_sorted][:-1])
     next_eid = np.full(n, -1, np.int64)
     next_eid[h_sorted[:-1][same_thread]] = h_sorted[1:][same_thread]
-    temporary = has_free & (next_eid[a_eid] == free_eid)
+    temporary = has_free & ~inherited & (next_eid[b_ev] == free_eid)
 
     def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
         dtype = np.uint32 if typ == pa.uint32() else np.uint64
         return pa.array(values.astype(dtype), type=typ, mask=~valid)
 
+    inherited_from = src
     table = pa.table(
         {
-            "alloc_id": pa.array(np.arange(n_alloc, dtype=np.uint64)),
-            "event_id": pa.array(col["event_id"][a_eid]),
-            "pid": pa.array(col["pid"][a_eid]),
-            "tid": pa.array(col["tid"][a_eid]),
-            "ts": pa.array(a_ts),
-            "kind": pa.array(kind[a_eid]),
-            "allocator": pa.array(col["allocator"][a_eid]),
-            "addr": pa.array(addr[a_eid]),
-            "size": pa.array(col["size"][a_eid]),
-            "stack_hash": pa.array(col["stack_hash"][a_eid]),
+            "alloc_id": pa.array(np.arange(nb, dtype=np.uint64)),
+            "event_id": pa.array(col["event_id"][b_ev]),
+            "pid": pa.array(b_pid.astype(np.uint32)),
+            "tid": pa.array(np.where(inherited, b_pid, col["tid"][b_ev]).astype(np.uint32)),
+            "ts": pa.array(b_ts),
+            "kind": pa.array(kind[o_eid]),
+            "allocator": pa.array(col["allocator"][o_eid]),
+            "addr": pa.array(addr[o_eid]),
+            "size": pa.array(col["size"][o_eid]),
+            "stack_hash": pa.array(col["stack_hash"][o_eid]),
             "free_ts": nullable(free_ts, has_free, pa.uint64()),
             "free_event_id": nullable(free_eid, has_free, pa.uint64()),
             "free_tid": nullable(free_tid, has_free, pa.uint32()),
@@ -181,24 +127,222 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
             "end_event_id": nullable(end_eid, has_end, pa.uint64()),
             "end_reason": pa.array(reason),
             "lifetime_ns": nullable(
-                free_ts.astype(np.int64) - a_ts.astype(np.int64), has_free, pa.uint64()
+                free_ts.astype(np.int64) - b_ts.astype(np.int64), has_free, pa.uint64()
             ),
             "realloc_of": nullable(realloc_of, realloc_of >= 0, pa.uint64()),
             "temporary": pa.array(temporary),
+            "inherited_from": nullable(inherited_from, inherited, pa.uint64()),
         },
         schema=ALLOCATIONS,
     )
     counters = {
         "allocations": n_alloc,
-        "frees": len(f_eid),
+        "allocations_inherited": int(inherited.sum()),
+        "frees": int(f_mask.sum()),
         "reallocs": int(is_realloc_alloc.sum()),
-        "frees_unmatched": int(unmatched_free.sum()),
+        "frees_unmatched": int((~m.f_matched).sum()),
         "allocations_reused_without_free": int((reason == END_REUSED).sum()),
-        "allocations_not_freed": int((reason >= END_EXEC).sum()),
+        "allocations_not_freed": int((reason[~inherited] >= END_EXEC).sum()),
         "failed_allocations": int((is_alloc_kind & (addr == 0)).sum()),
     }
-    timeline = _heap_timeline(a_pid, a_eid, end_eid, col["size"][a_eid].astype(np.int64), ts)
+    timeline = _heap_timeline(b_pid, b_ev, end_eid, col["size"][o_eid].astype(np.int64), ts)
     return Pairing(table, timeline, counters)
+
+
+@dataclass
+class _Blocks:
+    """Blocks to match: the allocations, or the copies one child inherits at one fork;
+    `base` is the index of the first among all (allocations first, then the copies in
+    the order they were made)."""
+
+    ev: np.ndarray  # event index where the block starts in its process
+    pid: np.ndarray
+    addr: np.ndarray
+    inst: np.ndarray  # process instance (_Matcher.instance)
+    src: np.ndarray  # index of the block copied, -1 for an allocation
+    origin: np.ndarray  # index of the allocation copied (itself for an allocation)
+    base: int
+    end: np.ndarray = field(init=False)  # event index where the block's life ends, -1
+    free: np.ndarray = field(init=False)  # event index of the free that ended it, -1
+    reason: np.ndarray = field(init=False)  # EndReason
+
+    def __post_init__(self) -> None:
+        self.end = np.full(len(self.ev), -1, np.int64)
+        self.free = np.full(len(self.ev), -1, np.int64)
+        self.reason = np.full(len(self.ev), END_END, np.uint8)
+
+
+class _Matcher:
+    """Blocks (allocations, and the copies a forked child inherits) matched with the
+    frees that end them, process life by process life.
+
+    A block's life in its process ends at the first later free of its address in the
+    same process instance (a process instance is bounded by fork: a child starts,
+    exec and exit), or where that address is handed out again (`reused`: a free that
+    was not recorded), else at the instance's next exec or exit (a leak), else at the
+    capture's end. Events are indexed by their position."""
+
+    def __init__(self, life: Lifecycle, n: int, pid: np.ndarray) -> None:
+        forks, execs, exits = life.forks, life.execs, life.process_exits
+        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
+                                exits["pid"].to_numpy()]).astype(np.int64)
+        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
+                                exits["event_id"].to_numpy()]).astype(np.int64)
+        b_reason = np.concatenate([
+            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
+            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
+        self.stride = n + 1
+        key = b_pid * self.stride + b_eid
+        order = np.argsort(key, kind="stable")
+        self.bound_key, self.bound_pid = key[order], b_pid[order]
+        self.bound_eid, self.bound_reason = b_eid[order], b_reason[order]
+        self.n, self.pid = n, pid
+        self.copies: dict[int, list[_Blocks]] = {}  # child pid -> its copies, by fork
+        self.chunks: list[_Blocks] = []  # every copy, in the order made
+
+    def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """How many boundaries of process p came at or before event e."""
+        return np.searchsorted(self.bound_key, p * self.stride + e, side="right") - \
+            np.searchsorted(self.bound_key, p * self.stride, side="left")
+
+    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Index into the boundaries of process p's first one after event e, -1: none."""
+        if not len(self.bound_key):
+            return np.full(len(p), -1, np.int64)
+        j = np.searchsorted(self.bound_key, p * self.stride + e, side="right")
+        jc = np.minimum(j, len(self.bound_key) - 1)
+        return np.where((j < len(self.bound_key)) & (self.bound_pid[jc] == p), jc, -1)
+
+    def frees(self, ev: np.ndarray, addr: np.ndarray, by_realloc: np.ndarray) -> None:
+        self.f_ev, self.f_addr, self.f_rf = ev, addr, by_realloc
+        self.f_pid = self.pid[ev]
+        self.f_inst = self.instance(self.f_pid, ev)
+        self.f_matched = np.zeros(len(ev), bool)
+        self.f_by_pid = np.lexsort((ev, self.f_pid))
+        self.f_pid_sorted = self.f_pid[self.f_by_pid]
+
+    def allocations(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray) -> None:
+        n = len(ev)
+        self.real = _Blocks(ev, pid, addr, self.instance(pid, ev), np.full(n, -1, np.int64),
+                            np.arange(n, dtype=np.int64), 0)
+        self.by_pid = np.lexsort((ev, pid))
+        self.pid_sorted = pid[self.by_pid]
+        self.size = n
+        self.match([(self.real, np.arange(n))], np.arange(len(self.f_ev)))
+
+    def of_pid(self, p: int) -> tuple[list[tuple[_Blocks, np.ndarray]], np.ndarray]:
+        """The blocks of process p (its allocations and copies) and its frees."""
+        lo, hi = np.searchsorted(self.pid_sorted, [p, p + 1])
+        parts = [(self.real, self.by_pid[lo:hi])]
+        parts += [(c, np.arange(len(c.ev))) for c in self.copies.get(p, [])]
+        flo, fhi = np.searchsorted(self.f_pid_sorted, [p, p + 1])
+        return parts, self.f_by_pid[flo:fhi]
+
+    def match(self, parts: list[tuple[_Blocks, np.ndarray]], frees: np.ndarray) -> None:
+        """Match these blocks with these frees (all of their processes' ones)."""
+        b_pid = np.concatenate([b.pid[i] for b, i in parts])
+        b_inst = np.concatenate([b.inst[i] for b, i in parts])
+        b_addr = np.concatenate([b.addr[i] for b, i in parts])
+        b_ev = np.concatenate([b.ev[i] for b, i in parts])
+        nb = len(b_ev)
+        op_pid = np.concatenate([b_pid, self.f_pid[frees]])
+        op_inst = np.concatenate([b_inst, self.f_inst[frees]])
+        op_addr = np.concatenate([b_addr, self.f_addr[frees]])
+        op_ev = np.concatenate([b_ev, self.f_ev[frees]])
+        op_sub = np.concatenate([np.ones(nb, np.int8), np.zeros(len(frees), np.int8)])
+        op_ref = np.concatenate([np.arange(nb), frees])
+        # frees (sub 0) before the allocation (sub 1) of the same event
+        order = np.lexsort((op_sub, op_ev, op_addr, op_inst, op_pid))
+        s_ev, s_sub, s_ref = op_ev[order], op_sub[order], op_ref[order]
+        k = len(order)
+        same_next = np.zeros(k, bool)
+        if k > 1:
+            same_next[:-1] = (op_pid[order][1:] == op_pid[order][:-1]) & (
+                op_inst[order][1:] == op_inst[order][:-1]) & (
+                op_addr[order][1:] == op_addr[order][:-1])
+        is_a = s_sub == 1
+        nxt = np.minimum(np.arange(k) + 1, max(k - 1, 0))
+        freed = is_a & same_next & (s_sub[nxt] == 0)
+        reused = is_a & same_next & (s_sub[nxt] == 1)
+        # Frees that end nothing (block allocated before tracking, by an untracked
+        # allocator, inherited across a vfork, or a double free).
+        prev_is_alloc = np.zeros(k, bool)
+        if k > 1:
+            prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
+        self.f_matched[s_ref[~is_a]] = prev_is_alloc[~is_a]
+        end = np.full(nb, -1, np.int64)
+        free = np.full(nb, -1, np.int64)
+        reason = np.full(nb, END_END, np.uint8)
+        b = s_ref[is_a]
+        f_rows, u_rows = freed[is_a], reused[is_a]
+        nx_ev = s_ev[nxt][is_a]
+        free[b[f_rows]] = nx_ev[f_rows]
+        end[b[f_rows | u_rows]] = nx_ev[f_rows | u_rows]
+        reason[b[f_rows]] = np.where(self.f_rf[s_ref[nxt][is_a][f_rows]], END_REALLOC,
+                                     END_FREE)
+        reason[b[u_rows]] = END_REUSED
+        # Never freed: bounded by the next exec/exit of the process instance, if any.
+        open_ = np.flatnonzero(end < 0)
+        j = self.next_boundary(b_pid[open_], b_ev[open_])
+        hit = j >= 0
+        end[open_[hit]] = self.bound_eid[j[hit]]
+        reason[open_[hit]] = self.bound_reason[j[hit]]
+        o = 0
+        for blk, i in parts:
+            blk.end[i], blk.free[i], blk.reason[i] = (
+                end[o:o + len(i)], free[o:o + len(i)], reason[o:o + len(i)])
+            o += len(i)
+
+    def inherit(self, forks: pa.Table) -> None:
+        """A forked child (not a vfork: CLONE_VM shares the parent's memory) gets a copy
+        of every block alive in its parent at the fork, in its own heap: its frees end
+        those copies, the parent's end the parent's blocks. Only a child that allocates
+        or frees before its exec or exit inherits (a fork + exec child's copy of its
+        parent's heap is never used: listing it would put the parent's heap in every
+        such child's peak and leaks). Forks go in event order, each child matched
+        again with its copies, so that a grandchild inherits its parent's copies as
+        they were at its own fork."""
+        if forks.num_rows == 0:
+            return
+        fv = forks.filter(pa.array((forks["flags"].to_numpy() & CLONE_VM) == 0))
+        f_ev = fv["event_id"].to_numpy().astype(np.int64)
+        parent = fv["parent"].to_numpy().astype(np.int64)
+        child = fv["child"].to_numpy().astype(np.int64)
+        # the child's heap events before its next boundary (exec, exit, a reused pid)
+        j = self.next_boundary(child, f_ev)
+        until = np.where(j >= 0, self.bound_eid[np.maximum(j, 0)], self.n)
+        h_key = np.sort(np.concatenate([self.real.pid * self.stride + self.real.ev,
+                                        self.f_pid * self.stride + self.f_ev]))
+        busy = np.searchsorted(h_key, child * self.stride + until, side="left") > \
+            np.searchsorted(h_key, child * self.stride + f_ev, side="right")
+        for e, p, c in zip(f_ev[busy].tolist(), parent[busy].tolist(), child[busy].tolist(),
+                           strict=True):
+            parts, _ = self.of_pid(p)
+            alive = [(blk, i[(blk.ev[i] < e) & ((blk.end[i] < 0) | (blk.end[i] > e))])
+                     for blk, i in parts]
+            k = sum(len(i) for _, i in alive)
+            if not k:
+                continue
+            copy = _Blocks(
+                np.full(k, e, np.int64), np.full(k, c, np.int64),
+                np.concatenate([blk.addr[i] for blk, i in alive]),
+                self.instance(np.full(k, c, np.int64), np.full(k, e, np.int64)),
+                np.concatenate([blk.base + i for blk, i in alive]),
+                np.concatenate([blk.origin[i] for blk, i in alive]), self.size)
+            self.size += k
+            self.chunks.append(copy)
+            self.copies.setdefault(c, []).append(copy)
+            self.match(*self.of_pid(c))
+
+    def gathered(self) -> _Blocks:
+        """Every block, the allocations first, then the copies in the order made."""
+        every = [self.real, *self.chunks]
+        out = _Blocks(*(np.concatenate([getattr(b, f) for b in every])
+                        for f in ("ev", "pid", "addr", "inst", "src", "origin")), 0)
+        out.end = np.concatenate([b.end for b in every])
+        out.free = np.concatenate([b.free for b in every])
+        out.reason = np.concatenate([b.reason for b in every])
+        return out
 
 
 def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,

@@ -1,4 +1,5 @@
-"""`memtrack process`: read -> lifecycle, rss -> pair, regions -> decode + unwind -> load
+"""`memtrack process`: read -> lifecycle, rss -> pair, regions -> decode + unwind (in the
+snapshots and the address spaces forked children inherit) -> load
 (symbolizing the code locations the stacks hold) -> memory_metadata.json.
 
 Each stage is its module's entry point; this module runs them in order, times them and
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from memtrack.process import metadata
+from memtrack.process.addrspace import inherited_mappings
 from memtrack.process.load import Loaded, StageTables, load, meta_rows
 from memtrack.process.pair import pair
 from memtrack.process.read import read_artifact
@@ -169,12 +171,14 @@ def process(
         res = st.run("rss", lambda: resident(tables, m))
         pairing = st.run("pair", lambda: pair(events, res.life, m.end_ns or None))
         summary.add(pairing.counters)
-        summary.allocations = pairing.allocations.num_rows
+        summary.allocations = pairing.counters["allocations"]
         spans = st.run("regions", lambda: regions(events, tables.region_names, end_ns))
         summary.add(spans.counters)
 
         store = ModuleStore(artifact_path, host_modules=host_modules)
-        unwound = unwind_runs(tables.stacks, tables.mappings, store, summary, st, chunk_bytes)
+        spaces = inherited_mappings(tables.mappings, res.life.forks,
+                                    tables.stacks.column("pid").to_numpy())
+        unwound = unwind_runs(tables.stacks, spaces, store, summary, st, chunk_bytes)
         summary.stacks = unwound.stacks.num_rows
         summary.counters["events_stack_missing"] = missing_stacks(events, unwound.stacks)
         modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)

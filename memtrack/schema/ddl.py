@@ -59,7 +59,7 @@ CREATE TABLE allocations (alloc_id UBIGINT, event_id UBIGINT, pid UINTEGER, tid 
     ts UBIGINT, kind event_kind, allocator allocator_kind, addr UBIGINT, size UBIGINT,
     stack_id INTEGER, free_ts UBIGINT, free_event_id UBIGINT, free_tid UINTEGER,
     end_ts UBIGINT, end_event_id UBIGINT, end_reason end_reason, lifetime_ns UBIGINT,
-    realloc_of UBIGINT, temporary BOOLEAN);
+    realloc_of UBIGINT, temporary BOOLEAN, inherited_from UBIGINT);
 CREATE TABLE stacks (stack_id INTEGER, stack_hash UBIGINT, pid UINTEGER, depth USMALLINT,
     truncated BOOLEAN, complete BOOLEAN, stop VARCHAR);
 CREATE TABLE stack_frames (stack_id INTEGER, depth USMALLINT, address UBIGINT,
@@ -231,7 +231,8 @@ CREATE VIEW leaks AS SELECT * FROM allocations WHERE {leaked};
 CREATE VIEW temporary AS SELECT * FROM allocations WHERE temporary;
 
 CREATE VIEW stack_costs AS
-SELECT a.stack_id, a.pid, count(*) AS calls, sum(a.size)::BIGINT AS bytes,
+SELECT a.stack_id, a.pid, count(*) FILTER (WHERE a.inherited_from IS NULL) AS calls,
+       coalesce(sum(a.size) FILTER (WHERE a.inherited_from IS NULL), 0)::BIGINT AS bytes,
        count(*) FILTER (WHERE a.temporary) AS temporary,
        count(p.alloc_id) AS peak_calls, coalesce(sum(p.size), 0)::BIGINT AS peak_bytes,
        count(*) FILTER (WHERE {leaked}) AS leaked_calls,

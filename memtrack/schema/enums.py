@@ -129,6 +129,8 @@ _DASHED = frozenset((Method, Stop, Unresolved))
 # ---------------------------------------------------------------- kernel flag bits
 
 CLONE_THREAD = 0x10000  # FORK `flags`: a new thread, not a new process
+CLONE_VM = 0x100  # FORK `flags`: the child shares its parent's memory (vfork, posix_spawn)
+CLONE_VFORK = 0x4000  # FORK `flags`: the parent waits for the child's exec or exit
 EXIT_PROCESS = 0x1  # EXIT `flags`: the whole process exits (its last thread)
 REGION_BEGIN = 0x1  # REGION `flags`: the region begins (else it ends)
 

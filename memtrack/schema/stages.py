@@ -50,6 +50,7 @@ ALLOCATIONS = pa.schema([
     ("lifetime_ns", pa.uint64()),
     ("realloc_of", pa.uint64()),
     ("temporary", pa.bool_()),
+    ("inherited_from", pa.uint64()),  # a forked child's copy: the parent's block (alloc_id)
 ])
 
 # pair: heap bytes in use per process after each event that changed them.

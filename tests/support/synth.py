@@ -14,6 +14,7 @@ from memtrack.process.read import sort_events
 from memtrack.process.rss import effective_rss
 from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, Allocator, EventKind
 from memtrack.schema.artifact import ArtifactWriter
+from memtrack.schema.enums import CLONE_VFORK, CLONE_VM
 from memtrack.schema.stages import (
     MODULES,
     SYMBOLIZED_FRAMES,
@@ -25,6 +26,9 @@ K = EventKind
 LIBC = int(Allocator.LIBC)
 END_NS = 3000
 
+# The children are vforks (CLONE_VM): they share pid 100's memory, so they inherit no
+# copy of its blocks (tests/test_process.py pairs the same events with plain forks).
+VFORK = CLONE_VM | CLONE_VFORK
 # (ts, pid, tid, kind, flags, addr, old_addr, size, stack_hash)
 EVENT_ROWS = [
     (1000, 100, 100, K.MALLOC, 0, 0xA0, 0, 512, 11),  # A: temporary
@@ -36,14 +40,14 @@ EVENT_ROWS = [
     (1500, 100, 100, K.FREE, 0, 0xC0, 0, 0, 0),
     (1600, 100, 100, K.CALLOC, 0, 0xE0, 0, 1000, 11),  # E: leaked
     (1700, 100, 100, K.FREE, 0, 0xF0, 0, 0, 0),
-    (1800, 100, 100, K.FORK, 0, 200, 0, 0, 0),  # child 200
+    (1800, 100, 100, K.FORK, VFORK, 200, 0, 0, 0),  # child 200
     (1900, 200, 200, K.MALLOC, 0, 0x60, 0, 64, 13),  # G: child, ends at its exit
-    (1950, 200, 200, K.FREE, 0, 0xE0, 0, 0, 0),  # inherited block: unmatched
+    (1950, 200, 200, K.FREE, 0, 0xE0, 0, 0, 0),  # pid 100's block: unmatched
     (2000, 200, 200, K.EXIT, 1, 0, 0, 3 << 8, 0),
     (2100, 100, 100, K.ALIGNED_ALLOC, 0, 0x80, 0, 512, 14),  # H: temporary
     (2200, 100, 100, K.FREE, 0, 0x80, 0, 0, 0),
     (2250, 100, 100, K.FREE, 0, 0xDEAD, 0, 0, 0),  # never allocated: unmatched
-    (2300, 100, 100, K.FORK, 0, 200, 0, 0, 0),  # pid 200 reused
+    (2300, 100, 100, K.FORK, VFORK, 200, 0, 0, 0),  # pid 200 reused
     (2400, 200, 200, K.FREE, 0, 0x60, 0, 0, 0),  # G's address, other instance: unmatched
     (2500, 200, 200, K.MALLOC, 0, 0x70, 0, 128, 0),  # X: leaked by the second 200
     (2600, 200, 200, K.EXIT, 1, 0, 0, 9, 0),  # killed by SIGKILL

@@ -1,6 +1,9 @@
 """What the unwinder knows of each module, extracted once into flat rows before any
-step needs it: the compact CFI table (memtrack.dwarf.cfi) and the addresses where the
-kernel's signal-return sequence starts (a trampoline without CFI, musl's __restore_rt).
+step needs it: the compact CFI table (memtrack.dwarf.cfi), the addresses where the
+kernel's signal-return sequence starts (a trampoline without CFI, musl's __restore_rt)
+and the module's entry code when no CFI covers it (ld.so's `_start`/`_dl_start_user`,
+which calls the libraries' constructors; a `_start` built without CFI): the outermost
+frame of a process's first thread, where the stack is complete.
 
 Extraction reads the module's files; it happens the first time a frame lands in the
 module, between two depths of the walk, never inside a step. The rows are cached per
@@ -21,7 +24,7 @@ from memtrack.elf import ElfImage, ElfReadError
 from memtrack.symbolize.cache import default_cache_dir
 from memtrack.symbolize.modules import Module
 
-CACHE_VERSION = 3  # bump when the rows extracted from the same files change
+CACHE_VERSION = 4  # bump when the rows extracted from the same files change
 SIGRETURN_CODE = bytes.fromhex("48c7c00f0000000f05")  # mov $15, %rax; syscall
 
 
@@ -29,6 +32,12 @@ SIGRETURN_CODE = bytes.fromhex("48c7c00f0000000f05")  # mov $15, %rax; syscall
 class ModuleRows:
     cfi: CFITable
     signal_pcs: np.ndarray  # uint64, sorted: vaddrs where SIGRETURN_CODE starts
+    entry: np.ndarray  # uint64 [start, end): the entry code no CFI covers (may be empty)
+
+    def is_entry(self, vaddr: np.ndarray) -> np.ndarray:
+        """Which virtual addresses lie in the module's entry code without CFI."""
+        v = np.asarray(vaddr, dtype=np.uint64)
+        return (v >= self.entry[0]) & (v < self.entry[1])
 
     def is_signal(self, vaddr: np.ndarray) -> np.ndarray:
         """Which virtual addresses start a signal-return sequence."""
@@ -52,6 +61,24 @@ def signal_pcs(elf_path: Path) -> tuple[np.ndarray, list[str]]:
     return np.array(sorted(found), dtype=np.uint64), []
 
 
+def entry_code(elf_path: Path, cfi: CFITable) -> tuple[np.ndarray, list[str]]:
+    """[e_entry, the next CFI row or the end of its section) where no CFI covers the
+    entry point (the ELF header's; none when it is 0, as in most shared libraries)."""
+    empty = np.zeros(2, np.uint64)
+    try:
+        with ElfImage(elf_path) as img:
+            entry = int(img.elf["e_entry"])
+            ranges = img.exec_ranges()
+    except ElfReadError as e:
+        return empty, [str(e)]
+    section = [hi for lo, hi in ranges if lo <= entry < hi]
+    if not entry or not section or cfi.lookup(np.array([entry], np.uint64))[0] >= 0:
+        return empty, []
+    later = cfi.pc[cfi.pc > np.uint64(entry)]
+    end = min(int(later[0]), section[0]) if len(later) else section[0]
+    return np.array([entry, end], np.uint64), []
+
+
 def cache_dir() -> Path:
     """cfi/ under the symbolizer's cache directory ($XDG_CACHE_HOME/memtrack)."""
     return default_cache_dir() / "cfi"
@@ -70,22 +97,23 @@ def extract(module: Module, cache: Path | None = None) -> ModuleRows:
     if cfile is not None and cfile.is_file():
         try:
             with np.load(cfile, allow_pickle=False) as z:
-                rows = ModuleRows(CFITable.from_arrays(z), z["signal_pcs"])
+                rows = ModuleRows(CFITable.from_arrays(z), z["signal_pcs"], z["entry"])
             _memo[bid] = rows
             return rows
         except (OSError, ValueError, KeyError):
             cfile.unlink(missing_ok=True)
     table = build_table(module.elf_path, module.debug_path)
     pcs, problems = signal_pcs(module.elf_path)
-    table.problems += problems
-    rows = ModuleRows(table, pcs)
+    entry, more = entry_code(module.elf_path, table)
+    table.problems += problems + [p for p in more if p not in problems]
+    rows = ModuleRows(table, pcs, entry)
     if cfile is not None:
         _memo[bid] = rows
         try:
             cdir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=cdir, prefix=".cfi.", suffix=".npz")
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, signal_pcs=pcs, **table.arrays())
+                np.savez(f, signal_pcs=pcs, entry=entry, **table.arrays())
             os.replace(tmp, cfile)
         except OSError as e:
             table.problems.append(f"{cdir}: cannot write the unwind cache ({e.strerror or e})")

@@ -14,11 +14,13 @@ tables) are extracted when a depth first lands in a module, the frame-0 rows
 (memtrack.process.unwind.frame0) before the walk starts.
 
 Stop rules (memtrack.schema.enums.Stop): RA undefined (`_start`, thread start: the
-stack is complete), the CFA does not advance, a read above the end of a copy the budget
-cut (truncated; above a copy that reached the stack's end it is a bad address), a return
-address outside every executable mapping (no-mapping, and no frame: a stack record keeps
-only the words pointing into code or stacks, so any other value must end the stack the
-same way), a pc outside any file-backed mapping (no-mapping, after its frame), ...
+stack is complete), a frame in a module's entry code that no CFI covers (ld.so's
+`_dl_start_user`, which runs the constructors; a `_start` without CFI: complete), the
+CFA does not advance, a read above the end of a copy the budget cut (truncated; above
+a copy that reached the stack's end it is a bad address), a return address outside
+every executable mapping (no-mapping, and no frame: a stack record keeps only the words
+pointing into code or stacks, so any other value must end the stack the same way), a
+pc outside any file-backed mapping (no-mapping, after its frame), ...
 """
 
 from __future__ import annotations
@@ -277,6 +279,7 @@ class Walk:
         off = np.tile(_FP_OFF, (n, 1))
         flags = np.zeros(n, dtype=np.uint8)
         signal = np.zeros(n, dtype=bool)
+        entry = np.zeros(n, dtype=bool)
         tables: list[CFITable | None] = [None] * n
         for m in np.unique(mod[mod >= 0]).tolist():
             rows = self.rows.get(m)
@@ -284,6 +287,8 @@ class Walk:
                 continue
             here = np.flatnonzero((mod == m) & (vaddr >= 0))
             signal[here] = rows.is_signal(vaddr[here])
+            at = np.flatnonzero((mod == m) & (lookup >= 0))
+            entry[at] = rows.is_entry(lookup[at])
             t = rows.cfi
             if len(t) == 0:
                 continue
@@ -328,7 +333,12 @@ class Walk:
             assert t is not None
             rare[j] = t.row(int(crow[j]))
             self.counters["unwind_expr_rows"] += 1
-        simple = np.ones(n, dtype=bool)
+        # the entry code of a module: the first thread's outermost frame
+        outer = (crow < 0) & entry & ~signal
+        for j in np.flatnonzero(outer).tolist():
+            rare.pop(j, None)
+        self.stop[idx[outer]] = S_COMPLETE
+        simple = ~outer
         simple[list(rare)] = False
         s = np.flatnonzero(simple)
         self._simple(idx[s], cfa_reg[s], cfa_off[s], rule[s], off[s], fp=crow[s] < 0)
