@@ -194,6 +194,7 @@ def process(
                 counters=summary.counters,
                 options=m.options,
                 warnings=summary.warnings,
+                allocator_functions=allocator_functions(m.probes),
             )
 
         loaded = load(out_db, StageTables(
@@ -210,6 +211,18 @@ def process(
             metadata.build(art.path, m, res), out_db.parent / "memory_metadata.json"))
         st.done()
     return summary
+
+
+def allocator_functions(probes: Any) -> list[str]:
+    """The names of the functions capture probed, raw and demangled: the reports tell
+    allocator frames from their callers by them (schema.ddl.ALLOCATOR_NAMES)."""
+    from memtrack.symbolize.demangle import demangle
+
+    if not isinstance(probes, list):
+        return []
+    names = {p["function"] for p in probes if isinstance(p, dict)
+             and isinstance(p.get("function"), str) and p["function"]}
+    return sorted(names | {demangle(n) for n in names})
 
 
 def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summary: Summary,

@@ -246,8 +246,9 @@ function tables() {
   el("h2", {}, box, "Hotspots (by allocating function, all processes)");
   table(box, ["function", "calls", "allocated", "at peak", "leaked", "incl. calls",
               "incl. allocated"],
-    D.hotspots.map(h => [h[0], h[1], bytes(h[2]), bytes(h[3]), bytes(h[4]), h[5],
-                         bytes(h[6])]),
+    D.hotspots.map(h => [h.function, h.self_calls, bytes(h.self_bytes),
+                         bytes(h.self_peak_bytes), bytes(h.self_leaked_bytes), h.incl_calls,
+                         bytes(h.incl_bytes)]),
     [false, true, true, true, true, true, true]);
   const titles = {calls: "Most calls to allocation functions", peak: "Peak memory consumers",
                   leaks: "Memory leaks", temporary: "Most temporary allocations"};
