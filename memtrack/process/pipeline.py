@@ -78,6 +78,10 @@ class Summary:
         noted = {k: v for k, v in self.counters.items() if v and k in NOTABLE}
         if noted:
             out.append("process: " + ", ".join(f"{k} {v}" for k, v in noted.items()))
+        if self.counters.get("frees_at_thread_exit"):
+            out.append(f"note: {self.counters['frees_at_thread_exit']} frees at thread exit "
+                       "are glibc's (tcache_thread_shutdown frees the blocks a thread's "
+                       "cache held, and the cache itself): not counted as unmatched")
         out.extend(f"warning: {w}" for w in self.warnings)
         return out
 
