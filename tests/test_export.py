@@ -26,7 +26,8 @@ def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def export(run_db: Path, tmp: Path, fmt: str, *extra: str) -> Path:
     out = tmp / f"out.{fmt}"
-    r = runner.invoke(app, ["export", str(run_db), "--format", fmt, "-o", str(out), *extra])
+    r = runner.invoke(app, ["export", str(run_db), "--format", fmt, "-o", str(out), "--force",
+                            *extra])
     assert r.exit_code == 0, r.output
     return out
 

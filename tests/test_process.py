@@ -38,7 +38,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> duckdb.DuckDBPyConnection:
     summary = process(art, d / "run.duckdb", parquet_dir=d / "pq", progress=False)
     assert summary.events == 20 and summary.allocations == 9
     assert summary.counters["frees_unmatched"] == UNMATCHED_FREES
-    assert summary.metadata == d / "memory_metadata.json"
+    assert summary.metadata == d / "run.memory_metadata.json"
     meta = json.loads(summary.metadata.read_text())
     assert sorted(p["pid"] for p in meta["processes"]) == [100, 200, 200]
     con = open_run(d / "run.duckdb")

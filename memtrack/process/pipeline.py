@@ -1,5 +1,5 @@
 """`memtrack process`: read -> lifecycle, rss -> pair -> decode + unwind -> load
-(symbolizing the code locations the stacks hold) -> memory_metadata.json.
+(symbolizing the code locations the stacks hold) -> RUN.memory_metadata.json.
 
 Each stage is its module's entry point; this module runs them in order, times them and
 gathers their counters. Decode and unwind go run by run (decode_chunks): the rebuilt
@@ -63,7 +63,7 @@ class Summary:
     rows: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
     warnings: list[str] = field(default_factory=list)
-    metadata: Path | None = None  # memory_metadata.json
+    metadata: Path | None = None  # RUN.memory_metadata.json
 
     def lines(self) -> list[str]:
         out = [
@@ -212,7 +212,7 @@ def process(
         summary.frames_by_method = loaded.frames_by_method
         summary.unknown_frames = loaded.unknown_frames
         summary.metadata = st.run("metadata", lambda: metadata.write(
-            metadata.build(art.path, m, res), out_db.parent / "memory_metadata.json"))
+            metadata.build(art.path, m, res), metadata.path_for(out_db)))
         st.done()
     return summary
 

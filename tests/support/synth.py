@@ -67,12 +67,13 @@ def events_table() -> pa.Table:
     return pa.table(data, schema=EVENTS)
 
 
-def write_artifact(path: Path, events: pa.Table | None = None) -> Path:
+def write_artifact(path: Path, events: pa.Table | None = None, *,
+                   command: tuple[str, ...] = ("p", "-x"), comm: str = "parent") -> Path:
     w = ArtifactWriter(path)
     w.write("events", events if events is not None else events_table())
     w.write("processes", pa.table({
         "ts": [900, 1800, 2300], "pid": [100, 200, 200], "ppid": [1, 100, 100],
-        "comm": ["parent", "child", "child2"], "exe": ["/bin/p", "/bin/p", "/bin/p"],
+        "comm": [comm, "child", "child2"], "exe": ["/bin/p", "/bin/p", "/bin/p"],
         "cmdline": [["p", "-x"], ["p"], ["p"]]}, schema=PROCESSES))  # fmt: skip
     w.write("rss", pa.table({
         "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
@@ -81,7 +82,7 @@ def write_artifact(path: Path, events: pa.Table | None = None) -> Path:
     w.manifest.root_pid = 100
     w.manifest.start_ns = 900
     w.manifest.end_ns = END_NS
-    w.manifest.command = ["p", "-x"]
+    w.manifest.command = list(command)
     w.close()
     return path
 
