@@ -1,7 +1,7 @@
 """`memtrack report --html`: the page in headless Chromium, driven as a user would (its
 buttons clicked, its search typed into, the mouse over its plots). Each view shows the
 fixture's call tree and figures, with no console message and no network; a screenshot
-of each view is saved ($MEMTRACK_SCREENS, else the test's directory)."""
+of each view is saved ($MEMTRACK_SCREENS, else /tmp/memtrack-screens/synthetic)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def browser() -> Any:
 
 
 @pytest.fixture(scope="module")
-def screens(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return screens_dir(tmp_path_factory.mktemp("screens")) / "synthetic"
+def screens() -> Path:
+    return screens_dir() / "synthetic"
 
 
 def load(browser: Browser, page: Path, fragment: str = "") -> None:

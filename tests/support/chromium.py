@@ -170,6 +170,9 @@ class Browser:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
-def screens_dir(default: Path) -> Path:
-    """Where the HTML tests save their screenshots: $MEMTRACK_SCREENS, else `default`."""
-    return Path(os.environ.get("MEMTRACK_SCREENS") or default)
+SCREENS = Path("/tmp/memtrack-screens")  # a stable place to look at them after a run
+
+
+def screens_dir() -> Path:
+    """Where the HTML tests save their screenshots: $MEMTRACK_SCREENS, else SCREENS."""
+    return Path(os.environ.get("MEMTRACK_SCREENS") or SCREENS)
