@@ -153,6 +153,13 @@ class RunReader:
     def meta(self) -> dict[str, str]:
         return dict(self.con.execute("SELECT key, value FROM meta").fetchall())
 
+    @functools.cached_property
+    def rss_recorded(self) -> bool:
+        """Whether capture recorded resident memory (not with --rss off: its rss rows are
+        then only the zeros of execs and exits, no figure)."""
+        options = json.loads(self.meta.get("options") or "{}")
+        return not isinstance(options, dict) or options.get("rss", True) is not False
+
     @property
     def start_ns(self) -> int:
         return int(self.meta.get("start_ns", 0) or 0)
@@ -209,7 +216,7 @@ class RunReader:
                            AS d
                     FROM rss_timeline WHERE {pids})
                 GROUP BY ts)
-            ORDER BY total DESC, ts LIMIT 1""").fetchone()
+            ORDER BY total DESC, ts LIMIT 1""").fetchone() if self.rss_recorded else None
 
         def per_s(n: int) -> float:
             return n / runtime if runtime > 0 else 0.0
@@ -239,11 +246,12 @@ class RunReader:
             r AS (SELECT pid, max(rss) AS rss FROM rss_timeline GROUP BY pid)
             SELECT p.pid, p.ppid, p.name, p.exe, p.exit_code, p.exit_signal,
                    coalesce(h.peak_bytes, 0), (h.peak_ts::DOUBLE - ?) / 1e9,
-                   coalesce(c.calls, 0)::BIGINT, coalesce(c.leaked, 0)::BIGINT, r.rss
+                   coalesce(c.calls, 0)::BIGINT, coalesce(c.leaked, 0)::BIGINT,
+                   CASE WHEN ? THEN r.rss END
             FROM processes p LEFT JOIN heap_peak h USING (pid) LEFT JOIN c USING (pid)
                 LEFT JOIN r USING (pid)
             WHERE {self.where("p.")} ORDER BY p.start_ts, p.pid""",
-                                [float(self.start_ns)]).fetchall()
+                                [float(self.start_ns), self.rss_recorded]).fetchall()
         keys = ("pid", "ppid", "name", "exe", "exit_code", "exit_signal", "peak_heap_bytes",
                 "peak_heap_at_s", "calls", "leaked_bytes", "peak_rss_bytes")
         return [dict(zip(keys, r, strict=True)) for r in rows]
@@ -405,7 +413,8 @@ class RunReader:
                          "ORDER BY event_id"),
                 ("rss", "SELECT ts, rss FROM rss_timeline WHERE pid = ? ORDER BY ts"),
             ):
-                series[key] = self._downsample(sql, p, points)
+                series[key] = (self._downsample(sql, p, points)
+                               if key == "heap" or self.rss_recorded else [])
             if series["heap"] or series["rss"]:
                 out.append({"pid": p, "name": name or "?", **series})
         return out

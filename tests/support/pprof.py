@@ -123,7 +123,8 @@ def go_pprof(path: Path, *args: str) -> str:
 
 def top(path: Path, sample_index: str, *, lines: bool = False) -> tuple[str, dict[str, int]]:
     """`go tool pprof -top`: its header and the flat value of every node (exact units)."""
-    out = go_pprof(path, "-top", "-nodecount=100000", "-unit=B", f"-sample_index={sample_index}",
+    out = go_pprof(path, "-top", "-nodecount=100000", "-nodefraction=0", "-unit=B",
+                   f"-sample_index={sample_index}",
                    *(["-lines"] if lines else []))
     head, _, table = out.partition("      flat  flat%")
     flat = {}
