@@ -284,11 +284,24 @@ def unwind_record(
 
 
 def main() -> None:
+    """The command line: a usage error is one line too (typer draws a box), naming the
+    help of the command it concerns."""
     try:
-        app()
+        status = app(standalone_mode=False)
     except KeyboardInterrupt:
         err.print("memtrack: interrupted")
         sys.exit(130)
+    except typer.Abort:
+        sys.exit(1)
+    except typer.TyperException as e:  # click's usage errors
+        ctx = getattr(e, "ctx", None)
+        where = ctx.command_path if ctx is not None else "memtrack"
+        message = " ".join(e.format_message().split())  # type: ignore[attr-defined]
+        if message:  # none after the help a bare command prints
+            err.print(f"memtrack: {message} (`{where} -h` for help)", markup=False,
+                      soft_wrap=True)
+        sys.exit(getattr(e, "exit_code", 2))
+    sys.exit(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":

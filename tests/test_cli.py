@@ -99,6 +99,16 @@ def test_version_help_and_completion() -> None:
     assert r.returncode == 0 and "_MEMTRACK_COMPLETE=complete_bash" in r.stdout
 
 
+def test_usage_errors_are_one_line() -> None:
+    for args, want in (
+            (["process"], "Missing argument 'artifact'. (`memtrack process -h` for help)"),
+            (["capture", "--rs", "off", "--", "true"],
+             "No such option: --rs (Possible options: --rss) (`memtrack capture -h` for help)"),
+            (["bogus"], "No such command 'bogus'. (`memtrack -h` for help)")):
+        r = subprocess.run([MEMTRACK, *args], capture_output=True, text=True)
+        assert r.returncode == 2 and one_line(r.stderr) == "memtrack: " + want, args
+
+
 def test_force_for_every_output(tmp_path: Path) -> None:
     art = write_artifact(tmp_path / "run.memtrack")
     db, meta = tmp_path / "run.duckdb", tmp_path / "run.memory_metadata.json"
