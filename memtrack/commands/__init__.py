@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 import duckdb
@@ -72,14 +73,19 @@ def give_to_invoking_user(path: Path) -> None:
     todo = [path]
     while todo:
         p = todo.pop()
-        st = p.lstat()
-        if stat.S_ISLNK(st.st_mode):
-            os.lchown(p, *owner)
-            continue
-        os.chown(p, *owner)
-        is_dir = stat.S_ISDIR(st.st_mode)
-        want = stat.S_IRUSR | stat.S_IWUSR | (stat.S_IXUSR if is_dir else 0)
-        if st.st_mode & want != want:
-            os.chmod(p, stat.S_IMODE(st.st_mode) | want)
-        if is_dir:
-            todo.extend(p.iterdir())
+        try:
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                os.lchown(p, *owner)
+                continue
+            os.chown(p, *owner)
+            is_dir = stat.S_ISDIR(st.st_mode)
+            want = stat.S_IRUSR | stat.S_IWUSR | (stat.S_IXUSR if is_dir else 0)
+            if st.st_mode & want != want:
+                os.chmod(p, stat.S_IMODE(st.st_mode) | want)
+            if is_dir:
+                todo.extend(p.iterdir())
+        except OSError as e:  # e.g. root squashed on NFS: the output stays, said once
+            sys.stderr.write(f"memtrack: warning: {p}: not given to uid {uid}: "
+                             f"{e.strerror or e}\n")
+            return
