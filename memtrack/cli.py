@@ -7,7 +7,7 @@ import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -45,7 +45,12 @@ def main_options(
     """Linux memory-allocation profiler: eBPF capture, offline unwinding, DuckDB tables."""
 
 
-SWITCH = "on|off"  # every on/off switch takes its value: --rss off, never --no-rss
+def switch_values() -> list[str]:
+    return ["on", "off"]
+
+
+# every on/off switch takes its value (--rss off, never --no-rss), completed in the shell
+SWITCH: dict[str, Any] = {"metavar": "on|off", "autocompletion": switch_values}
 
 
 def on(flag: str, value: str) -> bool:
@@ -89,21 +94,21 @@ def capture(
                                          help="The artifact directory to write.")],
     force: Annotated[bool, typer.Option("--force", envvar="MEMTRACK_FORCE",
                                         help="Replace OUTPUT if it exists.")] = False,
-    stacks: Annotated[str, typer.Option("--stacks", envvar="MEMTRACK_STACKS", metavar=SWITCH,
+    stacks: Annotated[str, typer.Option("--stacks", envvar="MEMTRACK_STACKS", **SWITCH,
                                         help="Capture allocation stacks.")] = "on",
     stack_budget: Annotated[int, typer.Option(
         "--stack-budget", envvar="MEMTRACK_STACK_BUDGET",
         help="Bytes of stack copied per allocation (512..32768).")] = 8192,
     stack_compression: Annotated[str, typer.Option(
-        "--stack-compression", envvar="MEMTRACK_STACK_COMPRESSION", metavar=SWITCH,
+        "--stack-compression", envvar="MEMTRACK_STACK_COMPRESSION", **SWITCH,
         help="Delta-encode stack records (off writes raw records).")] = "on",
-    rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", metavar=SWITCH,
+    rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", **SWITCH,
                                      help="Record resident memory (kmem:rss_stat).")] = "on",
     track_faults: Annotated[str, typer.Option(
-        "--track-faults", envvar="MEMTRACK_TRACK_FAULTS", metavar=SWITCH,
+        "--track-faults", envvar="MEMTRACK_TRACK_FAULTS", **SWITCH,
         help="Record user page faults (the anon RSS replay).")] = "off",
     modules: Annotated[str, typer.Option(
-        "--modules", envvar="MEMTRACK_MODULES", metavar=SWITCH,
+        "--modules", envvar="MEMTRACK_MODULES", **SWITCH,
         help="Copy the mapped modules and their debug files into the artifact.")] = "on",
     start_disabled: Annotated[bool, typer.Option(
         "--start-disabled", envvar="MEMTRACK_START_DISABLED",
@@ -177,7 +182,7 @@ def process(
         typer.Option("--parquet", help="Also write every table as Parquet, one directory each."),
     ] = None,
     host_modules: Annotated[str, typer.Option(
-        "--host-modules", metavar=SWITCH,
+        "--host-modules", **SWITCH,
         help="Use host files (same build id) for modules the artifact lacks.")] = "on",
     cache_dir: Annotated[
         Path | None,
@@ -185,7 +190,7 @@ def process(
                      help="Per-build-id symbol cache [default: $XDG_CACHE_HOME/memtrack]."),
     ] = None,
     cache: Annotated[str, typer.Option(
-        "--cache", metavar=SWITCH, help="Keep symbols per build id (off: parse every "
+        "--cache", **SWITCH, help="Keep symbols per build id (off: parse every "
                                         "module's DWARF afresh).")] = "on",
     force: Annotated[bool, typer.Option(
         "--force", help="Replace the run database (and its metadata, Parquet) if they "
@@ -259,7 +264,7 @@ def symbolize(
         typer.Option("--cache-dir", help="Cache directory [default: $XDG_CACHE_HOME/memtrack]."),
     ] = None,
     cache: Annotated[str, typer.Option(
-        "--cache", metavar=SWITCH, help="Read and write the cache.")] = "on",
+        "--cache", **SWITCH, help="Read and write the cache.")] = "on",
 ) -> None:
     """Print the frames of addresses in a module, innermost first (llvm-symbolizer --inlines)."""
     from memtrack.commands import symbolize as cmd
@@ -273,7 +278,7 @@ def unwind_record(
     artifact: Annotated[Path, typer.Argument(help="An artifact directory (NAME.memtrack).")],
     record: Annotated[str, typer.Option("--record", help="The stack hash (hex or decimal).")],
     host_modules: Annotated[str, typer.Option(
-        "--host-modules", metavar=SWITCH,
+        "--host-modules", **SWITCH,
         help="Read modules missing from the artifact from this host.")] = "off",
 ) -> None:
     """Unwind one stack record and print its frames with method (regs, cfi, fp, fp-kernel)

@@ -94,6 +94,9 @@ def test_version_help_and_completion() -> None:
     r = subprocess.run([MEMTRACK], capture_output=True, text=True,
                        env={**env, "COMP_WORDS": "memtrack process --h", "COMP_CWORD": "2"})
     assert r.stdout.split() == ["--host-modules", "--help"]
+    r = subprocess.run([MEMTRACK], capture_output=True, text=True,
+                       env={**env, "COMP_WORDS": "memtrack capture --rss ", "COMP_CWORD": "3"})
+    assert r.stdout.split() == ["on", "off"]
     r = subprocess.run([MEMTRACK, "--show-completion", "bash"], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "_MEMTRACK_COMPLETE=complete_bash" in r.stdout
