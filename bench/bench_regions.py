@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import build  # noqa: E402
 
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
-CAPTURE = ["capture", "--force", "--stacks", "off", "--no-rss"]
+CAPTURE = ["capture", "--force", "--stacks", "off", "--rss", "off"]
 PY_LOOP = """
 import sys, time
 sys.path.insert(0, sys.argv[2])

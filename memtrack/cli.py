@@ -7,7 +7,7 @@ import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -17,8 +17,8 @@ from memtrack.commands import CommandError
 app = typer.Typer(
     help="Linux memory-allocation profiler: eBPF capture, offline unwinding, DuckDB tables.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 err = Console(stderr=True, highlight=False)
 
@@ -26,6 +26,38 @@ err = Console(stderr=True, highlight=False)
 def fail(message: str, code: int = 2) -> typer.Exit:
     err.print(f"memtrack: {message}", markup=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from memtrack.schema.manifest import Manifest
+
+        print(f"memtrack {Manifest().memtrack_version}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=show_version,
+        help="Print memtrack's version and exit.")] = False,
+) -> None:
+    """Linux memory-allocation profiler: eBPF capture, offline unwinding, DuckDB tables."""
+
+
+def switch_values() -> list[str]:
+    return ["on", "off"]
+
+
+# every on/off switch takes its value (--rss off, never --no-rss), completed in the shell
+SWITCH: dict[str, Any] = {"metavar": "on|off", "autocompletion": switch_values}
+
+
+def on(flag: str, value: str) -> bool:
+    """An on/off switch's value, or the one-line error."""
+    if value not in ("on", "off"):
+        raise fail(f"{flag} {value}: expected on or off")
+    return value == "on"
 
 
 def call(run: Callable[..., int], *args: object, **kwargs: object) -> None:
@@ -62,23 +94,24 @@ def capture(
                                          help="The artifact directory to write.")],
     force: Annotated[bool, typer.Option("--force", envvar="MEMTRACK_FORCE",
                                         help="Replace OUTPUT if it exists.")] = False,
-    stacks: Annotated[str, typer.Option("--stacks", envvar="MEMTRACK_STACKS",
-                                        help="Capture allocation stacks: on or off.")] = "on",
+    stacks: Annotated[str, typer.Option("--stacks", envvar="MEMTRACK_STACKS", **SWITCH,
+                                        help="Capture allocation stacks.")] = "on",
     stack_budget: Annotated[int, typer.Option(
         "--stack-budget", envvar="MEMTRACK_STACK_BUDGET",
         help="Most bytes of stack copied per allocation (512..32768); a copy stops at "
              "the stack's end.")] = 32768,
-    stack_copies: Annotated[bool, typer.Option(
-        "--stack-copies", envvar="MEMTRACK_STACK_COPIES",
+    stack_copies: Annotated[str, typer.Option(
+        "--stack-copies", envvar="MEMTRACK_STACK_COPIES", **SWITCH,
         help="Debug: also write every allocation's raw stack copy (stack_copies.arrow), "
-             "the proof that each stack record unwinds as its allocations would.")] = False,
-    rss: Annotated[bool, typer.Option("--rss/--no-rss", envvar="MEMTRACK_RSS",
-                                      help="Record resident memory (kmem:rss_stat).")] = True,
-    track_faults: Annotated[bool, typer.Option("--track-faults", envvar="MEMTRACK_TRACK_FAULTS",
-                                               help="Record user page faults.")] = False,
-    modules: Annotated[bool, typer.Option(
-        "--modules/--no-modules", envvar="MEMTRACK_MODULES",
-        help="Copy the mapped modules and their debug files into the artifact.")] = True,
+             "the proof that each stack record unwinds as its allocations would.")] = "off",
+    rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", **SWITCH,
+                                     help="Record resident memory (kmem:rss_stat).")] = "on",
+    track_faults: Annotated[str, typer.Option(
+        "--track-faults", envvar="MEMTRACK_TRACK_FAULTS", **SWITCH,
+        help="Record user page faults (the anon RSS replay).")] = "off",
+    modules: Annotated[str, typer.Option(
+        "--modules", envvar="MEMTRACK_MODULES", **SWITCH,
+        help="Copy the mapped modules and their debug files into the artifact.")] = "on",
     start_disabled: Annotated[bool, typer.Option(
         "--start-disabled", envvar="MEMTRACK_START_DISABLED",
         help="Record nothing until 'enable' arrives on the control FIFO.")] = False,
@@ -115,9 +148,10 @@ def capture(
     """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
     from memtrack.commands import capture as cmd_
 
-    call(cmd_.run, cmd, output, force=force, stacks=stacks, stack_budget=stack_budget,
-         stack_copies=stack_copies, rss=rss, track_faults=track_faults,
-         modules=modules, start_disabled=start_disabled, control_fifo=control_fifo,
+    call(cmd_.run, cmd, output, force=force, stacks=on("--stacks", stacks),
+         stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
+         rss=on("--rss", rss), track_faults=on("--track-faults", track_faults),
+         modules=on("--modules", modules), start_disabled=start_disabled, control_fifo=control_fifo,
          probe_placement=probe_placement, events_ring_pages=events_ring_pages,
          stacks_ring_pages=stacks_ring_pages, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
          timeout=timeout, program_cache=program_cache)
@@ -151,21 +185,20 @@ def process(
         Path | None,
         typer.Option("--parquet", help="Also write every table as Parquet, one directory each."),
     ] = None,
-    host_modules: Annotated[
-        bool,
-        typer.Option(
-            "--host-modules/--no-host-modules",
-            help="Use host files (same build id) for modules the artifact lacks.",
-        ),
-    ] = True,
+    host_modules: Annotated[str, typer.Option(
+        "--host-modules", **SWITCH,
+        help="Use host files (same build id) for modules the artifact lacks.")] = "on",
     cache_dir: Annotated[
         Path | None,
         typer.Option("--cache-dir", envvar="MEMTRACK_CACHE_DIR",
                      help="Per-build-id symbol cache [default: $XDG_CACHE_HOME/memtrack]."),
     ] = None,
-    no_cache: Annotated[
-        bool, typer.Option("--no-cache", help="Parse every module's DWARF afresh.")
-    ] = False,
+    cache: Annotated[str, typer.Option(
+        "--cache", **SWITCH, help="Keep symbols per build id (off: parse every "
+                                        "module's DWARF afresh).")] = "on",
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace the run database (and its metadata, Parquet) and the "
+                        "dataset's run of that id if they exist.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
     dataset: Annotated[Path | None, typer.Option(
         "--dataset", help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/).")] = None,
@@ -174,15 +207,14 @@ def process(
     label: Annotated[list[str] | None, typer.Option(
         "--label", help="key=value said of the run (commit=..., branch=...); repeatable; "
                         "kept in meta and in the dataset's runs.")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Replace the dataset's run of that id.")] = False,
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables (and/or a run
     dataset)."""
     from memtrack.commands import process as cmd
 
-    call(cmd.run, artifact, output, parquet=parquet, host_modules=host_modules,
-         cache_dir=cache_dir, no_cache=no_cache, quiet=quiet,
+    call(cmd.run, artifact, output, parquet=parquet,
+         host_modules=on("--host-modules", host_modules), cache_dir=cache_dir,
+         no_cache=not on("--cache", cache), quiet=quiet,
          say=lambda line: err.print(line, markup=False, soft_wrap=True),
          dataset=dataset, run_id=run_id, labels=label or [], force=force)
 
@@ -199,11 +231,13 @@ def report(
     region: Annotated[str | None, typer.Option(
         "--region", help="Only the region (benchmark, test) of this name: its figures and "
                          "allocation sites.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the HTML page if it "
+                                                        "exists.")] = False,
 ) -> None:
     """The heaptrack-style report of a processed run."""
     from memtrack.commands import report as cmd
 
-    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region)
+    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region, force=force)
 
 
 @app.command()
@@ -263,14 +297,16 @@ def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="The file to write.")],
     metric: Annotated[
         str,
-        typer.Option("--metric", help="folded/speedscope: allocated, calls, peak or leaked."),
+        typer.Option("--metric", help="allocated, calls, peak, leaked or temporary (pprof: "
+                                      "the default sample type; all are in the profile)."),
     ] = "allocated",
     pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
     """Export a processed run as folded stacks, pprof or speedscope."""
     from memtrack.commands import export as cmd
 
-    call(cmd.run, run, fmt, output, metric, pid)
+    call(cmd.run, run, fmt, output, metric, pid, force=force)
 
 
 @app.command()
@@ -281,36 +317,50 @@ def symbolize(
         Path | None,
         typer.Option("--cache-dir", help="Cache directory [default: $XDG_CACHE_HOME/memtrack]."),
     ] = None,
-    no_cache: Annotated[
-        bool, typer.Option("--no-cache", help="Neither read nor write the cache.")
-    ] = False,
+    cache: Annotated[str, typer.Option(
+        "--cache", **SWITCH, help="Read and write the cache.")] = "on",
 ) -> None:
     """Print the frames of addresses in a module, innermost first (llvm-symbolizer --inlines)."""
     from memtrack.commands import symbolize as cmd
 
-    call(cmd.run, module, addresses, cache_dir, no_cache, sys.stdout, sys.stderr)
+    call(cmd.run, module, addresses, cache_dir, not on("--cache", cache), sys.stdout,
+         sys.stderr)
 
 
 @app.command("unwind")
 def unwind_record(
     artifact: Annotated[Path, typer.Argument(help="An artifact directory (NAME.memtrack).")],
     record: Annotated[str, typer.Option("--record", help="The stack hash (hex or decimal).")],
-    host_modules: Annotated[bool, typer.Option(
-        "--host-modules", help="Read modules missing from the artifact from this host.")] = False,
+    host_modules: Annotated[str, typer.Option(
+        "--host-modules", **SWITCH,
+        help="Read modules missing from the artifact from this host.")] = "off",
 ) -> None:
     """Unwind one stack record and print its frames with method (regs, cfi, fp, fp-kernel)
     and symbol."""
     from memtrack.commands import unwind as cmd
 
-    call(cmd.run, artifact, record, host_modules, sys.stdout)
+    call(cmd.run, artifact, record, on("--host-modules", host_modules), sys.stdout)
 
 
 def main() -> None:
+    """The command line: a usage error is one line too (typer draws a box), naming the
+    help of the command it concerns."""
     try:
-        app()
+        status = app(standalone_mode=False)
     except KeyboardInterrupt:
         err.print("memtrack: interrupted")
         sys.exit(130)
+    except typer.Abort:
+        sys.exit(1)
+    except typer.TyperException as e:  # click's usage errors
+        ctx = getattr(e, "ctx", None)
+        where = ctx.command_path if ctx is not None else "memtrack"
+        message = " ".join(e.format_message().split())  # type: ignore[attr-defined]
+        if message:  # none after the help a bare command prints
+            err.print(f"memtrack: {message} (`{where} -h` for help)", markup=False,
+                      soft_wrap=True)
+        sys.exit(getattr(e, "exit_code", 2))
+    sys.exit(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def test_exit_status_env_options_and_info(tmp_path: Path) -> None:
     out = tmp_path / "e.memtrack"
     r = capture(["--", str(allocs), "exit3"],
                 env={"MEMTRACK_OUTPUT": str(out), "MEMTRACK_STACKS": "off",
-                     "MEMTRACK_RSS": "0", "MEMTRACK_MODULES": "false"})
+                     "MEMTRACK_RSS": "off", "MEMTRACK_MODULES": "off"})
     assert r.returncode == 3, r.stderr
     assert "exited with status 3" in r.stderr and "LOST" not in r.stderr
     art = Artifact.open(out)
@@ -92,7 +92,7 @@ def test_exit_status_env_options_and_info(tmp_path: Path) -> None:
     assert info["event_kinds"]["malloc"] == 1 and info["event_kinds"]["exit"] == 1
     assert not any(info["losses"].values())
     # an existing artifact is refused without --force
-    r = capture(["-o", str(out), "--stacks", "off", "--no-rss", "--", "true"])
+    r = capture(["-o", str(out), "--stacks", "off", "--rss", "off", "--", "true"])
     assert r.returncode == 2 and "already exists" in r.stderr
 
 
@@ -101,7 +101,7 @@ def test_ring_full_is_counted_printed_and_fails_on_loss(tmp_path: Path) -> None:
     """--on-ring-full drop: a ring too small for the program drops records, counted."""
     exe = build(["capture/threads.c"], libs=("-lpthread",))
     out = tmp_path / "l.memtrack"
-    r = capture(["-o", str(out), "--stacks", "off", "--no-rss", "--no-modules",
+    r = capture(["-o", str(out), "--stacks", "off", "--rss", "off", "--modules", "off",
                  "--events-ring-pages", "1", "--on-ring-full", "drop", "--fail-on-loss",
                  "--", str(exe)])
     assert r.returncode == 1, r.stderr
@@ -123,8 +123,8 @@ def test_ctrl_c_stops_cmd_and_completes_the_artifact(tmp_path: Path) -> None:
     import time
 
     out = tmp_path / "c.memtrack"
-    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--stacks", "off", "--no-rss",
-                          "--no-modules", "--", "sleep", "60"],
+    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--stacks", "off", "--rss", "off",
+                          "--modules", "off", "--", "sleep", "60"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (out / "manifest.json").exists() and time.monotonic() < deadline:

@@ -96,7 +96,7 @@ def test_process_into_a_dataset(tmp_path: Path) -> None:
     assert err.splitlines()[0].startswith(f"{ds} run build-1.2_x: 20 events")
     assert err.splitlines()[-1] == f"{ds}: run build-1.2_x appended"
     assert sorted(p.name for p in ds.iterdir() if p.name.startswith(".")) == []
-    assert not (tmp_path / "memory_metadata.json").exists()
+    assert not list(tmp_path.rglob("*memory_metadata.json"))
     code, out, _ = invoke("query", "--dataset", str(ds), "--format", "json",
                           "SELECT run, labels['commit'] AS c, command, exit_code, root_pid, "
                           "schema_version, memory_metadata IS NOT NULL AS md FROM runs")
@@ -111,7 +111,7 @@ def test_process_into_a_dataset(tmp_path: Path) -> None:
     code, _, err = invoke(*args, "--force", "-q", "-o", str(tmp_path / "r.duckdb"),
                           "--label", "commit=def")
     assert code == 0 and err == ""
-    assert (tmp_path / "r.duckdb").is_file() and (tmp_path / "memory_metadata.json").is_file()
+    assert (tmp_path / "r.duckdb").is_file() and (tmp_path / "r.memory_metadata.json").is_file()
     code, out, _ = invoke("query", "--dataset", str(ds), "--format", "csv",
                           "SELECT a.run, count(*), any_value(r.labels['commit']) FROM "
                           "allocations a JOIN runs r USING (run) GROUP BY a.run")
@@ -209,7 +209,7 @@ def test_gate_edges(dbs: dict[str, Path]) -> None:
     code, out, _ = invoke("diff", base, head, "--fail-above", "10.8", "--fail-on", "peak")
     assert code == 1  # 6444 -> 7468: +15.9 %
     assert out.splitlines()[-1] == ("gate: FAILED (more than 10.8%): peak heap memory "
-                                    "consumption +1.00K (+15.9%)")
+                                    "consumption +1.00 KiB (+15.9%)")
     assert invoke("diff", base, head, "--fail-above", "16", "--fail-on", "peak")[0] == 0
     g = diff_mod.gate({"rows": [
         {"key": "leaked_bytes", "label": "leaked", "unit": "bytes", **diff_mod.change(0, 8)},
@@ -218,7 +218,7 @@ def test_gate_edges(dbs: dict[str, Path]) -> None:
     ]}, diff_mod.DiffOptions(fail_above=1000.0, fail_on=("leaked", "rss")))
     assert g is not None
     assert [(c["metric"], c["failed"], c["change"]) for c in g["checks"]] == [
-        ("leaked", True, "+8B (new)"), ("rss", True, "not recorded in base")]
+        ("leaked", True, "+8 B (new)"), ("rss", True, "not recorded in base")]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -103,7 +103,8 @@ def test_builds_differ_where_the_unchanged_function_is(runs: dict[str, Any]) -> 
         con = open_run(db)
         return con.execute("""
             SELECT DISTINCT l.line, sf.lookup_vaddr, m.build_id FROM stack_location l
-            JOIN stack_frames sf USING (stack_id, frame_id) JOIN modules m USING (module_id)
+            JOIN stack_frames sf USING (stack_id, frame_id)
+            JOIN modules m ON m.module_id = l.module_id
             WHERE l.name = 'steady' AND sf.depth = 1 ORDER BY 1""").fetchall()
 
     base, head = steady(runs["base"]), steady(runs["head"])
@@ -156,19 +157,21 @@ def test_diff_text_and_markdown(runs: dict[str, Any]) -> None:
     assert code == 0
     lines = out.splitlines()
     total = next(line for line in lines if line.startswith("bytes allocated in total"))
-    assert total.split()[-4:] == ["25.00K", "32.81K", "+7.81K", "(+31.2%)"]
+    assert " ".join(total.split()[-7:]) == "25.00 KiB 32.81 KiB +7.81 KiB (+31.2%)"
     i = lines.index("BYTES ALLOCATED: 1 changed, 2 unchanged, 0 only in head, 0 only in base")
-    assert lines[i + 1] == "+7.81K (+125.0%): 6.25K -> 14.06K from index_items (sites.c)"
-    assert lines[i + 2] == "    +7.81K (+125.0%) from:"
+    assert lines[i + 1] == ("+7.81 KiB (+125.0%): 6.25 KiB -> 14.06 KiB from "
+                            "index_items (sites.c)")
+    assert lines[i + 2] == "    +7.81 KiB (+125.0%) from:"
     assert lines[i + 3].split()[0] == "index_items" and lines[i + 4].split()[0] == "main"
     assert "CALLS TO ALLOCATION FUNCTIONS" not in out  # --metric chose one section
     code, md, _ = invoke("diff", str(runs["base"]), str(runs["head"]), "--format", "markdown",
                          "--fail-above", "5")
     assert code == 1
     assert md.startswith("### memtrack diff\n")
-    assert "| bytes allocated in total | 25.00K | 32.81K | +7.81K (+31.2%) |" in md
-    assert "| +7.81K (+125.0%) | 6.25K | 14.06K | `index_items` (sites.c) |" in md
-    assert ":x: gate: FAILED (more than 5%): peak heap memory consumption +7.81K (+55.6%)" in md
+    assert ("| bytes allocated in total | 25.00 KiB | 32.81 KiB | +7.81 KiB (+31.2%) |") in md
+    assert "| +7.81 KiB (+125.0%) | 6.25 KiB | 14.06 KiB | `index_items` (sites.c) |" in md
+    assert (":x: gate: FAILED (more than 5%): peak heap memory consumption +7.81 KiB "
+            "(+55.6%)") in md
     assert md.count("```") % 2 == 0 and md.count("<details>") == md.count("</details>") == 4
 
 

@@ -1,14 +1,15 @@
-"""Exports of a synthetic run: folded, pprof (decoded here: go is not installed) and
-speedscope carry the same totals as `memtrack report`."""
+"""Exports of a synthetic run: folded, pprof (decoded here and read by `go tool pprof`)
+and speedscope carry the same totals, sites and stacks as `memtrack report`."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
+import duckdb
 import pytest
-from support.synth import LEAKS, SIZES, write_run
+from support import pprof
+from support.synth import BUILD_ID, LEAKS, MAPPED, PEAK, SIZES, vaddr_of, write_run
 from typer.testing import CliRunner
 
 from memtrack.cli import app
@@ -25,7 +26,8 @@ def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def export(run_db: Path, tmp: Path, fmt: str, *extra: str) -> Path:
     out = tmp / f"out.{fmt}"
-    r = runner.invoke(app, ["export", str(run_db), "--format", fmt, "-o", str(out), *extra])
+    r = runner.invoke(app, ["export", str(run_db), "--format", fmt, "-o", str(out), "--force",
+                            *extra])
     assert r.exit_code == 0, r.output
     return out
 
@@ -36,91 +38,128 @@ def test_folded(run_db: Path, tmp_path: Path) -> None:
     assert lines["parent (100);main;work;make_small"] == str(512 + 1000)
     assert lines["parent (100);main;grow"] == str(4096 + 512)
     assert lines["child (200);[no stack]"] == "128"
+    # stacks cut short hang from [truncated], not from their outermost frame
+    assert lines["parent (100);[truncated];thread_fn"] == "300"
+    assert lines["child (200);[truncated];thread_fn"] == "64"
     assert sum(int(v) for v in lines.values()) == sum(SIZES)
     leaked = export(run_db, tmp_path, "folded", "--metric", "leaked").read_text()
     assert sum(int(ln.rsplit(" ", 1)[1]) for ln in leaked.splitlines()) == sum(
         s for _, s in LEAKS.values())
 
 
-# -- a minimal protobuf wire-format reader, enough for profile.proto
-
-def _varint(b: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        c = b[i]
-        i += 1
-        n |= (c & 0x7F) << shift
-        shift += 7
-        if not c & 0x80:
-            return n, i
+PPROF_TYPES = [("alloc_objects", "count"), ("alloc_space", "bytes"), ("peak_objects", "count"),
+               ("peak_space", "bytes"), ("leaked_objects", "count"), ("leaked_space", "bytes"),
+               ("temporary_objects", "count")]
 
 
-def fields(b: bytes) -> list[tuple[int, int | bytes]]:
-    out = []
-    i = 0
-    while i < len(b):
-        key, i = _varint(b, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = _varint(b, i)
-            out.append((num, v))
-        elif wt == 2:
-            n, i = _varint(b, i)
-            out.append((num, b[i:i + n]))
-            i += n
-        else:
-            raise AssertionError(f"unexpected wire type {wt}")
-    return out
+def test_pprof_profile(run_db: Path, tmp_path: Path) -> None:
+    prof = pprof.decode(export(run_db, tmp_path, "pprof").read_bytes())
+    assert prof.sample_types == PPROF_TYPES
+    assert prof.default == "alloc_space"
+    assert prof.comments == ["p -x"]
+    t = report_data(open_run(run_db))["totals"]
+    assert [prof.total(k) for k, _ in PPROF_TYPES] == [
+        t["calls"], t["allocated_bytes"], 3 + 1, PEAK["bytes"] + 128,
+        t["leaked_allocations"], t["leaked_bytes"], t["temporary"]]
+    assert prof.total("alloc_space") == sum(SIZES)
+    # the traced executable is the main mapping; every frame a real address in it
+    (mid, (start, limit, offset, file, build_id)), = prof.mappings.items()
+    assert (start, limit, offset, file, build_id) == (*MAPPED, 0, "/bin/p", BUILD_ID)
+    by_site: dict[tuple[str, int], int] = {}
+    for locs, values, labels in prof.samples:
+        assert labels["pid"] in (100, 200)
+        mapping, address, lines = prof.locations[locs[0]]
+        if lines[0][0] != "[no stack]":
+            assert mapping == mid and start <= address < limit
+            assert address - start == vaddr_of(lines[0][0] if lines[0][3] != 31
+                                               else "make_big:31")
+        site = (lines[0][0], lines[0][3])
+        by_site[site] = by_site.get(site, 0) + values[1]
+        names = prof.names(locs)
+        assert (names[-1] == "[truncated]") == (names[0] == "thread_fn")
+    assert by_site == {("make_small", 13): 1512, ("make_big", 12): 1024,
+                       ("make_big", 31): 2048, ("thread_fn", 16): 364, ("grow", 10): 4608,
+                       ("[no stack]", 0): 128}
 
 
-def packed(b: bytes) -> list[int]:
-    vals, i = [], 0
-    while i < len(b):
-        v, i = _varint(b, i)
-        vals.append(v)
-    return vals
+@pytest.mark.parametrize("metric,sample_type", [
+    ("allocated", "alloc_space"), ("calls", "alloc_objects"), ("peak", "peak_space"),
+    ("leaked", "leaked_space"), ("temporary", "temporary_objects")])
+def test_pprof_metric_is_the_default_sample_type(run_db: Path, tmp_path: Path, metric: str,
+                                                 sample_type: str) -> None:
+    out = export(run_db, tmp_path, "pprof", "--metric", metric)
+    assert pprof.decode(out.read_bytes()).default == sample_type
+    if pprof.GO:
+        head, _ = pprof.top(out, sample_type)
+        assert f"Type: {sample_type}" in pprof.go_pprof(out, "-top")
 
 
-def test_pprof_totals_match_report(run_db: Path, tmp_path: Path) -> None:
-    prof = fields(gzip.decompress(export(run_db, tmp_path, "pprof").read_bytes()))
-    strings = [v.decode() for n, v in prof if n == 6]
-    assert strings[0] == ""
-    types = [(strings[dict(fields(v))[1]], strings[dict(fields(v))[2]]) for n, v in prof if n == 1]
-    assert types == [("alloc_objects", "count"), ("alloc_space", "bytes"),
-                     ("inuse_objects", "count"), ("inuse_space", "bytes")]
-    functions = {dict(fields(v))[1]: strings[dict(fields(v))[2]] for n, v in prof if n == 5}
-    locations = {}
-    for n, v in prof:
-        if n == 4:
-            f = fields(v)
-            lid = dict(f)[1]
-            locations[lid] = [functions[dict(fields(x))[1]] for k, x in f if k == 4]
-    totals = [0, 0, 0, 0]
-    by_site: dict[str, int] = {}
-    for n, v in prof:
-        if n != 2:
-            continue
-        f = fields(v)
-        locs = packed(dict(f)[1])
-        vals = packed(dict(f)[2])
-        assert all(lid in locations for lid in locs)
-        totals = [a + b for a, b in zip(totals, vals, strict=True)]
-        site = locations[locs[0]][0]
-        by_site[site] = by_site.get(site, 0) + vals[1]
-    con = open_run(run_db)
-    t = report_data(con)["totals"]
-    assert totals == [t["calls"], t["allocated_bytes"], t["leaked_allocations"],
-                      t["leaked_bytes"]]
-    assert totals == [9, sum(SIZES), 4, sum(s for _, s in LEAKS.values())]
-    assert by_site == {"make_small": 1512, "make_big": 3072, "thread_fn": 364, "grow": 4608,
-                       "[no stack]": 128}
+def unknown_run(run_db: Path, tmp: Path) -> Path:
+    """The run with no frame symbolized: each is `[unknown] (module+0xVADDR)`."""
+    db = tmp / "unknown.duckdb"
+    db.write_bytes(run_db.read_bytes())
+    with duckdb.connect(str(db)) as con:
+        con.execute("""UPDATE frames SET reason = 'no-module', file = NULL, line = NULL,
+            symbol = NULL, name = '[unknown] (p+0x' || lower(hex(vaddr)) || ')',
+            function = '[unknown] (p+0x' || lower(hex(vaddr)) || ')'""")
+    return db
+
+
+@pytest.mark.skipif(pprof.GO is None, reason="golang-go missing: run scripts/setup")
+def test_go_tool_pprof_top_matches_the_report(run_db: Path, tmp_path: Path) -> None:
+    """`go tool pprof -top` reads the profile as the report has it: the main binary,
+    the totals, each site's value per sample type at its line, the truncated stacks."""
+    out = export(run_db, tmp_path, "pprof")
+    d = report_data(open_run(run_db))
+    head, flat = pprof.top(out, "alloc_space")
+    assert head.startswith("File: p\nBuild ID: " + BUILD_ID + "\np -x\nType: alloc_space\n")
+    assert f"of {sum(SIZES)}B total" in head
+    for section, sample_type in (("calls", "alloc_objects"), ("peak", "peak_space"),
+                                 ("leaks", "leaked_space"), ("temporary", "temporary_objects")):
+        _, flat = pprof.top(out, sample_type, lines=True)
+        sites = {f"{e['location']} {e['file']}:{e['line']}" if e["file"] else e["location"]:
+                 e["value"] for e in d["sections"][section]}
+        assert {k: v for k, v in flat.items() if v} == sites, section
+    _, flat = pprof.top(out, "alloc_space")
+    assert flat["[truncated]"] == 0  # cut stacks end in it: it is no site
+
+
+@pytest.mark.skipif(pprof.GO is None, reason="golang-go missing: run scripts/setup")
+def test_go_tool_pprof_traces_are_the_folded_stacks(run_db: Path, tmp_path: Path) -> None:
+    out = export(run_db, tmp_path, "pprof")
+    folded_lines = export(run_db, tmp_path, "folded").read_text().splitlines()
+    want: dict[str, int] = {}
+    for ln in folded_lines:
+        key, v = ln.rsplit(" ", 1)
+        want[key] = int(v)
+    got: dict[str, int] = {}
+    names = {100: "parent (100)", 200: "child (200)"}
+    for pid, value, frames in pprof.traces(out, "alloc_space"):
+        key = ";".join([names[pid], *reversed(frames)])
+        got[key] = got.get(key, 0) + value
+    assert got == want
+
+
+@pytest.mark.skipif(pprof.GO is None, reason="golang-go missing: run scripts/setup")
+def test_go_tool_pprof_unknown_frames_stay_apart(run_db: Path, tmp_path: Path) -> None:
+    """An unsymbolized frame is a function of its own (module + ELF address), never one
+    `[unknown]` lump."""
+    out = export(unknown_run(run_db, tmp_path), tmp_path, "pprof")
+    _, flat = pprof.top(out, "alloc_space")
+    assert "[unknown]" not in flat
+    assert flat[f"[unknown] p+{vaddr_of('grow'):#x}"] == 4608
+    assert flat[f"[unknown] p+{vaddr_of('make_big'):#x}"] == 1024
+    assert flat[f"[unknown] p+{vaddr_of('make_big:31'):#x}"] == 2048
+    assert sum(flat.values()) == sum(SIZES)
 
 
 def test_speedscope(run_db: Path, tmp_path: Path) -> None:
     doc = json.loads(export(run_db, tmp_path, "speedscope", "--metric", "peak").read_text())
     assert doc["$schema"] == "https://www.speedscope.app/file-format-schema.json"
+    assert doc["name"] == "p -x"
     names = [p["name"].split(": ")[1] for p in doc["profiles"]]
-    assert names == ["peak", "allocated", "calls", "leaked"]
+    assert names == ["peak", "allocated", "calls", "leaked", "temporary"]
+    assert [p["unit"] for p in doc["profiles"]] == ["bytes", "bytes", "none", "bytes", "none"]
     peak = doc["profiles"][0]
     assert peak["endValue"] == sum(peak["weights"]) == 300 + 2048 + 4096 + 128
     frames = doc["shared"]["frames"]
@@ -128,6 +167,28 @@ def test_speedscope(run_db: Path, tmp_path: Path) -> None:
         assert frames[sample[0]]["name"] in ("parent (100)", "child (200)")
     alloc = doc["profiles"][1]
     assert sum(alloc["weights"]) == sum(SIZES)
+    # a frame per function (make_big allocates at two lines: one frame, its first line)
+    assert sorted(f["name"] for f in frames) == sorted({f["name"] for f in frames})
+    make_big = next(f for f in frames if f["name"] == "make_big")
+    assert (make_big["file"], make_big["line"]) == ("make_big.c", 12)
+    by_stack: dict[str, int] = {}
+    for st, w in zip(alloc["samples"], alloc["weights"], strict=True):
+        key = ";".join(frames[i]["name"] for i in st)
+        by_stack[key] = by_stack.get(key, 0) + w
+    assert by_stack["parent (100);main;work;make_big"] == 1024 + 2048
+    assert by_stack["parent (100);[truncated];thread_fn"] == 300
+
+
+def test_one_line_names(run_db: Path, tmp_path: Path) -> None:
+    """A multi-line command names the profile by its first line, shortened."""
+    db = tmp_path / "multi.duckdb"
+    db.write_bytes(run_db.read_bytes())
+    with duckdb.connect(str(db)) as con:
+        con.execute("UPDATE meta SET value = ? WHERE key = 'command'",
+                    [json.dumps(["python3", "-c", "import sys\nprint(sys.argv)\n" + "x" * 200])])
+    doc = json.loads(export(db, tmp_path, "speedscope").read_text())
+    assert doc["name"] == "python3 -c import sys…"
+    assert pprof.decode(export(db, tmp_path, "pprof").read_bytes()).comments == [doc["name"]]
 
 
 def test_bad_format(run_db: Path, tmp_path: Path) -> None:
@@ -138,4 +199,4 @@ def test_bad_format(run_db: Path, tmp_path: Path) -> None:
 
 def test_pid_filter(run_db: Path, tmp_path: Path) -> None:
     text = export(run_db, tmp_path, "folded", "--pid", "200").read_text()
-    assert text == "child (200);[no stack] 128\nchild (200);thread_fn 64\n"
+    assert text == "child (200);[no stack] 128\nchild (200);[truncated];thread_fn 64\n"

@@ -138,7 +138,7 @@ def test_tiny_events_ring_pauses_and_loses_nothing(tmp_path: Path) -> None:
     order, and the pauses are counted and printed."""
     exe = build(["capture/threads.c"], libs=("-lpthread",))
     out = tmp_path / "t.memtrack"
-    r = capture(["-o", str(out), "--stacks", "off", "--no-rss", "--no-modules",
+    r = capture(["-o", str(out), "--stacks", "off", "--rss", "off", "--modules", "off",
                  "--events-ring-pages", "1", "--fail-on-loss", "--", str(exe)])
     assert r.returncode == 0, r.stderr
     assert "LOST" not in r.stderr and "ev/s" not in r.stderr  # no status line off a tty
@@ -163,7 +163,7 @@ def test_small_stack_ring_pauses_and_loses_nothing(tmp_path: Path) -> None:
     pauses them, no record is lost and every allocation's stack has its record."""
     exe = build(["stacks/churn.c"], libs=("-lpthread",), flags=("-O1",))
     out = tmp_path / "s.memtrack"
-    r = capture(["-o", str(out), "--no-rss", "--no-modules", "--stack-copies",
+    r = capture(["-o", str(out), "--rss", "off", "--modules", "off", "--stack-copies", "on",
                  "--stacks-ring-pages", str(min_stack_ring_pages()), "--", str(exe), "1000", "8"])
     assert r.returncode == 0, r.stderr
     assert "LOST" not in r.stderr
@@ -198,7 +198,7 @@ def check_cut_short(out: Path) -> dict:
 @pytest.mark.bpf
 def test_sigkill_mid_run_leaves_a_readable_artifact(tmp_path: Path) -> None:
     out = tmp_path / "k.memtrack"
-    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--no-modules", "--",
+    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--modules", "off", "--",
                           "/usr/bin/python3", str(DICTLOOP), "400000"],
                          env={**os.environ, "PYTHONMALLOC": "malloc"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -227,7 +227,7 @@ def test_sigkill_while_the_program_is_stopped(tmp_path: Path, why: str) -> None:
     else:
         cmd = [str(build(["capture/loop.c"])), "loop", "200000"]
         opts = ["--stacks", "off", "--events-ring-pages", "1"]
-    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--no-modules", *opts,
+    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--modules", "off", *opts,
                           "--", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     root = started(out)
@@ -315,7 +315,7 @@ def test_status_line_stays_out_of_the_program_output(tmp_path: Path) -> None:
     sock = f"memtrack-test-{os.getpid()}"
     prog = "for i in $(seq 1 14); do echo program line $i; sleep 0.35; done"
     cmd = " ".join([*MEMTRACK, "capture", "-o", str(tmp_path / "s.memtrack"), "--stacks",
-                    "off", "--no-rss", "--no-modules", "--", "sh", "-c", f"'{prog}'"])
+                    "off", "--rss", "off", "--modules", "off", "--", "sh", "-c", f"'{prog}'"])
     base = [tmux, "-L", sock, "-f", "/dev/null"]
     subprocess.run([*base, "new-session", "-d", "-x", "80", "-y", "11", "-c", str(ROOT),
                     f"sleep 0.5; {cmd}; echo exit=$?; sleep 60", ";", "set", "status", "off"],
@@ -365,7 +365,7 @@ def test_killed_capture_gives_the_terminal_back(tmp_path: Path) -> None:
     assert tmux, "tmux missing: run scripts/setup"
     sock, pidf = f"memtrack-test-{os.getpid()}-kill", tmp_path / "pid"
     cmd = " ".join([*MEMTRACK, "capture", "-o", str(tmp_path / "k.memtrack"), "--stacks",
-                    "off", "--no-rss", "--no-modules", "--", "sleep", "8"])
+                    "off", "--rss", "off", "--modules", "off", "--", "sleep", "8"])
     base = [tmux, "-L", sock, "-f", "/dev/null"]
     subprocess.run([*base, "new-session", "-d", "-x", "80", "-y", "11", "-c", str(ROOT),
                     f"{cmd} & echo $! > {pidf}; wait; sleep 1; seq 1 30; sleep 60", ";",

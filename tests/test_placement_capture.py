@@ -26,7 +26,7 @@ MEMTRACK = [sys.executable, "-c", "from memtrack.cli import main; main()"]
 
 def capture(tmp_path: Path, exe: Path, placement: str) -> tuple[dict[str, Any], list[dict], str]:
     out = tmp_path / f"{exe.name}-{placement}.memtrack"
-    proc = subprocess.run([*MEMTRACK, "capture", "-o", str(out), "--stacks", "off", "--no-rss",
+    proc = subprocess.run([*MEMTRACK, "capture", "-o", str(out), "--stacks", "off", "--rss", "off",
                            "--probe-placement", placement, "--", str(exe)],
                           input="g", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

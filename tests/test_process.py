@@ -41,7 +41,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> duckdb.DuckDBPyConnection:
     summary = process(art, d / "run.duckdb", parquet_dir=d / "pq", progress=False)
     assert summary.events == 20 and summary.allocations == 9
     assert summary.counters["frees_unmatched"] == UNMATCHED_FREES
-    assert summary.metadata == d / "memory_metadata.json"
+    assert summary.metadata == d / "run.memory_metadata.json"
     meta = json.loads(summary.metadata.read_text())
     assert sorted(p["pid"] for p in meta["processes"]) == [100, 200, 200]
     con = open_run(d / "run.duckdb")
@@ -144,6 +144,39 @@ def test_pid_reuse_and_exec_bound(tmp_path: Path) -> None:
     assert q(con, "SELECT size, end_reason::VARCHAR, end_ts FROM allocations ORDER BY 1") == [
         (8, "exec", 20), (16, "reused", 50), (32, "end", END_NS)]
     assert q(con, "SELECT size FROM leaks ORDER BY 1") == [(8,), (32,)]
+
+
+def test_thread_exit_frees_apart(tmp_path: Path) -> None:
+    """glibc frees its tcache's blocks (freed once already) and the tcache itself (never
+    returned by malloc) when a thread exits: counted apart from unmatched frees, which
+    stay what they were everywhere else."""
+    from memtrack.schema import EventKind as K
+
+    rows = [
+        (20, 100, 101, K.MALLOC, 0, 0xA0, 0, 100, 0),
+        (21, 100, 102, K.MALLOC, 0, 0xC0, 0, 100, 0),
+        (30, 100, 101, K.FREE, 0, 0xA0, 0, 0, 0),
+        (31, 100, 102, K.FREE, 0, 0xC0, 0, 0, 0),
+        (40, 100, 101, K.FREE, 0, 0xA0, 0, 0, 0),  # 101's tcache entry, freed again
+        (41, 100, 102, K.FREE, 0, 0xC0, 0, 0, 0),  # freed again, but 102 allocates after
+        (45, 100, 102, K.MALLOC, 0, 0xD0, 0, 100, 0),
+        (50, 100, 101, K.FREE, 0, 0xB0, 0, 0, 0),  # 101's tcache itself: its last free
+        (51, 100, 102, K.FREE, 0, 0xE0, 0, 0, 0),  # never seen, not 102's last free
+        (52, 100, 102, K.FREE, 0, 0xD0, 0, 0, 0),
+        (60, 100, 101, K.EXIT, 0, 0, 0, 0, 0),
+        (61, 100, 102, K.EXIT, 0, 0, 0, 0, 0),
+        (70, 100, 100, K.FREE, 0, 0xF0, 0, 0, 0),  # the main thread's: unmatched
+        (80, 100, 100, K.EXIT, 1, 0, 0, 0, 0),
+    ]
+    cols = list(zip(*rows, strict=True))
+    ev = pa.table({"ts": cols[0], "pid": cols[1], "tid": cols[2], "kind": [int(k) for k in
+                   cols[3]], "allocator": [1] * len(rows), "flags": cols[4], "addr": cols[5],
+                   "old_addr": cols[6], "size": cols[7], "stack_hash": cols[8]}, schema=EVENTS)
+    art = write_artifact(tmp_path / "t.memtrack", ev)
+    s = process(art, tmp_path / "t.duckdb", progress=False)
+    assert (s.counters["frees_at_thread_exit"], s.counters["frees_unmatched"]) == (2, 3)
+    assert "process: frees_unmatched 3" in s.lines()
+    assert any(ln.startswith("note: 2 frees at thread exit are glibc's") for ln in s.lines())
 
 
 def test_older_database_refused(tmp_path: Path) -> None:

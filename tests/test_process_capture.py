@@ -53,9 +53,12 @@ def capture(t: Any, tmp: Path, cmd: list[str], name: str, *,
 TCACHE_SHUTDOWN_FREES = 2
 
 
-def run_db(tmp: Path, art: Path, unmatched_frees: int = 0) -> duckdb.DuckDBPyConnection:
+def run_db(tmp: Path, art: Path, threads: int = 0) -> duckdb.DuckDBPyConnection:
     s = process(art, tmp / (art.stem + ".duckdb"), progress=False)
-    assert s.counters["frees_unmatched"] == unmatched_frees
+    # glibc's thread-exit frees are told apart from real unmatched ones
+    assert s.counters["frees_unmatched"] == 0
+    assert s.counters["frees_at_thread_exit"] == threads * TCACHE_SHUTDOWN_FREES
+    assert any("frees at thread exit are glibc's" in ln for ln in s.lines()) == bool(threads)
     assert s.counters["allocations_reused_without_free"] == 0
     return open_run(tmp / (art.stem + ".duckdb"))
 
@@ -137,7 +140,7 @@ def test_fork_processes(tmp_path: Path, tracker: Any) -> None:
 def test_threads(tmp_path: Path, tracker: Any) -> None:
     exe = build(["capture/threads.c"], libs=("-lpthread",))
     art, out = capture(tracker, tmp_path, [str(exe)], "threads")
-    con = run_db(tmp_path, art, unmatched_frees=4 * TCACHE_SHUTDOWN_FREES)
+    con = run_db(tmp_path, art, threads=4)
     tids = {int(t): int(tid) for t, tid in re.findall(r"^thread (\d) (\d+)$", out, re.M)}
     rows = con.execute("""
         SELECT tid, size, count(*), count(*) FILTER (WHERE free_tid = tid),
@@ -198,8 +201,7 @@ def test_heaptrack_side_by_side(tmp_path: Path, demo_bin: Path, tracker: Any,
         exe = (build(["capture/allocs.c"]) if program == "many_allocs" else
                build(["capture/threads.c"], libs=("-lpthread",)))
         cmd = [str(exe), *([program] if program == "many_allocs" else [])]
-        con = run_db(tmp_path, capture(tracker, tmp_path, cmd, program)[0],
-                     unmatched_frees=threads * TCACHE_SHUTDOWN_FREES)
+        con = run_db(tmp_path, capture(tracker, tmp_path, cmd, program)[0], threads=threads)
     ours = report_data(con, ReportOptions())["totals"]
     ht = heaptrack_totals(tmp_path, cmd)
     assert ht["calls"] - ours["calls"] in (0, 1)

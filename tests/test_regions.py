@@ -384,8 +384,8 @@ def test_reports(region_run: Path, tmp_path: Path) -> None:
     assert (rows[0]["alive_allocations"], rows[0]["leaked_bytes"]) == (2, 5096)
     text = invoke("report", str(region_run)).output
     section = text.split("REGIONS")[1].split("\n\n")[0].splitlines()
-    assert section[2].split() == ["4", "7.98K", "1.99K", "6.00K", "72.00K", "2", "(4.98K)",
-                                  "2", "(4.98K)", "0.000s", "outer"]
+    assert " ".join(section[2].split()) == ("4 7.98 KiB 1.99 KiB 6.00 KiB 72.00 KiB 2 "
+                                            "(4.98 KiB) 2 (4.98 KiB) 0.000s outer")
     assert section[4].endswith("    inner") and "[never ended" in section[3]
 
     r = invoke("report", str(region_run), "--region", "outer", "--format", "json")
@@ -400,8 +400,9 @@ def test_reports(region_run: Path, tmp_path: Path) -> None:
                                       [6e-7, 4096], [7e-7, 5096], [7.5e-7, 5096]]
     text = invoke("report", str(region_run), "--region", "inner").output
     assert "region inner: process 100, thread 100" in text
-    assert "peak heap above its begin: 3.00K" in text and "alive at its end: 1 (4.00K)" in text
-    assert "ALIVE AT THE REGION'S END\n4.00K from grow (grow.c:" in text
+    assert "peak heap above its begin: 3.00 KiB" in text
+    assert "alive at its end: 1 (4.00 KiB)" in text
+    assert "ALIVE AT THE REGION'S END\n4.00 KiB from grow (grow.c:" in text
     r = invoke("report", str(region_run), "--region", "out")
     assert r.exit_code == 2
     assert r.output.strip().endswith(

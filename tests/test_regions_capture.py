@@ -125,7 +125,7 @@ def test_plugin_entry_point_and_opt_out(tmp_path: Path) -> None:
     """Installed, the plugin is active under capture without -p (a unittest test case
     too, around its call phase); -p no:memtrack.pytest turns it off; outside capture it
     does nothing."""
-    fast = ("--stacks", "off", "--no-rss")
+    fast = ("--stacks", "off", "--rss", "off")
     con = process(capture_suite(tmp_path, "auto", options=fast,
                                 files=("suite.py", "suite_unittest.py")))
     assert [r[0] for r in con.execute("SELECT name FROM regions ORDER BY region_id")

@@ -46,16 +46,25 @@ def test_report_json_totals(run_db: Path) -> None:
     assert t["peak_rss_bytes"] == 2 * (65536 + 8192)
     assert t["peak_rss_at_s"] == pytest.approx((1800 - 900) / 1e9)
     assert t["runtime_s"] == pytest.approx(2100 / 1e9)
-    calls = {e["location"]: e["value"] for e in d["sections"]["calls"]}
-    assert calls == {"grow": 2, "make_big": 2, "make_small": 2, "thread_fn": 2, "[no stack]": 1}
-    peak = {e["location"]: e["value"] for e in d["sections"]["peak"]}
-    assert peak == {"grow": 4096, "make_big": 2048, "thread_fn": 300, "[no stack]": 128}
+    # sites are locations (function and line): make_big allocates at two lines
+    calls = [(e["location"], e["line"], e["value"]) for e in d["sections"]["calls"]]
+    assert calls == [("grow", 10, 2), ("make_small", 13, 2), ("thread_fn", 16, 2),
+                     ("[no stack]", None, 1), ("make_big", 12, 1), ("make_big", 31, 1)]
+    peak = [(e["location"], e["line"], e["value"]) for e in d["sections"]["peak"]]
+    assert peak == [("grow", 10, 4096), ("make_big", 31, 2048), ("thread_fn", 16, 300),
+                    ("[no stack]", None, 128)]
     leaks = d["sections"]["leaks"]
     assert [(e["location"], e["value"]) for e in leaks] == [
         ("grow", 4096), ("make_small", 1000), ("[no stack]", 128), ("thread_fn", 64)]
-    bt = leaks[1]["backtraces"][0]["frames"]
-    assert [(f["function"], f["file"]) for f in bt] == [
+    assert {e["module"] for e in leaks} == {"/bin/p", None}
+    bt = leaks[1]["backtraces"][0]
+    assert [(f["function"], f["file"]) for f in bt["frames"]] == [
         ("make_small", "make_small.c"), ("work", "work.c"), ("main", "main.c")]
+    assert bt["truncated"] is False
+    # a stack cut short ends in a [truncated] frame, not in a false root
+    cut = leaks[3]["backtraces"][0]
+    assert cut["truncated"] is True
+    assert [f["function"] for f in cut["frames"]] == ["thread_fn", "[truncated]"]
     temp = {e["location"]: e["value"] for e in d["sections"]["temporary"]}
     assert temp == {"make_small": 1, "grow": 1}
 
@@ -65,12 +74,20 @@ def test_report_text(run_db: Path) -> None:
     assert code == 0
     assert "calls to allocation functions: 9 (" in out
     assert "temporary memory allocations: 2 (" in out
-    assert f"peak heap memory consumption: {PEAK['bytes'] / 1024:.2f}K" in out
-    assert "total memory leaked: 5.16K (4 allocations)" in out
+    assert (f"peak heap memory consumption: {PEAK['bytes'] / 1024:.2f} KiB "
+            f"({PEAK['bytes']:,} B) at 0.000s") in out
+    assert "total memory leaked: 5.16 KiB (5,288 B) in 4 allocations" in out
+    assert (f"bytes allocated in total: {sum(SIZES) / 1024:.2f} KiB ({sum(SIZES):,} B)"
+            in out)
     for title in ("MOST CALLS TO ALLOCATION FUNCTIONS", "PEAK MEMORY CONSUMERS",
                   "MEMORY LEAKS", "MOST TEMPORARY ALLOCATIONS"):
         assert title in out
-    assert "4.00K from grow (grow.c:10) in 1 backtrace" in out
+    assert "4.00 KiB from grow (grow.c:10) in 1 backtrace" in out
+    calls = out.split("MOST CALLS TO ALLOCATION FUNCTIONS\n")[1].split("\n\n")[0]
+    assert "1 call from make_big (make_big.c:12) in 1 backtrace" in calls
+    assert "1 call from make_big (make_big.c:31) in 1 backtrace" in calls
+    assert "2 calls from thread_fn (thread_fn.c:16) in 1 backtrace\n" \
+           "    2 calls from:\n      thread_fn  thread_fn.c:16\n      [truncated]\n" in calls
 
 
 def test_report_pid(run_db: Path) -> None:
@@ -128,27 +145,69 @@ def test_process_cli(tmp_path: Path) -> None:
     assert code == 2 and "events.arrow" in err and err.count("\n") == 1
 
 
-def test_records_with_the_same_frames_are_one_backtrace(run_db: Path, tmp_path: Path) -> None:
-    """Stack records whose bytes differ but unwind to the same frames (different locals,
-    say) are one backtrace, with their values summed."""
+def copy_stack(con: duckdb.DuckDBPyConnection, sid: int, *, move_one: bool = True,
+               line_of: tuple[int, int] | None = None) -> int:
+    """A new stack whose every frame is a new code location (another address) at the
+    same function, file and line as stack `sid`'s (or, with `line_of` = (depth, line),
+    another line at that depth); one of `sid`'s allocations moved to it."""
+    new = con.execute("SELECT max(stack_id) + 1 FROM stacks").fetchone()[0]
+    base = con.execute("SELECT max(frame_id) + 1 FROM frames").fetchone()[0]
+    con.execute("INSERT INTO stacks SELECT ? AS stack_id, * EXCLUDE (stack_id) "
+                "FROM stacks WHERE stack_id = ?", [new, sid])
+    con.execute("""
+        INSERT INTO frames SELECT ? + sf.depth AS frame_id, f.inline_depth, f.name,
+            f.function, f.symbol, f."offset" + 1, f.file,
+            CASE WHEN sf.depth = ? THEN ? ELSE f.line END, f."column", f.module_id,
+            f.vaddr + 1, f.reason
+        FROM stack_frames sf JOIN frames f USING (frame_id) WHERE sf.stack_id = ?""",
+                [base, *(line_of or (-1, 0)), sid])
+    con.execute("""
+        INSERT INTO stack_frames SELECT ? AS stack_id, depth, address + 1, module_id,
+            method, lookup_vaddr + 1, ? + depth FROM stack_frames WHERE stack_id = ?""",
+                [new, base, sid])
+    if move_one:
+        con.execute("""UPDATE allocations SET stack_id = ? WHERE alloc_id = (
+            SELECT min(alloc_id) FROM allocations WHERE stack_id = ?)""", [new, sid])
+    con.execute("DELETE FROM backtraces")
+    derive(con, "backtraces")  # as the load stage does
+    return new
+
+
+def grow_entry(db: Path) -> dict:
+    code, out, _ = invoke("report", str(db), "--format", "json")
+    assert code == 0
+    return next(e for e in json.loads(out)["sections"]["calls"] if e["location"] == "grow")
+
+
+def grow_stack(con: duckdb.DuckDBPyConnection) -> int:
+    (sid, n), = con.execute("""SELECT stack_id, count(*) FROM allocation_sites
+                               WHERE location = 'grow' GROUP BY stack_id""").fetchall()
+    assert n == 2
+    return sid
+
+
+def test_stacks_at_the_same_locations_are_one_backtrace(run_db: Path, tmp_path: Path) -> None:
+    """Stacks whose bytes differ (locals, say) and whose frames are other addresses (two
+    calls on one line) but at the same function, file and line are one backtrace, with
+    their values summed: heaptrack's granularity."""
     db = tmp_path / "dup.duckdb"
     db.write_bytes(run_db.read_bytes())
     with duckdb.connect(str(db)) as con:
-        (sid, n) = con.execute("""
-            SELECT stack_id, count(*) FROM allocation_sites WHERE location = 'make_big'
-            GROUP BY stack_id""").fetchone()
-        assert n == 2
-        new = con.execute("SELECT max(stack_id) + 1 FROM stacks").fetchone()[0]
-        con.execute("INSERT INTO stacks SELECT ? AS stack_id, * EXCLUDE (stack_id) "
-                    "FROM stacks WHERE stack_id = ?", [new, sid])
-        con.execute("INSERT INTO stack_frames SELECT ? AS stack_id, * EXCLUDE (stack_id) "
-                    "FROM stack_frames WHERE stack_id = ?", [new, sid])
-        con.execute("""UPDATE allocations SET stack_id = ? WHERE alloc_id = (
-            SELECT min(alloc_id) FROM allocations WHERE stack_id = ?)""", [new, sid])
-        con.execute("DELETE FROM backtraces")
-        derive(con, "backtraces")  # as the load stage does
-    code, out, _ = invoke("report", str(db), "--format", "json")
-    assert code == 0
-    entry = next(e for e in json.loads(out)["sections"]["calls"] if e["location"] == "make_big")
+        sid = grow_stack(con)
+        copy_stack(con, sid)
+        assert con.execute("SELECT count(DISTINCT stack_id) FROM allocation_sites "
+                           "WHERE location = 'grow'").fetchone() == (2,)
+    entry = grow_entry(db)
     assert entry["value"] == 2 and entry["stacks"] == 1
     assert [bt["value"] for bt in entry["backtraces"]] == [2]
+
+
+def test_a_caller_at_another_line_is_another_backtrace(run_db: Path, tmp_path: Path) -> None:
+    db = tmp_path / "other.duckdb"
+    db.write_bytes(run_db.read_bytes())
+    with duckdb.connect(str(db)) as con:
+        copy_stack(con, grow_stack(con), line_of=(2, 99))  # main, at line 99
+    entry = grow_entry(db)
+    assert entry["value"] == 2 and entry["stacks"] == 2
+    assert [bt["value"] for bt in entry["backtraces"]] == [1, 1]
+    assert sorted(bt["frames"][1]["line"] for bt in entry["backtraces"]) == [11, 99]

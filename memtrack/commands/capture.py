@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memtrack.commands import CommandError
+from memtrack.commands import (
+    CommandError,
+    check_output,
+    give_to_invoking_user,
+    require_privileges,
+)
 
 
-def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget: int,
+def run(cmd: list[str], output: Path, *, force: bool, stacks: bool, stack_budget: int,
         stack_copies: bool, rss: bool, track_faults: bool, modules: bool,
         start_disabled: bool, control_fifo: Path | None, probe_placement: str,
         events_ring_pages: int | None, stacks_ring_pages: int | None, on_ring_full: str,
@@ -18,18 +23,18 @@ def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget:
 
     from memtrack.capture.cmdenv import own_environment
 
+    require_privileges("capture", " -o OUT.memtrack -- CMD...")
     own_environment(sys.argv)
     from memtrack.capture.parts import CaptureOptions
     from memtrack.capture.run import run_capture
     from memtrack.capture.tracker import CaptureError
     from memtrack.schema.artifact import ArtifactError
 
-    if stacks not in ("on", "off"):
-        raise CommandError(f"--stacks {stacks}: expected on or off")
+    check_output(output, force)
     rings = {k: v for k, v in (("events_ring_pages", events_ring_pages),
                                ("stacks_ring_pages", stacks_ring_pages)) if v is not None}
     options = CaptureOptions(
-        stacks=stacks == "on", stack_budget=stack_budget, stack_copies=stack_copies,
+        stacks=stacks, stack_budget=stack_budget, stack_copies=stack_copies,
         rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
         probe_placement=probe_placement, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
         program_cache=program_cache, **rings)
@@ -38,3 +43,5 @@ def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget:
                            timeout=timeout)
     except (CaptureError, ArtifactError, ValueError) as e:
         raise CommandError(str(e)) from None
+    finally:
+        give_to_invoking_user(output)

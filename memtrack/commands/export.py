@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memtrack.commands import CommandError, open_run_db
+from memtrack.commands import CommandError, check_output, give_to_invoking_user, open_run_db
 
 
-def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None) -> int:
+def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None, *,
+        force: bool = False) -> int:
     from memtrack.report import EXPORT_METRICS, EXPORTS
     from memtrack.report.reader import RunReader
 
@@ -17,9 +18,11 @@ def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None) -> i
     if metric not in EXPORT_METRICS:
         raise CommandError(
             f"--metric: expected one of {', '.join(EXPORT_METRICS)}, got {metric!r}")
+    check_output(output, force)
     data = EXPORTS[fmt](RunReader(open_run_db(run_db), pid), metric)
     try:
         output.write_bytes(data)
     except OSError as e:
         raise CommandError(f"{output}: {e.strerror or e}") from None
+    give_to_invoking_user(output)
     return 0

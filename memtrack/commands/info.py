@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memtrack.commands import CommandError
@@ -119,7 +120,7 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
     if as_json:
         print(json.dumps(data, indent=2))
         return
-    out = Console(highlight=False)
+    out = Console(highlight=False, emoji=False)
     m = data["manifest"]
     es = m["exit_status"]
     status = (
@@ -128,14 +129,16 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
         (f"exit {es['code']}" if es.get("code") is not None else "unknown")
     )
     dur = (m["end_ns"] - m["start_ns"]) / 1e9 if m["end_ns"] else 0.0
-    out.print(f"[bold]{data['artifact']}[/bold]  format {m['format_version']}, "
+    out.print(f"[bold]{shown(data['artifact'])}[/bold]  format {m['format_version']}, "
               f"memtrack {m['memtrack_version']}")
-    out.print(f"command   {' '.join(m['command']) or '-'}  (pid {m['root_pid']}, {status}, "
+    out.print(f"command   {shown(' '.join(m['command'])) or '-'}  (pid {m['root_pid']}, {status}, "
               f"{dur:.3f} s)")
     h = m["host"]
-    out.print(f"host      {h['hostname']} {h['kernel']} {h['arch']} page {h['page_size']}")
+    out.print(shown(f"host      {h['hostname']} {h['kernel']} {h['arch']} page "
+                    f"{h['page_size']}"))
     if m["options"]:
-        out.print("options   " + ", ".join(f"{k}={v}" for k, v in sorted(m["options"].items())))
+        out.print(shown("options   " + ", ".join(f"{k}={v}"
+                                                for k, v in sorted(m["options"].items()))))
 
     t = Table(title="files", show_edge=False)
     t.add_column("table")
@@ -149,7 +152,7 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
         t.add_column("kind")
         t.add_column("count", justify="right")
         for k, v in sorted(data["event_kinds"].items(), key=lambda kv: -kv[1]):
-            t.add_row(k, f"{v:,}")
+            t.add_row(shown(k), f"{v:,}")
         out.print(t)
     if data["peak_rss"]:
         t = Table(title="peak RSS per process", show_edge=False)
@@ -157,7 +160,7 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
             t.add_column(col, justify="left" if col == "comm" else "right")
         for r in data["peak_rss"]:
             at = f"{r['at_s']:.3f} s" if r["at_s"] is not None else "-"
-            t.add_row(str(r["pid"]), r["comm"], _mib(r["total"]), at,
+            t.add_row(str(r["pid"]), shown(r["comm"]), _mib(r["total"]), at,
                       *(_mib(r[m]) for m in ("anon", "file", "shmem", "swap")))
         out.print(t)
     sr = data["stack_records"]
@@ -176,14 +179,23 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
                       f"{r['copy_len']:,}" if r["copy_len"] is not None else "-")
         out.print(t)
     lost = {k: v for k, v in data["losses"].items() if v}
-    out.print("losses    " + (", ".join(f"{k}={v:,}" for k, v in lost.items()) or "none"))
+    out.print(shown("losses    " + (", ".join(f"{k}={v:,}" for k, v in lost.items())
+                                    or "none")))
     mods = data["modules"]
     out.print(f"modules   {len(mods)}")
     for mod in mods:
         dbg = " +debug" if mod.get("debug_file") else ""
-        out.print(f"  {mod['build_id'][:16]}  {mod['path']}{dbg}")
+        out.print(shown(f"  {mod['build_id'][:16]}  {mod['path']}{dbg}"))
     for w in data["warnings"] + m.get("warnings", []):
-        out.print(f"[yellow]warning[/yellow]: {w}", markup=True)
+        out.print(f"[yellow]warning[/yellow]: {shown(w)}")
+
+
+def shown(text: object) -> str:
+    """Text from the artifact (a command, a process name, a path) as rich prints it
+    literally: its markup escaped, its control characters as \\xNN escapes."""
+    return escape("".join(c if c.isprintable() or c == " " else
+                          f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+                          for c in str(text)))
 
 
 def _mib(n: int) -> str:

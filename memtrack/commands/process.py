@@ -11,7 +11,28 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from memtrack.commands import CommandError
+from memtrack.commands import CommandError, check_output, give_to_invoking_user
+
+DUCKDB_MAGIC = b"DUCK"  # at offset 8 of every DuckDB file
+
+
+def check_outputs(output: Path, parquet: Path | None, force: bool) -> None:
+    """Nothing that exists is replaced without --force, and with it only a run database
+    (never some other file given as -o by mistake), its metadata and a Parquet directory."""
+    from memtrack.process.metadata import path_for
+
+    if output.is_dir():
+        raise CommandError(f"{output}: is a directory, not a run database path")
+    check_output(output, force)
+    if output.is_file():
+        with output.open("rb") as f:
+            if f.read(12)[8:] != DUCKDB_MAGIC:
+                raise CommandError(f"{output}: exists and is not a run database: not "
+                                   "replaced, even with --force")
+    check_output(path_for(output), force)
+    if parquet is not None:
+        check_output(parquet, force or (parquet.is_dir() and not any(parquet.iterdir())))
+
 
 LABEL = re.compile(r"([A-Za-z_][A-Za-z0-9_.-]*)=(.*)", re.S)
 
@@ -44,7 +65,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
     if dataset is None or run_id is None:
         assert output is not None
         return _process(artifact, output, parquet, host_modules, cache_dir, no_cache,
-                        quiet, say, meta_labels)[0]
+                        force, quiet, say, meta_labels)[0]
     from memtrack.process.dataset import append_run, check_target
 
     try:
@@ -61,7 +82,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
     try:
         db = output if work is None else work / "run.duckdb"
         status, metadata = _process(artifact, db, parquet, host_modules, cache_dir, no_cache,
-                                    quiet, say, meta_labels,
+                                    force, quiet, say, meta_labels,
                                     shown=None if work is None else f"{dataset} run {run_id}")
         try:
             replaced = append_run(dataset, run_id, db, metadata=metadata, force=force)
@@ -78,17 +99,19 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
 
 
 def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: bool,
-             cache_dir: Path | None, no_cache: bool, quiet: bool,
+             cache_dir: Path | None, no_cache: bool, force: bool, quiet: bool,
              say: Callable[[str], None], labels: dict[str, str], shown: str | None = None
              ) -> tuple[int, Path | None]:
     """Run the pipeline; the exit status and the memory_metadata.json it wrote. `shown`:
-    the name the summary gives the run (default: the database written)."""
+    the name the summary gives the run (default: the database written). Nothing that
+    exists is replaced without `force`."""
     import duckdb
 
     from memtrack.process.pipeline import ProcessError, process
     from memtrack.schema.artifact import ArtifactError
     from memtrack.symbolize import default_cache_dir
 
+    check_outputs(output, parquet, force)
     try:
         summary = process(
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
@@ -101,6 +124,9 @@ def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: b
         raise CommandError(f"{output}: {' '.join(str(e).split())}") from None
     except OSError as e:
         raise CommandError(f"{e.filename or output}: {e.strerror or e}") from None
+    for written in (output, summary.metadata, parquet):
+        if written is not None:
+            give_to_invoking_user(written)
     if not quiet:
         if shown is not None:
             summary.out_db = Path(shown)

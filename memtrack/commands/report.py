@@ -7,16 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TextIO
 
-from memtrack.commands import CommandError, open_run_db
+from memtrack.commands import CommandError, check_output, give_to_invoking_user, open_run_db
 
 
 def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
-        out: TextIO, region: str | None = None) -> int:
+        out: TextIO, region: str | None = None, *, force: bool = False) -> int:
     from memtrack.report.reader import RunReader
     from memtrack.report.text import ReportOptions, format_text, report_data, report_json
 
     if fmt not in ("text", "json"):
         raise CommandError(f"--format: expected text or json, got {fmt!r}")
+    if html is not None:
+        check_output(html, force)
     con = open_run_db(run_db)
     if pid is not None and not RunReader(con, pid).has_process():
         raise CommandError(f"{run_db}: no process {pid} in this run")
@@ -31,6 +33,7 @@ def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
             write_html(con, html, opts)
         except OSError as e:
             raise CommandError(f"{html}: {e.strerror or e}") from None
+        give_to_invoking_user(html)
     out.write(report_json(data) + "\n" if fmt == "json" else format_text(data))
     return 0
 

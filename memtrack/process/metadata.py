@@ -79,6 +79,12 @@ def build(artifact: Path | str, manifest: Manifest, res: Resident) -> dict[str, 
     }
 
 
+def path_for(out_db: Path) -> Path:
+    """Where `process` writes a run's metadata: named after its database (RUN.duckdb ->
+    RUN.memory_metadata.json), so that runs processed into one directory keep theirs."""
+    return out_db.with_name(out_db.stem + ".memory_metadata.json")
+
+
 def write(data: dict[str, Any], path: Path | str) -> Path:
     """Write memory_metadata.json content to `path` (atomically); returns the path."""
     path = Path(path)

@@ -12,7 +12,10 @@ Rules (docs/DESIGN.md, Process):
   reused pid never pairs with its predecessor's blocks;
 - an allocation never freed ends at its process's exec or exit, or at the capture's end
   (a leak); one whose address is handed out again before any free ends there ("reused":
-  a free that was not recorded, counted).
+  a free that was not recorded, counted);
+- a free that ends nothing is unmatched (the block was allocated before tracking, by an
+  untracked allocator, or inherited across fork), except glibc's own frees at thread
+  exit (thread_exit_frees), counted apart.
 """
 
 from __future__ import annotations
@@ -135,12 +138,16 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         },
         schema=ALLOCATIONS,
     )
+    lone = ~m.f_matched & ~m.f_rf
+    at_exit = thread_exit_frees(m.f_ev[lone], m.f_after_free[lone], col["pid"], col["tid"],
+                                kind, addr, life)
     counters = {
         "allocations": n_alloc,
         "allocations_inherited": int(inherited.sum()),
         "frees": int(f_mask.sum()),
         "reallocs": int(is_realloc_alloc.sum()),
-        "frees_unmatched": int((~m.f_matched).sum()),
+        "frees_unmatched": int((~m.f_matched).sum()) - int(at_exit.sum()),
+        "frees_at_thread_exit": int(at_exit.sum()),
         "allocations_reused_without_free": int((reason == END_REUSED).sum()),
         "allocations_not_freed": int((reason[~inherited] >= END_EXEC).sum()),
         "failed_allocations": int((is_alloc_kind & (addr == 0)).sum()),
@@ -218,6 +225,7 @@ class _Matcher:
         self.f_pid = self.pid[ev]
         self.f_inst = self.instance(self.f_pid, ev)
         self.f_matched = np.zeros(len(ev), bool)
+        self.f_after_free = np.zeros(len(ev), bool)  # the address's last op was a free
         self.f_by_pid = np.lexsort((ev, self.f_pid))
         self.f_pid_sorted = self.f_pid[self.f_by_pid]
 
@@ -269,7 +277,11 @@ class _Matcher:
         prev_is_alloc = np.zeros(k, bool)
         if k > 1:
             prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
+        prev_free = np.zeros(k, bool)
+        if k > 1:
+            prev_free[1:] = same_next[:-1] & ~is_a[:-1]
         self.f_matched[s_ref[~is_a]] = prev_is_alloc[~is_a]
+        self.f_after_free[s_ref[~is_a]] = prev_free[~is_a]
         end = np.full(nb, -1, np.int64)
         free = np.full(nb, -1, np.int64)
         reason = np.full(nb, END_END, np.uint8)
@@ -343,6 +355,48 @@ class _Matcher:
         out.free = np.concatenate([b.free for b in every])
         out.reason = np.concatenate([b.reason for b in every])
         return out
+
+
+def thread_exit_frees(free_eid: np.ndarray, freed_before: np.ndarray, pid: np.ndarray,
+                      tid: np.ndarray, kind: np.ndarray, addr: np.ndarray,
+                      life: Lifecycle) -> np.ndarray:
+    """Which unmatched frees (events `free_eid`; `freed_before`: the block's last
+    operation was a recorded free) are glibc's at thread exit.
+
+    A thread other than the main one ends in __libc_thread_freeres ->
+    tcache_thread_shutdown, which frees through the public `free` every chunk still in
+    the thread's tcache (blocks the program freed already: freed again) and then the
+    tcache itself (allocated inside malloc, never returned by a malloc call: never
+    seen). So: after the thread's last allocation and before its exit, a free of a
+    block freed before, or the thread's very last free of a block never seen."""
+    n = len(kind)
+    stride = n + 1
+    t64 = tid.astype(np.int64)
+    eid = np.arange(n, dtype=np.int64)
+
+    def following(mask: np.ndarray, at: np.ndarray, side: str) -> np.ndarray:
+        """For each event `at`, the next event of its thread in `mask` (n if none)."""
+        keys = t64[mask] * stride + eid[mask]  # ascending: events are in time order
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        if not len(keys):
+            return np.full(len(at), n, np.int64)
+        j = np.searchsorted(keys, t64[at] * stride + at, side=side)
+        jc = np.minimum(j, len(keys) - 1)
+        hit = (j < len(keys)) & (keys[jc] // stride == t64[at])
+        return np.where(hit, keys[jc] % stride, n)
+
+    at = free_eid.astype(np.int64)
+    is_exit = np.zeros(n, bool)
+    is_exit[life.exits["event_id"].to_numpy().astype(np.int64)] = True
+    is_alloc = (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC)
+    is_free = (kind == EventKind.FREE) & (addr != 0)
+    exit_at = following(is_exit, at, "left")
+    in_tail = (exit_at < n) & (following(is_alloc, at, "right") > exit_at) & (
+        tid[at] != pid[at])
+    last_free = following(is_free, at, "right") > exit_at
+    return in_tail & (freed_before | last_free)
+
 
 
 def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,

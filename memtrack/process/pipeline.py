@@ -1,6 +1,6 @@
 """`memtrack process`: read -> lifecycle, rss -> pair, regions -> decode + unwind (in the
 snapshots and the address spaces forked children inherit) -> load
-(symbolizing the code locations the stacks hold) -> memory_metadata.json.
+(symbolizing the code locations the stacks hold) -> RUN.memory_metadata.json.
 
 Each stage is its module's entry point; this module runs them in order, times them and
 gathers their counters. Decode and unwind go run by run (decode_chunks): the rebuilt
@@ -66,7 +66,7 @@ class Summary:
     rows: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
     warnings: list[str] = field(default_factory=list)
-    metadata: Path | None = None  # memory_metadata.json
+    metadata: Path | None = None  # RUN.memory_metadata.json
 
     def lines(self) -> list[str]:
         out = [
@@ -81,6 +81,10 @@ class Summary:
         noted = {k: v for k, v in self.counters.items() if v and k in NOTABLE}
         if noted:
             out.append("process: " + ", ".join(f"{k} {v}" for k, v in noted.items()))
+        if self.counters.get("frees_at_thread_exit"):
+            out.append(f"note: {self.counters['frees_at_thread_exit']} frees at thread exit "
+                       "are glibc's (tcache_thread_shutdown frees the blocks a thread's "
+                       "cache held, and the cache itself): not counted as unmatched")
         out.extend(f"warning: {w}" for w in self.warnings)
         return out
 
@@ -205,6 +209,7 @@ def process(
                 options=m.options,
                 warnings=summary.warnings,
                 labels=labels or {},
+                allocator_functions=allocator_functions(m.probes),
             )
 
         loaded = load(out_db, StageTables(
@@ -218,9 +223,21 @@ def process(
         summary.frames_by_method = loaded.frames_by_method
         summary.unknown_frames = loaded.unknown_frames
         summary.metadata = st.run("metadata", lambda: metadata.write(
-            metadata.build(art.path, m, res), out_db.parent / "memory_metadata.json"))
+            metadata.build(art.path, m, res), metadata.path_for(out_db)))
         st.done()
     return summary
+
+
+def allocator_functions(probes: Any) -> list[str]:
+    """The names of the functions capture probed, raw and demangled: the reports tell
+    allocator frames from their callers by them (schema.ddl.ALLOCATOR_NAMES)."""
+    from memtrack.symbolize.demangle import demangle
+
+    if not isinstance(probes, list):
+        return []
+    names = {p["function"] for p in probes if isinstance(p, dict)
+             and isinstance(p.get("function"), str) and p["function"]}
+    return sorted(names | {demangle(n) for n in names})
 
 
 def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summary: Summary,

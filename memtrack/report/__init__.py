@@ -1,18 +1,19 @@
 """Reports of a run database: text and JSON (memtrack.report.text), one HTML page
 (memtrack.report.html), and the exports folded, pprof and speedscope. Every one reads
 the run through memtrack.report.reader.RunReader; each export is a module with
-`render(run, metric) -> bytes`, listed in EXPORTS."""
+`render(run, metric) -> bytes`, listed in EXPORTS; every export honours every metric
+(EXPORT_METRICS: the reader's METRICS)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from memtrack.report import folded, pprof, speedscope
-from memtrack.report.reader import RunReader
+from memtrack.report.reader import METRICS, RunReader
 
 EXPORTS: dict[str, Callable[[RunReader, str], bytes]] = {
     "folded": folded.render,
     "pprof": pprof.render,
     "speedscope": speedscope.render,
 }
-EXPORT_METRICS = speedscope.EXPORT_METRICS
+EXPORT_METRICS = tuple(METRICS)

@@ -24,9 +24,9 @@ from typing import Any
 
 import duckdb
 
-from memtrack.report.reader import METRICS, NO_STACK, RunReader
+from memtrack.report.reader import METRICS, RunReader
 from memtrack.report.regions import RegionReader
-from memtrack.report.text import human_bytes
+from memtrack.report.text import backtrace_lines, human_bytes
 
 Data = dict[str, Any]
 
@@ -371,18 +371,6 @@ def _site_title(s: Data, unit: str, matched: bool) -> str:
     return f"{head} from {s['location']}{where}"
 
 
-def _frames_text(frames: list[Data], limit: int, indent: str) -> list[str]:
-    frames = frames or [{"function": NO_STACK, "file": None}]
-    out = []
-    for f in frames[:limit]:
-        loc = f"  {f['file']}:{f['line']}" if f.get("file") else ""
-        out.append(f"{indent}{f['function']}{loc}")
-    if len(frames) > limit:
-        out.append(f"{indent}... {len(frames) - limit} outer frames (--format json has them "
-                   "all)")
-    return out
-
-
 def _counts_line(sec: Data) -> str:
     return (f"{sec['matched']['count']} changed, {sec['unchanged']} unchanged, "
             f"{sec['head_only']['count']} only in head, {sec['base_only']['count']} only "
@@ -407,7 +395,7 @@ def text_sites(data: Data) -> list[str]:
                     lead = change_text(bt, unit) if kind == "matched" else \
                         value(bt["head"] or bt["base"], unit)
                     out.append(f"    {lead} from:")
-                    out += _frames_text(bt["frames"], MAX_FRAMES, "      ")
+                    out += backtrace_lines(bt["frames"], MAX_FRAMES, "      ")
     return out
 
 
@@ -426,7 +414,7 @@ def markdown_sites(data: Data) -> list[str]:
                             f"| {md(s['location'])}{where} |")
                 if s["backtraces"]:
                     details += [f"{_site_title(s, unit, kind == 'matched')}",
-                                *_frames_text(s["backtraces"][0]["frames"], MD_FRAMES, "  ")]
+                                *backtrace_lines(s["backtraces"][0]["frames"], MD_FRAMES, "  ")]
         if not rows:
             quiet.append(f"- {title.capitalize()}: {_counts_line(sec)}")
             continue

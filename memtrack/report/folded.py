@@ -7,7 +7,8 @@ from memtrack.report.reader import Costs, RunReader
 
 
 def folded(c: Costs, metric: str) -> str:
-    """flamegraph.pl / inferno input: `process;outermost;...;site VALUE` per line."""
+    """flamegraph.pl / inferno input: `process;outermost;...;site VALUE` per line (a stack
+    cut short starts with [truncated] after the process)."""
     acc: dict[str, int] = {}
     for row in c.rows:
         v = row.value(metric)

@@ -1,12 +1,22 @@
 """pprof's profile.proto, gzipped, encoded by hand: only varints and length-delimited
-fields (what `go tool pprof` reads)."""
+fields (what `go tool pprof` and Pyroscope read).
+
+Sample types: alloc_objects/alloc_space (every allocation), peak_objects/peak_space
+(alive at the process's heap peak), leaked_objects/leaked_space (never freed) and
+temporary_objects; `--metric` picks the default one. Every location is a real
+runtime address in a mapping of the process whose stack it is (mapping 1: the traced
+executable), with its function, file and line per inline level. A frame symbolization
+could not name is a function of its own, `[unknown] MODULE+0xVADDR` (pprof would fold
+`[unknown] (...)` into one `[unknown]`: it strips parentheses from names that look
+like C++)."""
 
 from __future__ import annotations
 
 import gzip
+import os
 from collections.abc import Iterable
 
-from memtrack.report.reader import NO_STACK, Costs, RunReader
+from memtrack.report.reader import NO_STACK, TRUNCATED, Costs, Level, RunReader
 
 
 def _varint(n: int) -> bytes:
@@ -45,73 +55,143 @@ class _Strings:
         return self.index[s]
 
 
-PPROF_SAMPLE_TYPES = (("alloc_objects", "count"), ("alloc_space", "bytes"),
-                      ("inuse_objects", "count"), ("inuse_space", "bytes"))
+# (type, unit, the Cost field it sums); the metric each default sample type stands for
+PPROF_SAMPLE_TYPES = (
+    ("alloc_objects", "count", "calls"), ("alloc_space", "bytes", "allocated"),
+    ("peak_objects", "count", "peak_calls"), ("peak_space", "bytes", "peak"),
+    ("leaked_objects", "count", "leaked_calls"), ("leaked_space", "bytes", "leaked"),
+    ("temporary_objects", "count", "temporary"),
+)  # fmt: skip
+DEFAULT_SAMPLE_TYPE = {"calls": "alloc_objects", "allocated": "alloc_space",
+                       "peak": "peak_space", "leaked": "leaked_space",
+                       "temporary": "temporary_objects"}
+
+Mappings = dict[tuple[int, int], tuple[int, int, int]]  # (pid, module) -> start, end, offset
 
 
-def pprof(c: Costs, duration_ns: int = 0, time_ns: int = 0) -> bytes:
-    """A gzipped profile.proto: sample types alloc_objects, alloc_space, inuse_objects,
-    inuse_space (inuse = still allocated when the process ended: the leaks), with a
-    numeric `pid` label per sample."""
+def function_name(c: Costs, level: Level) -> str:
+    """A level's function as pprof shows it: an unsymbolized one by module and address."""
+    if level.reason is None:
+        return level.name
+    module = c.modules.get(level.module_id) if level.module_id is not None else None
+    if module is not None and level.vaddr is not None:
+        return f"[unknown] {os.path.basename(module.path)}+{level.vaddr:#x}"
+    return f"[unknown] {level.name}"
+
+
+def pprof(c: Costs, metric: str, mappings: Mappings, main_module: int | None = None,
+          duration_ns: int = 0, time_ns: int = 0, comment: str = "") -> bytes:
+    """A gzipped profile.proto of every sample type, `metric`'s the default; a numeric
+    `pid` label per sample."""
     s = _Strings()
     out = bytearray()
-    for typ, unit in PPROF_SAMPLE_TYPES:
+    for typ, unit, _ in PPROF_SAMPLE_TYPES:
         out += _field_bytes(1, _field_varint(1, s(typ)) + _field_varint(2, s(unit)))
+
+    # Mappings: one per distinct placement of a module (forked processes share theirs),
+    # the traced executable first.
+    placements: dict[tuple[int, int, int, int], int] = {}
+    mapping_of: dict[tuple[int, int], int] = {}  # (pid, module) -> mapping id
+    used = sorted({(bt.pid, c.frames[f][0].module_id)
+                   for bt in c.backtraces.values() for f in bt.frames
+                   if c.frames.get(f) and c.frames[f][0].module_id is not None},
+                  key=lambda pm: (pm[1] != main_module, pm[0], pm[1]))
+    mapping_msgs = bytearray()
+    for pid, mid in used:
+        start, end, offset = mappings.get((pid, mid), (0, 0, 0))
+        key = (mid, start, end, offset)
+        if key not in placements:
+            placements[key] = len(placements) + 1
+            module = c.modules[mid]
+            mapping_msgs += _field_bytes(3, (
+                _field_varint(1, placements[key]) + _field_varint(2, start) +
+                _field_varint(3, end) + _field_varint(4, offset) +
+                _field_varint(5, s(module.path)) + _field_varint(6, s(module.build_id)) +
+                b"".join(_field_varint(n, 1) for n in (7, 8, 9, 10))))
+        mapping_of[(pid, mid)] = placements[key]
+
     functions: dict[tuple[str, str | None], int] = {}
     fn_msgs = bytearray()
 
-    def function_id(name: str, file: str | None) -> int:
-        key = (name, file)
+    def function_id(level: Level, system_name: str | None) -> int:
+        name = function_name(c, level)
+        key = (name, level.file)
         if key not in functions:
-            fid = len(functions) + 1
-            functions[key] = fid
-            msg = (_field_varint(1, fid) + _field_varint(2, s(name)) +
-                   _field_varint(3, s(name)) + _field_varint(4, s(file)))
-            fn_msgs.extend(_field_bytes(5, msg))
+            functions[key] = len(functions) + 1
+            fn_msgs.extend(_field_bytes(5, (
+                _field_varint(1, functions[key]) + _field_varint(2, s(name)) +
+                _field_varint(3, s(system_name or name)) + _field_varint(4, s(level.file)))))
         return functions[key]
 
-    no_stack_loc = max(c.frames, default=-1) + 2  # after every frame_id + 1
-    locations = bytearray()
-    for fid in sorted(c.frames):
-        levels = c.frames[fid]
-        msg = _field_varint(1, fid + 1)
-        mid = levels[0][3]
-        if mid is not None:
-            msg += _field_varint(2, mid + 1)
-        for name, file, line, _ in levels:  # innermost first, callers last
-            msg += _field_bytes(4, _field_varint(1, function_id(name, file)) +
-                                _field_varint(2, line or 0))
-        locations += _field_bytes(4, msg)
-    locations += _field_bytes(4, _field_varint(1, no_stack_loc) + _field_bytes(
-        4, _field_varint(1, function_id(NO_STACK, None))))
+    def line(level: Level, system_name: str | None = None) -> bytes:
+        return _field_bytes(4, _field_varint(1, function_id(level, system_name)) +
+                            _field_varint(2, level.line or 0))
+
+    locations: dict[tuple[int, int, int], int] = {}  # (pid, address, frame) -> location id
+    loc_msgs = bytearray()
+
+    def location(pid: int, address: int, frame_id: int) -> int:
+        key = (pid, address, frame_id)
+        if key not in locations:
+            locations[key] = len(locations) + len(markers) + 1
+            levels = c.frames.get(frame_id) or [Level(f"{address:#x}", None, None)]
+            mid = levels[0].module_id
+            msg = _field_varint(1, locations[key]) + _field_varint(3, address)
+            if mid is not None and (pid, mid) in mapping_of:
+                msg += _field_varint(2, mapping_of[(pid, mid)])
+            # innermost first, the outermost (the symbol's own function) last
+            for k, level in enumerate(levels):
+                msg += line(level, level.symbol if k == len(levels) - 1 else None)
+            loc_msgs.extend(_field_bytes(4, msg))
+        return locations[key]
+
+    markers: dict[str, int] = {}
+
+    def marker(name: str) -> int:
+        """A location of its own for a frame that is no code ([no stack], [truncated])."""
+        if name not in markers:
+            markers[name] = len(locations) + len(markers) + 1
+            loc_msgs.extend(_field_bytes(4, _field_varint(1, markers[name]) +
+                                         line(Level(name, None, None))))
+        return markers[name]
+
     pid_key = s("pid")
+    fields = [field for _, _, field in PPROF_SAMPLE_TYPES]
     for row in c.rows:
-        locs = [f + 1 for f in row.backtrace] if row.backtrace else [no_stack_loc]
-        values = (row.calls, row.allocated, row.leaked_calls, row.leaked)
+        bt = c.backtraces.get(row.backtrace) if row.backtrace is not None else None
+        locs = [] if bt is None else [
+            location(bt.pid, a, f) for f, a in zip(bt.frames, bt.addresses, strict=True)]
+        if bt is not None and bt.cut:
+            locs.append(marker(TRUNCATED))
+        if not locs:
+            locs.append(marker(NO_STACK))
+        values = [row.value(f) for f in fields]
         label = _field_bytes(3, _field_varint(1, pid_key) + _field_varint(3, row.pid))
         out += _field_bytes(2, _packed(1, locs) + _packed(2, values) + label)
-    for mid, path, build_id in c.modules:
-        msg = (_field_varint(1, mid + 1) + _field_varint(5, s(path)) +
-               _field_varint(6, s(build_id)) + _field_varint(7, 1) + _field_varint(8, 1))
-        out += _field_bytes(3, msg)
-    out += locations
+    out += mapping_msgs
+    out += loc_msgs
     out += fn_msgs
-    strings = list(s.index)  # insertion order == index order
-    for st in strings:
+    if comment:
+        s(comment)
+    default = s(DEFAULT_SAMPLE_TYPE[metric])
+    space, bytes_ = s("space"), s("bytes")
+    for st in s.index:  # insertion order == index order
         out += _field_bytes(6, st.encode())
     if time_ns:
         out += _field_varint(9, time_ns)
     if duration_ns:
         out += _field_varint(10, duration_ns)
-    out += _field_bytes(11, _field_varint(1, s.index["alloc_space"]) +
-                        _field_varint(2, s.index["bytes"]))
-    out += _field_varint(14, s.index["alloc_space"])
+    out += _field_bytes(11, _field_varint(1, space) + _field_varint(2, bytes_))
+    out += _field_varint(12, 1)
+    if comment:
+        out += _field_varint(13, s.index[comment])
+    out += _field_varint(14, default)
     return gzip.compress(bytes(out))
 
 
 def render(run: RunReader, metric: str) -> bytes:
-    """The profile of the run (`metric` is pprof's choice, not the file's: all four
-    sample types are in it)."""
+    """The run's profile, `metric` the sample type pprof shows first."""
     start, end = run.start_ns, int(run.meta.get("end_ns", 0) or 0)
     wall = int(run.meta.get("wall_offset_ns", 0) or 0)
-    return pprof(run.costs(), max(end - start, 0), start + wall if start else 0)
+    return pprof(run.costs(), metric, run.module_mappings(), run.main_module(),
+                 max(end - start, 0), start + wall if start else 0, run.title)

@@ -3,9 +3,9 @@ run database's views (memtrack.schema.ddl), optionally for one process.
 
 The per-stack costs come from the `stack_costs` view and the backtraces from the
 `backtraces` table (a backtrace: a stack's frames from its allocation site outward, the
-allocator itself left out where it has callers; stack records whose bytes differed
-but that unwound to the same frames are one backtrace). Text, JSON, HTML, folded,
-pprof and speedscope all read what this gives.
+allocator itself left out where it has callers; stacks whose frames are at the same
+locations are one backtrace). Text, JSON, HTML, folded, pprof and speedscope all read
+what this gives, and `memtrack diff` matches the sites of two runs by LOCATION.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema.ddl import SITE_DEPTH
+from memtrack.schema.ddl import NO_CALLER, NO_STACK, SITE_DEPTH
 
-NO_STACK = "[no stack]"
+__all__ = ["COUNTED", "LOCATION", "METRICS", "NO_CALLER", "NO_STACK", "TRUNCATED", "RunReader"]
 
 # A metric per allocation, as a column of stack_costs: the report's sections and the
 # exports' --metric name them the same.
@@ -35,15 +35,57 @@ METRICS = {
 # The allocations a metric counts (its value may be 0 for some, as malloc(0)'s bytes).
 COUNTED = {"allocated": "calls", "calls": "calls", "peak": "peak_calls",
            "leaked": "leaked_calls", "temporary": "temporary"}
+UNITS = {"allocated": "bytes", "calls": "calls", "peak": "bytes", "leaked": "bytes",
+         "temporary": "calls"}
 
-Backtrace = tuple[int, ...]  # frame ids from the allocation site outward
+# A *location*, heaptrack's granularity: a function at one source line (the frame's
+# name, file and line; an unsymbolized frame's name is its module and address). An
+# allocation's *site* is the location of its backtrace's first frame (the view
+# stack_location); the report groups allocations by site, the backtraces under a site
+# are merged where all their frames are at the same locations (the `backtraces`
+# table), and two runs' sites are matched by it.
+LOCATION = ("location", "file", "line")
+
+# A stack cut short: unwinding needed bytes beyond its copy (stacks.truncated, stop
+# 'truncated') and the kernel's frame-pointer chain did not reach the outermost frame
+# either (not complete). Its outermost frame is no root: every report and export
+# shows TRUNCATED past it.
+TRUNCATED = "[truncated]"
+CUT_SQL = "(NOT s.complete AND (s.truncated OR s.stop = 'truncated'))"
+TITLE_CHARS = 80
+
+
+class Level(NamedTuple):
+    """One logical frame: an inline level of a code location."""
+
+    name: str
+    file: str | None
+    line: int | None
+    module_id: int | None = None
+    vaddr: int | None = None  # ELF address in the module (null: not normalized)
+    reason: str | None = None  # why it is unsymbolized (null: found)
+    symbol: str | None = None  # the ELF symbol (raw) holding the location
+
+
+NO_STACK_LEVEL = Level(NO_STACK, None, None)
+TRUNCATED_LEVEL = Level(TRUNCATED, None, None)
+
+
+@dataclass
+class Backtrace:
+    """A backtrace as its representative stack unwound it."""
+
+    frames: tuple[int, ...]  # frame ids from the allocation site outward
+    addresses: tuple[int, ...]  # their runtime addresses (return addresses past the site)
+    pid: int  # the process whose stack was unwound (the addresses are in its space)
+    cut: bool  # the stack was cut short (TRUNCATED past its last frame)
 
 
 @dataclass
 class Cost:
     """Every metric of one (backtrace, process); backtrace None: no stack captured."""
 
-    backtrace: Backtrace | None
+    backtrace: int | None  # backtrace_id
     pid: int
     calls: int
     allocated: int
@@ -58,22 +100,34 @@ class Cost:
 
 
 @dataclass
+class Module:
+    path: str
+    build_id: str | None
+
+
+@dataclass
 class Costs:
     """The costs of a run per (backtrace, pid), and what names their frames."""
 
     rows: list[Cost]
-    # frame_id -> inline levels innermost first: (name, file, line, module_id)
-    frames: dict[int, list[tuple[str, str | None, int | None, int | None]]]
+    backtraces: dict[int, Backtrace]
+    frames: dict[int, list[Level]]  # frame_id -> inline levels, innermost first
     processes: dict[int, str]  # pid -> name
-    modules: list[tuple[int, str, str | None]]  # module_id, path, build_id
+    modules: dict[int, Module]
 
-    def levels(self, key: Backtrace | None) -> list[tuple[str, str | None, int | None]]:
-        """Logical frames (name, file, line) from the allocation site outward."""
-        out = [lv[:3] for f in key or () for lv in self.frames[f]]
-        return out or [(NO_STACK, None, None)]
+    def levels(self, backtrace: int | None) -> list[Level]:
+        """Logical frames from the allocation site outward, TRUNCATED last where the
+        stack was cut short."""
+        if backtrace is None or backtrace not in self.backtraces:
+            return [NO_STACK_LEVEL]
+        bt = self.backtraces[backtrace]
+        out = [lv for f in bt.frames for lv in self.frames.get(f, ())]
+        if bt.cut:
+            out.append(TRUNCATED_LEVEL)
+        return out or [NO_STACK_LEVEL]
 
-    def names(self, key: Backtrace | None) -> list[str]:
-        return [lv[0] for lv in self.levels(key)]
+    def names(self, backtrace: int | None) -> list[str]:
+        return [lv.name for lv in self.levels(backtrace)]
 
     def root(self, pid: int) -> str:
         """The name a process's stacks hang from: `name (pid)`."""
@@ -104,6 +158,13 @@ class RunReader:
     def meta(self) -> dict[str, str]:
         return dict(self.con.execute("SELECT key, value FROM meta").fetchall())
 
+    @functools.cached_property
+    def rss_recorded(self) -> bool:
+        """Whether capture recorded resident memory (not with --rss off: its rss rows are
+        then only the zeros of execs and exits, no figure)."""
+        options = json.loads(self.meta.get("options") or "{}")
+        return not isinstance(options, dict) or options.get("rss", True) is not False
+
     @property
     def start_ns(self) -> int:
         return int(self.meta.get("start_ns", 0) or 0)
@@ -116,6 +177,16 @@ class RunReader:
     def labels(self) -> dict[str, str]:
         """What `process --label key=value` said of the run (a commit, a build...)."""
         return json.loads(self.meta.get("labels", "{}"))
+
+    @property
+    def title(self) -> str:
+        """The run's name in one short line: its command, the first line of it, at most
+        TITLE_CHARS characters."""
+        words = " ".join(self.command).strip()
+        first = words.splitlines()[0] if words else "memtrack"
+        if len(first) > TITLE_CHARS or first != words:
+            first = first[:TITLE_CHARS - 1].rstrip() + "…"
+        return first
 
     def has_process(self) -> bool:
         return bool(self.one(f"SELECT count(*) FROM processes WHERE {self.where()}"))
@@ -161,7 +232,7 @@ class RunReader:
                            AS d
                     FROM rss_timeline WHERE {pids})
                 GROUP BY ts)
-            ORDER BY total DESC, ts LIMIT 1""").fetchone()
+            ORDER BY total DESC, ts LIMIT 1""").fetchone() if self.rss_recorded else None
 
         def per_s(n: int) -> float:
             return n / runtime if runtime > 0 else 0.0
@@ -191,11 +262,12 @@ class RunReader:
             r AS (SELECT pid, max(rss) AS rss FROM rss_timeline GROUP BY pid)
             SELECT p.pid, p.ppid, p.name, p.exe, p.exit_code, p.exit_signal,
                    coalesce(h.peak_bytes, 0), (h.peak_ts::DOUBLE - ?) / 1e9,
-                   coalesce(c.calls, 0)::BIGINT, coalesce(c.leaked, 0)::BIGINT, r.rss
+                   coalesce(c.calls, 0)::BIGINT, coalesce(c.leaked, 0)::BIGINT,
+                   CASE WHEN ? THEN r.rss END
             FROM processes p LEFT JOIN heap_peak h USING (pid) LEFT JOIN c USING (pid)
                 LEFT JOIN r USING (pid)
             WHERE {self.where("p.")} ORDER BY p.start_ts, p.pid""",
-                                [float(self.start_ns)]).fetchall()
+                                [float(self.start_ns), self.rss_recorded]).fetchall()
         keys = ("pid", "ppid", "name", "exe", "exit_code", "exit_signal", "peak_heap_bytes",
                 "peak_heap_at_s", "calls", "leaked_bytes", "peak_rss_bytes")
         return [dict(zip(keys, r, strict=True)) for r in rows]
@@ -203,7 +275,7 @@ class RunReader:
     # ---- costs -------------------------------------------------------------------
     @functools.cache  # noqa: B019 - a reader lives as long as one report
     def costs(self) -> Costs:
-        """Every metric per (backtrace, pid)."""
+        """Every metric per (backtrace, pid), with the backtraces' frames."""
         where = self.where("c.")
         raw = self.con.execute(f"""
             SELECT b.backtrace_id, c.pid, sum(c.calls)::BIGINT, sum(c.bytes)::BIGINT,
@@ -212,32 +284,62 @@ class RunReader:
                    sum(c.leaked_bytes)::BIGINT
             FROM stack_costs c LEFT JOIN backtraces b USING (stack_id)
             WHERE {where} GROUP BY 1, 2""").fetchall()
-        # the frames of each backtrace, as rows (a list aggregate per group is slower)
+        rows = sorted((Cost(*r) for r in raw),
+                      key=lambda r: (r.pid, r.backtrace is not None, r.backtrace or 0))
         reps = f"""SELECT DISTINCT b.backtrace_id AS stack_id FROM stack_costs c
                    JOIN backtraces b USING (stack_id) WHERE {where}"""
+        # the frames of each backtrace, as rows (a list aggregate per group is slower)
         seq = self.con.execute(f"""
-            SELECT sf.stack_id, sf.frame_id FROM backtrace_frames sf JOIN ({reps}) r
-            USING (stack_id) ORDER BY sf.stack_id, sf.depth""").to_arrow_table()
+            SELECT bf.stack_id, bf.frame_id, sf.address FROM backtrace_frames bf
+            JOIN ({reps}) r USING (stack_id)
+            JOIN stack_frames sf ON sf.stack_id = bf.stack_id AND sf.depth = bf.depth
+            ORDER BY bf.stack_id, bf.depth""").to_arrow_table()
         sid = seq.column("stack_id").to_numpy()
-        fid = seq.column("frame_id").to_numpy()
-        cut = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
-        keys: dict[int, Backtrace] = {
-            int(sid[a]): tuple(f.tolist()) for a, f in zip(cut.tolist(), np.split(fid, cut[1:]),
-                                                           strict=True)} if len(sid) else {}
-        rows = sorted((Cost(keys[bt] if bt is not None else None, *rest) for bt, *rest in raw),
-                      key=lambda r: (r.pid, r.backtrace is not None, r.backtrace or ()))
-        frames: dict[int, list[tuple[str, str | None, int | None, int | None]]] = {}
-        for fid_, name, file, line, mid in self.con.execute(f"""
-                SELECT frame_id, name, file, line, module_id FROM frames
-                WHERE frame_id IN (SELECT DISTINCT sf.frame_id FROM backtrace_frames sf
+        cut = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]]) if len(sid) else sid
+        heads = sid[cut].tolist()
+        fids = np.split(seq.column("frame_id").to_numpy(), cut[1:]) if len(sid) else []
+        addrs = np.split(seq.column("address").to_numpy(), cut[1:]) if len(sid) else []
+        info = {k: (p, c) for k, p, c in self.con.execute(f"""
+            SELECT s.stack_id, s.pid, {CUT_SQL} FROM stacks s JOIN ({reps}) r USING (stack_id)
+            """).fetchall()}
+        backtraces = {
+            k: Backtrace(tuple(f.tolist()), tuple(a.tolist()), *info[k])
+            for k, f, a in zip(heads, fids, addrs, strict=True)}
+        frames: dict[int, list[Level]] = {}
+        for fid, *level in self.con.execute(f"""
+                SELECT frame_id, name, file, line, module_id, vaddr, reason, symbol FROM frames
+                WHERE frame_id IN (SELECT DISTINCT bf.frame_id FROM backtrace_frames bf
+
                                    JOIN ({reps}) r USING (stack_id))
                 ORDER BY frame_id, inline_depth""").fetchall():
-            frames.setdefault(fid_, []).append((name, file, line, mid))
+            frames.setdefault(fid, []).append(Level(*level))
         procs = {p: n or "?" for p, n in self.con.execute(
             "SELECT pid, name FROM processes").fetchall()}
-        modules = self.con.execute(
-            "SELECT module_id, path, build_id FROM modules ORDER BY 1").fetchall()
-        return Costs(rows, frames, procs, modules)
+        modules = {m: Module(path, bid) for m, path, bid in self.con.execute(
+            "SELECT module_id, path, build_id FROM modules ORDER BY 1").fetchall()}
+        return Costs(rows, backtraces, frames, procs, modules)
+
+    # ---- sites -------------------------------------------------------------------
+    def site_costs(self) -> pa.Table:
+        """Every site (LOCATION, with its module) and every metric of its allocations,
+        with the number of backtraces under it; the costliest by bytes allocated first."""
+        return self.con.execute(f"""
+            WITH per_stack AS (
+                SELECT stack_id, sum(calls) AS calls, sum(bytes) AS allocated,
+                       sum(temporary) AS temporary, sum(peak_calls) AS peak_calls,
+                       sum(peak_bytes) AS peak, sum(leaked_calls) AS leaked_calls,
+                       sum(leaked_bytes) AS leaked
+                FROM stack_costs WHERE {self.where()} GROUP BY stack_id)
+            SELECT coalesce(l.name, '{NO_STACK}') AS location, l.file, l.line,
+                   any_value(m.path) AS module, sum(calls)::BIGINT AS calls,
+                   sum(allocated)::BIGINT AS allocated, sum(temporary)::BIGINT AS temporary,
+                   sum(peak_calls)::BIGINT AS peak_calls, sum(peak)::BIGINT AS peak,
+                   sum(leaked_calls)::BIGINT AS leaked_calls, sum(leaked)::BIGINT AS leaked,
+                   count(DISTINCT b.backtrace_id) AS backtraces
+            FROM per_stack s LEFT JOIN backtraces b USING (stack_id)
+            LEFT JOIN stack_location l ON l.stack_id = s.stack_id
+            LEFT JOIN modules m ON m.module_id = l.module_id
+            GROUP BY 1, 2, 3 ORDER BY allocated DESC, 1, 2, 3""").to_arrow_table()
 
     def sites(self, metric: str, top: int = 10, backtraces: int = 3) -> list[dict[str, Any]]:
         """The `top` allocation sites by `metric`, each with its `backtraces` costliest
@@ -254,25 +356,26 @@ class RunReader:
                 SELECT stack_id, sum({col}) AS v FROM ({costs})
                 GROUP BY stack_id HAVING sum({counted}) > 0),
             per_backtrace AS (
-                SELECT b.backtrace_id AS stack_id, sum(s.v) AS v
+                SELECT b.backtrace_id, sum(s.v) AS v
                 FROM per_stack s LEFT JOIN backtraces b USING (stack_id)
                 GROUP BY b.backtrace_id),
             loc AS (
                 SELECT coalesce(l.name, '{NO_STACK}') AS location, l.file, l.line,
-                       s.stack_id, s.v
-                FROM per_backtrace s LEFT JOIN stack_location l USING (stack_id))
-            SELECT location, arg_max(file, v), arg_max(line, v), sum(v)::BIGINT AS total,
-                   list(stack_id ORDER BY v DESC, stack_id)[1:{int(backtraces)}],
-                   list(v::BIGINT ORDER BY v DESC, stack_id)[1:{int(backtraces)}],
+                       m.path AS module, s.backtrace_id, s.v
+                FROM per_backtrace s LEFT JOIN stack_location l ON l.stack_id = s.backtrace_id
+                LEFT JOIN modules m ON m.module_id = l.module_id)
+            SELECT location, file, line, any_value(module), sum(v)::BIGINT AS total,
+                   list(backtrace_id ORDER BY v DESC, backtrace_id)[1:{int(backtraces)}],
+                   list(v::BIGINT ORDER BY v DESC, backtrace_id)[1:{int(backtraces)}],
                    count(*)
-            FROM loc GROUP BY location HAVING sum(v) > 0
-            ORDER BY total DESC, location LIMIT {int(top)}""").fetchall()
+            FROM loc GROUP BY location, file, line HAVING sum(v) > 0
+            ORDER BY total DESC, location, file, line LIMIT {int(top)}""").fetchall()
         out = []
-        for location, file, line, total, sids, vals, nstacks in rows:
-            bts = [{"stack_id": s, "value": v, "frames": self.backtrace(s)}
-                   for s, v in zip(sids, vals, strict=True)]
-            out.append({"location": location, "file": file, "line": line, "value": total,
-                        "stacks": nstacks, "backtraces": bts})
+        for location, file, line, module, total, sids, vals, nstacks in rows:
+            bts = [{"stack_id": s, "value": v, "truncated": self.cut(s),
+                    "frames": self.backtrace(s)} for s, v in zip(sids, vals, strict=True)]
+            out.append({"location": location, "file": file, "line": line, "module": module,
+                        "value": total, "stacks": nstacks, "backtraces": bts})
         return out
 
     def call_paths(self) -> pa.Table:
@@ -310,8 +413,15 @@ class RunReader:
                    AS site_file, coalesce(k.site_symbolized, TRUE) AS site_symbolized, p.*
             FROM per_backtrace p LEFT JOIN paths k USING (stack_id)""").to_arrow_table()
 
+    def cut(self, stack_id: int | None) -> bool:
+        """Whether a stack was cut short (CUT_SQL)."""
+        if stack_id is None:
+            return False
+        return bool(self.one(f"SELECT {CUT_SQL} FROM stacks s WHERE stack_id = ?", [stack_id]))
+
     def backtrace(self, stack_id: int | None) -> list[dict[str, Any]]:
-        """A stack's logical frames from the allocation site outward."""
+        """A stack's logical frames from the allocation site outward, TRUNCATED last
+        where it was cut short."""
         if stack_id is None:
             return []
         rows = self.con.execute(f"""
@@ -319,14 +429,33 @@ class RunReader:
             JOIN stacks s USING (stack_id) LEFT JOIN modules m USING (module_id)
             WHERE l.stack_id = ? AND l.depth >= {SITE_DEPTH}
             ORDER BY l.position""", [stack_id]).fetchall()
-        return [{"function": n, "file": f, "line": ln, "module": m} for n, f, ln, m in rows]
+        out = [{"function": n, "file": f, "line": ln, "module": m} for n, f, ln, m in rows]
+        if self.cut(stack_id):
+            out.append({"function": TRUNCATED, "file": None, "line": None, "module": None})
+        return out
 
-    def hotspots(self, limit: int = 50) -> list[list[Any]]:
-        """Per function: self and inclusive calls and bytes (the hotspots view)."""
-        return [list(r) for r in self.con.execute(f"""
-            SELECT function, self_calls, self_bytes, self_peak_bytes, self_leaked_bytes,
-                   incl_calls, incl_bytes FROM hotspots
-            ORDER BY self_bytes DESC, incl_bytes DESC LIMIT {int(limit)}""").fetchall()]
+    def hotspots(self, limit: int = 50) -> list[dict[str, Any]]:
+        """Per function of every process (allocator functions left out): the allocations
+        it made itself and those made beneath it (the hotspots view)."""
+        cur = self.con.execute(f"""
+            SELECT * FROM hotspots ORDER BY self_bytes DESC, incl_bytes DESC, function
+            LIMIT {int(limit)}""")
+        names = [d[0] for d in cur.description or []]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+    # ---- address spaces ----------------------------------------------------------
+    def module_mappings(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """Where each module lay in each process, (pid, module_id) -> (lowest start,
+        highest end, file offset at the lowest start)."""
+        return {(p, m): (lo, hi, off) for p, m, lo, hi, off in self.con.execute("""
+            SELECT pid, module_id, min("start"), max("end"), arg_min("offset", "start")
+            FROM mappings WHERE module_id IS NOT NULL GROUP BY 1, 2""").fetchall()}
+
+    def main_module(self) -> int | None:
+        """The traced executable's module: the root process's (last) executable."""
+        return self.one("""
+            SELECT min(m.module_id) FROM processes p JOIN modules m ON m.path = p.exe
+            WHERE p.pid = ?""", [int(self.meta.get("root_pid", 0) or 0)])
 
     # ---- timelines ---------------------------------------------------------------
     def timelines(self, points: int) -> list[dict[str, Any]]:
@@ -342,7 +471,8 @@ class RunReader:
                          "ORDER BY event_id"),
                 ("rss", "SELECT ts, rss FROM rss_timeline WHERE pid = ? ORDER BY ts"),
             ):
-                series[key] = self._downsample(sql, p, points)
+                series[key] = (self._downsample(sql, p, points)
+                               if key == "heap" or self.rss_recorded else [])
             if series["heap"] or series["rss"]:
                 out.append({"pid": p, "name": name or "?", **series})
         return out

@@ -1,27 +1,23 @@
 """`memtrack report`: the heaptrack-style summary of a run database, as text or JSON.
 
 Every figure comes from the run reader (memtrack.report.reader): calls, temporary
-allocations and leaks per allocation site, peak heap, peak RSS. Locations are
-allocation sites (`stack_location`: the first frame outside the allocator).
+allocations and leaks per allocation site, peak heap, peak RSS. Sites are locations
+(reader.LOCATION: a function at one source line) with their backtraces merged per
+location. The report is a list of sections (SECTIONS), each of which gives its data
+(the JSON's `sections[key]`) and its text; the HTML page draws them by kind.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 
-from memtrack.report.reader import NO_STACK, RunReader
+from memtrack.report.reader import NO_STACK, UNITS, RunReader
 from memtrack.schema import loss_lines
-
-# Section key (the JSON's) -> (title, metric, value noun)
-SECTIONS: dict[str, tuple[str, str, str]] = {
-    "calls": ("MOST CALLS TO ALLOCATION FUNCTIONS", "calls", "calls"),
-    "peak": ("PEAK MEMORY CONSUMERS", "peak", "bytes"),
-    "leaks": ("MEMORY LEAKS", "leaked", "bytes"),
-    "temporary": ("MOST TEMPORARY ALLOCATIONS", "temporary", "calls"),
-}  # fmt: skip
 
 
 @dataclass
@@ -29,6 +25,54 @@ class ReportOptions:
     pid: int | None = None
     top: int = 10  # locations per section
     backtraces: int = 3  # backtraces per location
+
+
+MAX_PROCESSES = 20  # in the text report, the processes with the most calls
+MAX_FRAMES = 16  # frames per backtrace in the text report
+
+
+@dataclass(frozen=True)
+class Section:
+    """One section of the report: its data from the reader, its text from that data."""
+
+    key: str  # its name in the JSON's `sections` and on the page
+    title: str
+    kind: str  # how the page draws it ("sites": a table of sites with backtraces)
+
+    def data(self, run: RunReader, opts: ReportOptions) -> Any:
+        raise NotImplementedError
+
+    def text(self, data: Any) -> list[str]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """What the page needs to draw the section (embedded with the data)."""
+        return {"key": self.key, "title": self.title, "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class SitesSection(Section):
+    """The top allocation sites by one metric, each with its costliest backtraces."""
+
+    metric: str = "calls"
+    kind: str = "sites"
+
+    def data(self, run: RunReader, opts: ReportOptions) -> list[dict[str, Any]]:
+        return run.sites(self.metric, opts.top, opts.backtraces)
+
+    def text(self, data: list[dict[str, Any]]) -> list[str]:
+        return sites_lines(data, UNITS[self.metric])
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "metric": self.metric, "unit": UNITS[self.metric]}
+
+
+SECTIONS: list[Section] = [
+    SitesSection("calls", "MOST CALLS TO ALLOCATION FUNCTIONS", metric="calls"),
+    SitesSection("peak", "PEAK MEMORY CONSUMERS", metric="peak"),
+    SitesSection("leaks", "MEMORY LEAKS", metric="leaked"),
+    SitesSection("temporary", "MOST TEMPORARY ALLOCATIONS", metric="temporary"),
+]
 
 
 def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = None) -> dict:
@@ -43,30 +87,45 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
         "pid": opts.pid,
         "totals": run.totals(),
         "processes": run.processes(),
-        "sections": {k: run.sites(metric, opts.top, opts.backtraces)
-                     for k, (_, metric, _) in SECTIONS.items()},
+        "sections": {s.key: s.data(run, opts) for s in SECTIONS},
         "losses": {k: v for k, v in json.loads(run.meta.get("losses", "{}")).items() if v},
         "regions": RegionReader(run).rows(),
     }
 
 
 def human_bytes(n: float) -> str:
-    """heaptrack's style: 1.19M, 512B (powers of 1024)."""
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(n) < 1024 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.2f}{unit}"
+    """Binary units, named as such: 512 B, 1.19 MiB, 1.27 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n}"
 
 
-def _value(v: int, noun: str) -> str:
-    if noun == "bytes":
-        return human_bytes(v)
-    return f"{v} {noun[:-1] if v == 1 else noun}"
+def exact_bytes(n: int) -> str:
+    """A size with its exact byte count where the unit rounds it: 2.02 MiB (2,113,536 B)."""
+    short = human_bytes(n)
+    return short if short.endswith(" B") else f"{short} ({n:,} B)"
 
 
-MAX_PROCESSES = 20  # in the text report, the processes with the most calls
-MAX_FRAMES = 16  # frames per backtrace in the text report
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def quantity(v: int, unit: str) -> str:
+    return human_bytes(v) if unit == "bytes" else plural(v, unit[:-1])
+
+
+# Characters a terminal would act on (C0/C1 controls, bidirectional overrides, zero-width
+# marks): program text (a command line, a process name, a file name from DWARF) is
+# printed with these escaped.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+
+
+def printable(text: str) -> str:
+    """`text` with every control character escaped (\\x1b, \\n, \\u202e)."""
+    return _UNPRINTABLE.sub(
+        lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
 def format_text(data: dict) -> str:
@@ -82,13 +141,13 @@ def format_text(data: dict) -> str:
         f"total runtime: {t['runtime_s']:.3f}s.",
         f"calls to allocation functions: {t['calls']} ({t['calls_per_s']:.0f}/s)",
         f"temporary memory allocations: {t['temporary']} ({t['temporary_per_s']:.0f}/s)",
-        f"bytes allocated in total: {human_bytes(t['allocated_bytes'])}",
-        f"peak heap memory consumption: {human_bytes(t['peak_heap_bytes'])}"
+        f"bytes allocated in total: {exact_bytes(t['allocated_bytes'])}",
+        f"peak heap memory consumption: {exact_bytes(t['peak_heap_bytes'])}"
         f"{ts(t['peak_heap_at_s'])}",
-        "peak RSS: " + (human_bytes(t["peak_rss_bytes"]) + ts(t["peak_rss_at_s"])
+        "peak RSS: " + (exact_bytes(t["peak_rss_bytes"]) + ts(t["peak_rss_at_s"])
                         if t["peak_rss_bytes"] is not None else "not recorded"),
-        f"total memory leaked: {human_bytes(t['leaked_bytes'])} "
-        f"({t['leaked_allocations']} allocations)",
+        f"total memory leaked: {exact_bytes(t['leaked_bytes'])} in "
+        f"{plural(t['leaked_allocations'], 'allocation')}",
     ]
     if len(data["processes"]) > 1:
         lines += ["", "PROCESSES"]
@@ -108,30 +167,40 @@ def format_text(data: dict) -> str:
         from memtrack.report.regions import region_table_lines
 
         lines += ["", *region_table_lines(data["regions"])]
-    for key, (title, _, noun) in SECTIONS.items():
-        lines += section_lines(title, data["sections"][key], noun)
-    return "\n".join(lines) + "\n"
+    for section in SECTIONS:
+        lines += ["", section.title, *section.text(data["sections"][section.key])]
+    return "".join(printable(line) + "\n" for line in lines)
 
 
-def section_lines(title: str, entries: list[dict], noun: str) -> list[str]:
-    """One section of allocation sites (`sites` of the run reader) with backtraces."""
-    lines = ["", title]
-    if not entries:
-        lines.append("  (none)")
+def section_lines(title: str, entries: list[dict], unit: str) -> list[str]:
+    """A titled section of allocation sites (`sites` of the run reader) with backtraces."""
+    return ["", title, *sites_lines(entries, unit)]
+
+
+def sites_lines(entries: list[dict], unit: str) -> list[str]:
+    """Allocation sites (`sites` of the run reader), each with its backtraces."""
+    lines = [] if entries else ["  (none)"]
     for e in entries:
         where = f" ({e['file']}:{e['line']})" if e["file"] else ""
-        lines.append(f"{_value(e['value'], noun)} from {e['location']}{where}"
-                     f" in {e['stacks']} backtrace{'s' if e['stacks'] != 1 else ''}")
+        lines.append(f"{quantity(e['value'], unit)} from {e['location']}{where}"
+                     f" in {plural(e['stacks'], 'backtrace')}")
         for bt in e["backtraces"]:
-            lines.append(f"    {_value(bt['value'], noun)} from:")
-            frames = bt["frames"] or [{"function": NO_STACK, "file": None}]
-            for f in frames[:MAX_FRAMES]:
-                loc = f"  {f['file']}:{f['line']}" if f.get("file") else ""
-                lines.append(f"      {f['function']}{loc}")
-            if len(frames) > MAX_FRAMES:
-                lines.append(f"      ... {len(frames) - MAX_FRAMES} outer frames "
-                             "(--format json has them all)")
+            lines.append(f"    {quantity(bt['value'], unit)} from:")
+            lines += backtrace_lines(bt["frames"], MAX_FRAMES, "      ")
     return lines
+
+
+def backtrace_lines(frames: list[dict], limit: int, indent: str) -> list[str]:
+    """A backtrace's frames (`backtrace` of the run reader), at most `limit` of them."""
+    frames = frames or [{"function": NO_STACK, "file": None}]
+    out = []
+    for f in frames[:limit]:
+        loc = f"  {f['file']}:{f['line']}" if f.get("file") else ""
+        out.append(f"{indent}{f['function']}{loc}")
+    if len(frames) > limit:
+        out.append(f"{indent}... {len(frames) - limit} outer frames (--format json has them "
+                   "all)")
+    return out
 
 
 def report_json(data: dict) -> str:

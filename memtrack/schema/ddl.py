@@ -13,7 +13,7 @@ import duckdb
 
 from memtrack.schema.enums import Allocator, EndReason, EventKind, RssCause, RssMember, names
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class RunError(Exception):
@@ -88,6 +88,13 @@ CREATE TABLE region_peak (region_id UBIGINT, peak_event_id UBIGINT, peak_ts UBIG
 # An allocation's site is its first logical frame outside the allocator function (depth
 # 1), as heaptrack reports it; the allocator itself where the stack has no caller.
 SITE_DEPTH = "CASE WHEN s.depth > 1 THEN 1 ELSE 0 END"
+NO_STACK = "[no stack]"  # the site of an allocation whose stack was not captured
+NO_CALLER = "[caller unknown]"  # a stack that has no frame outside the allocator
+# The functions capture probed (meta `allocator_functions`: their symbols and demangled
+# names): an allocator frame is one of them, or a frame inside the allocator (below
+# SITE_DEPTH). Hotspots never name one.
+ALLOCATOR_NAMES = ("(SELECT from_json(value, '[\"VARCHAR\"]') FROM meta "
+                   "WHERE key = 'allocator_functions')")
 
 # Region attribution (regions come from memtrack.process.regions; per thread they nest).
 # `bounds`: after each region boundary of a thread (its event and time), the innermost
@@ -110,9 +117,11 @@ REGION_SCOPE = """
 
 # heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak and
 # backtraces are derived once loaded (as views every report would redo them). A
-# backtrace is a stack's frames from its site outward; stacks whose bytes differed but
-# that unwound to the same frames share one, named by the lowest such stack_id (keyed
-# by a sum of 64-bit hashes of (frame, depth) and the frame count: no list is built).
+# backtrace is a stack's frames from its site outward; stacks whose frames from the
+# site outward are at the same locations (function, file and line of every inline
+# level: heaptrack's granularity) share one, named by the lowest such stack_id (keyed
+# by a sum of 64-bit hashes of each level's location and position, and the level
+# count: no list is built).
 DERIVED = {
     "heap_peak": """
         INSERT INTO heap_peak
@@ -123,8 +132,10 @@ DERIVED = {
     "backtraces": """
         INSERT INTO backtraces
         WITH k AS (
-            SELECT stack_id, sum(hash(frame_id, depth)::HUGEINT) AS key, count(*) AS n
-            FROM backtrace_frames GROUP BY stack_id)
+            SELECT sf.stack_id,
+                   sum(hash(f.name, f.file, f.line, sf.depth, f.inline_depth)::HUGEINT) AS key,
+                   count(*) AS n
+            FROM backtrace_frames sf JOIN frames f USING (frame_id) GROUP BY sf.stack_id)
         SELECT stack_id, min(stack_id) OVER (PARTITION BY key, n) FROM k ORDER BY stack_id""",
     # allocations made by a region's thread inside it (or inside a region nested in it)
     "region_allocations": f"""
@@ -190,7 +201,7 @@ SELECT sf.stack_id,
 FROM stack_frames sf JOIN frames f USING (frame_id);
 
 CREATE VIEW stack_location AS
-SELECT sf.stack_id, sf.frame_id, f.name, f.function, f.file, f.line
+SELECT sf.stack_id, sf.frame_id, f.name, f.function, f.file, f.line, sf.module_id
 FROM stack_frames sf JOIN stacks s USING (stack_id)
 JOIN frames f ON f.frame_id = sf.frame_id AND f.inline_depth = 0
 WHERE sf.depth = {site};
@@ -200,8 +211,15 @@ SELECT sf.stack_id, sf.depth, sf.frame_id
 FROM stack_frames sf JOIN stacks s USING (stack_id)
 WHERE sf.depth >= {site};
 
+CREATE VIEW backtrace_lines AS
+SELECT sf.stack_id, sf.depth, f.inline_depth, sf.frame_id, f.name, f.function, f.file,
+       f.line, sf.module_id,
+       sf.depth < {site} OR coalesce(list_contains({allocators}, f.name), FALSE)
+           OR coalesce(list_contains({allocators}, f.symbol), FALSE) AS allocator
+FROM stack_frames sf JOIN stacks s USING (stack_id) JOIN frames f USING (frame_id);
+
 CREATE VIEW allocation_sites AS
-SELECT a.*, coalesce(l.name, '[no stack]') AS location, l.file, l.line
+SELECT a.*, coalesce(l.name, '{no_stack}') AS location, l.file, l.line
 FROM allocations a LEFT JOIN stack_location l USING (stack_id);
 
 CREATE VIEW peak AS
@@ -246,17 +264,22 @@ WITH per_stack AS (
            sum(leaked_bytes) AS leaked
     FROM stack_costs GROUP BY stack_id
 ),
+named AS (
+    SELECT stack_id, name, depth * 256 + inline_depth AS position
+    FROM backtrace_lines WHERE NOT allocator
+),
+site AS (SELECT stack_id, arg_min(name, position) AS function FROM named GROUP BY stack_id),
 self AS (
-    SELECT coalesce(l.name, '[no stack]') AS function, sum(calls) AS calls,
-           sum(bytes) AS bytes, sum(peak) AS peak, sum(leaked) AS leaked
-    FROM per_stack s LEFT JOIN stack_location l USING (stack_id) GROUP BY 1
+    SELECT CASE WHEN s.stack_id IS NULL THEN '{no_stack}'
+                ELSE coalesce(l.function, '{no_caller}') END AS function,
+           sum(calls) AS calls, sum(bytes) AS bytes, sum(peak) AS peak,
+           sum(leaked) AS leaked
+    FROM per_stack s LEFT JOIN site l USING (stack_id) GROUP BY 1
 ),
 incl AS (
     SELECT f.name AS function, sum(calls) AS calls, sum(bytes) AS bytes,
            sum(peak) AS peak, sum(leaked) AS leaked
-    FROM per_stack s JOIN (
-        SELECT DISTINCT sf.stack_id, f.name FROM stack_frames sf JOIN frames f USING (frame_id)
-    ) f USING (stack_id)
+    FROM per_stack s JOIN (SELECT DISTINCT stack_id, name FROM named) f USING (stack_id)
     GROUP BY 1
 )
 SELECT coalesce(s.function, i.function) AS function,
@@ -325,7 +348,8 @@ LEFT JOIN rss_in i USING (region_id);
 """.replace("{leaked}", LEAKED).replace("{site}", SITE_DEPTH).replace(
     "{alive}", ALIVE_AT_END).replace("{scope}", REGION_SCOPE.strip()).replace(
     "{at_peak}", "a.event_id <= p.peak_event_id AND coalesce(a.end_event_id, "
-    f"{NEVER}) > p.peak_event_id")
+    f"{NEVER}) > p.peak_event_id").replace("{allocators}", ALLOCATOR_NAMES).replace(
+    "{no_stack}", NO_STACK).replace("{no_caller}", NO_CALLER)
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
@@ -371,7 +395,7 @@ def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConn
         older = version.isdigit() and int(version) < SCHEMA_VERSION
         raise RunError(
             f"{path}: run database format {version} is "
-            f"{'older' if older else 'not the one'} this memtrack reads ({SCHEMA_VERSION}); "
+            f"{'older than' if older else 'not'} the one this memtrack reads ({SCHEMA_VERSION}); "
             "re-run `memtrack process` on its artifact"
         )
     return con

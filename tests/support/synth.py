@@ -35,7 +35,7 @@ EVENT_ROWS = [
     (1100, 100, 100, K.FREE, 0, 0xA0, 0, 0, 0),
     (1200, 100, 100, K.MALLOC, 0, 0xB0, 0, 1024, 12),  # B: realloc'd into D
     (1250, 100, 101, K.MALLOC, 0, 0xF0, 0, 300, 13),  # F: thread 101, freed by 100
-    (1300, 100, 100, K.MALLOC, 0, 0xC0, 0, 2048, 12),  # C
+    (1300, 100, 100, K.MALLOC, 0, 0xC0, 0, 2048, 15),  # C: make_big, another line
     (1400, 100, 100, K.REALLOC, 0, 0xD0, 0xB0, 4096, 14),  # D: realloc of B (peak here)
     (1500, 100, 100, K.FREE, 0, 0xC0, 0, 0, 0),
     (1600, 100, 100, K.CALLOC, 0, 0xE0, 0, 1000, 11),  # E: leaked
@@ -72,12 +72,13 @@ def events_table(rows: list[tuple] | None = None) -> pa.Table:
     return pa.table(data, schema=EVENTS)
 
 
-def write_artifact(path: Path, events: pa.Table | None = None) -> Path:
+def write_artifact(path: Path, events: pa.Table | None = None, *,
+                   command: tuple[str, ...] = ("p", "-x"), comm: str = "parent") -> Path:
     w = ArtifactWriter(path)
     w.write("events", events if events is not None else events_table())
     w.write("processes", pa.table({
         "ts": [900, 1800, 2300], "pid": [100, 200, 200], "ppid": [1, 100, 100],
-        "comm": ["parent", "child", "child2"], "exe": ["/bin/p", "/bin/p", "/bin/p"],
+        "comm": [comm, "child", "child2"], "exe": ["/bin/p", "/bin/p", "/bin/p"],
         "cmdline": [["p", "-x"], ["p"], ["p"]]}, schema=PROCESSES))  # fmt: skip
     w.write("rss", pa.table({
         "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
@@ -86,28 +87,39 @@ def write_artifact(path: Path, events: pa.Table | None = None) -> Path:
     w.manifest.root_pid = 100
     w.manifest.start_ns = 900
     w.manifest.end_ns = END_NS
-    w.manifest.command = ["p", "-x"]
+    w.manifest.command = list(command)
     w.close()
     return path
 
 
 # Hand-built unwinding and symbolization results for the stack hashes above, so that
 # report and export tests control every frame: hash -> frames innermost first
-# (depth 0 is the allocator itself).
+# (depth 0 is the allocator itself); NAME:LINE is NAME at another line of its file.
 STACKS = {
     11: ["malloc", "make_small", "work", "main"],
     12: ["malloc", "make_big", "work", "main"],
     13: ["malloc", "thread_fn"],
     14: ["realloc", "grow", "main"],
+    15: ["malloc", "make_big:31", "work", "main"],
 }
+CUT = {13}  # stacks cut short: unwinding needed more than the copy (no outermost frame)
+ALLOCATORS = ["calloc", "free", "malloc", "realloc"]  # what capture probed
 
 
 BUILD_ID = "ab" * 20
-NAMES = sorted({n for fr in STACKS.values() for n in fr})
+MAPPED = (0x5500_0000, 0x5501_0000)  # where /bin/p lies in pid 100
+NAMES = sorted({n for fr in STACKS.values() for n in fr if ":" not in n})
+ENTRIES = NAMES + sorted({n for fr in STACKS.values() for n in fr if ":" in n})
 
 
-def vaddr_of(name: str) -> int:
-    return 0x1000 + 0x100 * NAMES.index(name)
+def vaddr_of(entry: str) -> int:
+    return 0x1000 + 0x100 * ENTRIES.index(entry)
+
+
+def name_line(entry: str) -> tuple[str, int]:
+    """A frame's function and line: NAME at 10 + its index, or NAME:LINE."""
+    name, _, line = entry.partition(":")
+    return name, int(line) if line else 10 + NAMES.index(name)
 
 
 def stage_tables(events: pa.Table) -> StageTables:
@@ -122,11 +134,13 @@ def stage_tables(events: pa.Table) -> StageTables:
     st_rows: dict[str, list] = {k: [] for k in UNWOUND_STACKS.names}
     sf: dict[str, list] = {k: [] for k in UNWOUND_STACK_FRAMES.names}
     for h, fr in sorted(STACKS.items()):
-        for k, v in zip(st_rows, (h, 100, len(fr), False, True, "complete"), strict=True):
+        cut = h in CUT
+        for k, v in zip(st_rows, (h, 100, len(fr), cut, not cut,
+                                  "truncated" if cut else "complete"), strict=True):
             st_rows[k].append(v)
         for d, n in enumerate(fr):
             vaddr = vaddr_of(n)
-            for k, v in zip(sf, (h, 100, d, 0x5500_0000 + vaddr, "cfi" if d else "regs",
+            for k, v in zip(sf, (h, 100, d, MAPPED[0] + vaddr, "cfi" if d else "regs",
                                  BUILD_ID, "/bin/p", vaddr, None), strict=True):
                 sf[k].append(v)
     modules = pa.table({
@@ -135,7 +149,10 @@ def stage_tables(events: pa.Table) -> StageTables:
         schema=MODULES)  # fmt: skip
     return StageTables(
         events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
-        life=life, mappings=MAPPINGS.empty_table(),
+        life=life, mappings=pa.table({
+            "ts": [900], "pid": pa.array([100], pa.uint32()), "start": [MAPPED[0]],
+            "end": [MAPPED[1]], "offset": [0], "perms": ["r-xp"], "dev": ["fd:01"],
+            "inode": [42], "path": ["/bin/p"], "build_id": [BUILD_ID]}, schema=MAPPINGS),
         rss=effective_rss(pa.table({
             "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
             "bytes": [4096, 65536, 8192], "external": [False] * 3}, schema=RSS), life),
@@ -146,14 +163,16 @@ def stage_tables(events: pa.Table) -> StageTables:
 
 
 def symbolize(known: pa.Table) -> pa.Table:
-    """The names of NAMES' addresses, as if read from the module: file NAME.c, line 10 + i."""
-    names = [NAMES[(v - 0x1000) // 0x100] for v in known.column("vaddr").to_pylist()]
+    """The names of ENTRIES' addresses, as if read from the module: file NAME.c, at the
+    entry's line (name_line)."""
+    found = [name_line(ENTRIES[(v - 0x1000) // 0x100]) for v in known.column("vaddr").to_pylist()]
+    names = [name for name, _ in found]
     n = len(names)
     return pa.table({
         "row": pa.array(range(n), pa.uint32()), "inline_depth": pa.array([0] * n, pa.uint8()),
         "function": names, "symbol": names, "offset": pa.array([0] * n, pa.uint64()),
         "file": [f"{x}.c" for x in names],
-        "line": pa.array([10 + NAMES.index(x) for x in names], pa.uint32()),
+        "line": pa.array([line for _, line in found], pa.uint32()),
         "column": pa.array([0] * n, pa.uint32()),
         "reason": pa.array([None] * n, pa.string())}, schema=SYMBOLIZED_FRAMES)  # fmt: skip
 
@@ -163,5 +182,5 @@ def write_run(path: Path, events: pa.Table | None = None) -> Path:
     the load stage as `process` writes it."""
     load(path, stage_tables(events if events is not None else events_table()), lambda _: meta_rows(
         start_ns=900, end_ns=END_NS, root_pid=100, command=["p", "-x"], losses={},
-        counters={}), symbolize)
+        counters={}, allocator_functions=ALLOCATORS), symbolize)
     return path
