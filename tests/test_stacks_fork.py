@@ -8,6 +8,7 @@ constructor allocated, whose stack ends in ld.so's _dl_start_user and is complet
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -231,7 +232,7 @@ def test_python_child_frees_its_inherited_objects(tmp_path: Path) -> None:
     unmatched), the strings' copies among them, and its own allocations' stacks are
     complete, as the parent's."""
     art, db = tmp_path / "p.memtrack", tmp_path / "p.duckdb"
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C", "PYTHONMALLOC": "malloc"}
+    env = {**os.environ, "PYTHONMALLOC": "malloc"}
     cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", "/usr/bin/python3",
                           "-c", PY_FORK], capture_output=True, text=True, timeout=300, env=env)
     assert cap.returncode == 0, cap.stderr
@@ -259,4 +260,5 @@ def test_python_child_frees_its_inherited_objects(tmp_path: Path) -> None:
         SELECT count(*), count(*) FILTER (WHERE s.complete) FROM allocations a
         JOIN stacks s USING (stack_id) WHERE a.pid = ? AND a.inherited_from IS NULL""",
                       [child]).fetchone()
+    con.close()
     assert own[0] >= 1000 and own[1] >= 0.99 * own[0]

@@ -38,3 +38,4 @@ def test_start_without_cfi_is_complete(tmp_path: Path) -> None:
             [stack_id]).fetchall()]
         assert names == ["site", "main", "_start"]
         assert (complete, stop) == (True, "complete")
+    con.close()
