@@ -169,6 +169,9 @@ INSERTS = {
 }
 
 
+MEMORY_LIMIT = "1GB"
+
+
 class RunDatabase:
     """A run database being written: a temporary file next to `out_db`, renamed over it
     by `finish` (a failed run leaves the old database in place)."""
@@ -177,7 +180,9 @@ class RunDatabase:
         self.out_db = Path(out_db)
         self.tmp = self.out_db.with_name(f".{self.out_db.name}.{os.getpid()}.tmp")
         self.tmp.unlink(missing_ok=True)
-        self.con = duckdb.connect(str(self.tmp))
+        # DuckDB keeps at most MEMORY_LIMIT of the tables it is given in memory and
+        # writes the rest out to the database file (its default is 80 % of the RAM)
+        self.con = duckdb.connect(str(self.tmp), config={"memory_limit": MEMORY_LIMIT})
         create_schema(self.con)
 
     def copy_in(self, name: str, tbl: pa.Table) -> None:

@@ -24,6 +24,7 @@ from memtrack.schema.enums import EndReason, EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
 END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
+BUCKET_OPS = 1 << 20  # allocations and frees paired at a time (by address)
 
 @dataclass
 class Pairing:
@@ -39,14 +40,13 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     `end_ts` is the capture's end (CLOCK_MONOTONIC ns); the last event's time if None.
     """
     n = events.num_rows
+    # Columns read at every event as numpy; the others are only taken at allocations.
     col = {name: events.column(name).to_numpy() for name in (
-        "event_id", "ts", "pid", "tid", "kind", "allocator", "flags", "addr", "old_addr",
-        "size", "stack_hash")}  # fmt: skip
+        "ts", "pid", "tid", "kind", "addr", "old_addr")}  # fmt: skip
     kind = col["kind"]
     addr = col["addr"]
     old = col["old_addr"]
     pid = col["pid"].astype(np.int64)
-    eid = np.arange(n, dtype=np.int64)
     if end_ts is None or (n and end_ts < int(col["ts"][-1])):
         end_ts = int(col["ts"][-1]) if n else 0
 
@@ -74,7 +74,7 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     a_mask = is_alloc_kind & (addr != 0)
     f_mask = (kind == EventKind.FREE) & (addr != 0)
     r_mask = (kind == EventKind.REALLOC) & (old != 0)
-    a_eid, f_eid, r_eid = eid[a_mask], eid[f_mask], eid[r_mask]
+    a_eid, f_eid, r_eid = (np.flatnonzero(m) for m in (a_mask, f_mask, r_mask))
     n_alloc = len(a_eid)
 
     # Operations: frees (sub 0) before the allocation (sub 1) of the same event.
@@ -84,40 +84,22 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
                                                                  np.int8)])
     op_is_realloc_free = np.concatenate([np.zeros(n_alloc + len(f_eid), bool),
                                          np.ones(len(r_eid), bool)])
-    op_pid = pid[op_eid]
-    op_inst = instance(op_pid, op_eid)
-    order = np.lexsort((op_sub, op_eid, op_addr, op_inst, op_pid))
-    s_eid, s_addr, s_sub = op_eid[order], op_addr[order], op_sub[order]
-    s_pid, s_inst, s_rf = op_pid[order], op_inst[order], op_is_realloc_free[order]
-    s_alloc_index = order  # < n_alloc: index of the allocation (ops are allocs first)
-
-    same_next = np.zeros(len(order), bool)
-    if len(order) > 1:
-        same_next[:-1] = (s_pid[1:] == s_pid[:-1]) & (s_inst[1:] == s_inst[:-1]) & (
-            s_addr[1:] == s_addr[:-1])
-    is_a = s_sub == 1
-    nxt = np.minimum(np.arange(len(order)) + 1, max(len(order) - 1, 0))
-    freed = is_a & same_next & (s_sub[nxt] == 0)
-    reused = is_a & same_next & (s_sub[nxt] == 1)
-
-    # Frees that end nothing (block allocated before tracking, by an untracked
-    # allocator, inherited across fork, or a double free).
-    prev_is_alloc = np.zeros(len(order), bool)
-    if len(order) > 1:
-        prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
-    unmatched_free = (~is_a) & ~prev_is_alloc
-
-    ai = s_alloc_index[is_a]  # allocation index of each sorted alloc op
     free_eid = np.full(n_alloc, -1, np.int64)
     end_eid = np.full(n_alloc, -1, np.int64)
     reason = np.full(n_alloc, END_END, np.uint8)
-    f_rows = freed[is_a]
-    u_rows = reused[is_a]
-    nx_eid = s_eid[nxt][is_a]
-    free_eid[ai[f_rows]] = nx_eid[f_rows]
-    end_eid[ai[f_rows | u_rows]] = nx_eid[f_rows | u_rows]
-    reason[ai[f_rows]] = np.where(s_rf[nxt][is_a][f_rows], END_REALLOC, END_FREE)
-    reason[ai[u_rows]] = END_REUSED
+    unmatched_frees = 0
+    # The ops of one address all fall in one bucket: the buckets pair independently,
+    # and their sorts hold a bucket's ops, not all of them, at a time.
+    buckets = max(1, len(op_eid) // BUCKET_OPS)
+    bucket = (op_addr >> np.uint64(4)) % np.uint64(buckets) if buckets > 1 else None
+    for b in range(buckets):
+        sel = np.flatnonzero(bucket == b) if bucket is not None else np.arange(len(op_eid))
+        e = op_eid[sel]
+        p = pid[e]
+        unmatched_frees += _pair_ops(p, instance(p, e), op_addr[sel], e, op_sub[sel],
+                                     op_is_realloc_free[sel], sel, free_eid, end_eid, reason)
+        del sel, e, p
+    del op_eid, op_addr, op_sub, op_is_realloc_free, bucket
 
     # Never freed: bounded by the next exec/exit of the process instance, if any.
     open_ = end_eid < 0
@@ -148,12 +130,13 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
 
     # temporary (heaptrack's definition, per thread): the thread's next allocator event
     # after the allocation is the one that freed it.
-    heap_ev = (kind <= EventKind.FREE) & ((addr != 0) | (old != 0))
-    h_eid = eid[heap_ev]
-    h_order = np.lexsort((h_eid, col["tid"][heap_ev], pid[heap_ev]))
+    h_eid = np.flatnonzero((kind <= EventKind.FREE) & ((addr != 0) | (old != 0)))
+    thread = pid[h_eid].astype(np.uint64) << np.uint64(32) | col["tid"][h_eid]
+    h_order = np.argsort(thread, kind="stable")  # by thread, each in event order
     h_sorted = h_eid[h_order]
-    same_thread = (pid[h_sorted][1:] == pid[h_sorted][:-1]) & (
-        col["tid"][h_sorted][1:] == col["tid"][h_sorted][:-1])
+    thread = thread[h_order]
+    same_thread = thread[1:] == thread[:-1]
+    del thread, h_order
     next_eid = np.full(n, -1, np.int64)
     next_eid[h_sorted[:-1][same_thread]] = h_sorted[1:][same_thread]
     temporary = has_free & (next_eid[a_eid] == free_eid)
@@ -162,18 +145,20 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         dtype = np.uint32 if typ == pa.uint32() else np.uint64
         return pa.array(values.astype(dtype), type=typ, mask=~valid)
 
+    at_alloc = pa.array(a_eid)
+    size = events.column("size").take(at_alloc)
     table = pa.table(
         {
             "alloc_id": pa.array(np.arange(n_alloc, dtype=np.uint64)),
-            "event_id": pa.array(col["event_id"][a_eid]),
+            "event_id": events.column("event_id").take(at_alloc),
             "pid": pa.array(col["pid"][a_eid]),
             "tid": pa.array(col["tid"][a_eid]),
             "ts": pa.array(a_ts),
             "kind": pa.array(kind[a_eid]),
-            "allocator": pa.array(col["allocator"][a_eid]),
+            "allocator": events.column("allocator").take(at_alloc),
             "addr": pa.array(addr[a_eid]),
-            "size": pa.array(col["size"][a_eid]),
-            "stack_hash": pa.array(col["stack_hash"][a_eid]),
+            "size": size,
+            "stack_hash": events.column("stack_hash").take(at_alloc),
             "free_ts": nullable(free_ts, has_free, pa.uint64()),
             "free_event_id": nullable(free_eid, has_free, pa.uint64()),
             "free_tid": nullable(free_tid, has_free, pa.uint32()),
@@ -192,13 +177,52 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         "allocations": n_alloc,
         "frees": len(f_eid),
         "reallocs": int(is_realloc_alloc.sum()),
-        "frees_unmatched": int(unmatched_free.sum()),
+        "frees_unmatched": unmatched_frees,
         "allocations_reused_without_free": int((reason == END_REUSED).sum()),
         "allocations_not_freed": int((reason >= END_EXEC).sum()),
         "failed_allocations": int((is_alloc_kind & (addr == 0)).sum()),
     }
-    timeline = _heap_timeline(a_pid, a_eid, end_eid, col["size"][a_eid].astype(np.int64), ts)
+    timeline = _heap_timeline(a_pid, a_eid, end_eid, size.to_numpy().astype(np.int64), ts)
     return Pairing(table, timeline, counters)
+
+
+def _pair_ops(pid: np.ndarray, inst: np.ndarray, addr: np.ndarray, eid: np.ndarray,
+              sub: np.ndarray, realloc_free: np.ndarray, op_index: np.ndarray,
+              free_eid: np.ndarray, end_eid: np.ndarray, reason: np.ndarray) -> int:
+    """Pair a set of operations holding every operation of their addresses: each
+    allocation ends at the next operation on its (pid, instance, address), a free (or a
+    realloc's free) or another allocation (reused). op_index: each operation's index
+    among all (allocations first, so an allocation's index is its allocation index).
+    Fills free_eid, end_eid and reason; returns the frees that end nothing."""
+    order = np.lexsort((sub, eid, addr, inst, pid))
+    s_eid, s_sub, s_rf = eid[order], sub[order], realloc_free[order]
+    same_next = np.zeros(len(order), bool)
+    if len(order) > 1:
+        s_pid, s_inst, s_addr = pid[order], inst[order], addr[order]
+        same_next[:-1] = (s_pid[1:] == s_pid[:-1]) & (s_inst[1:] == s_inst[:-1]) & (
+            s_addr[1:] == s_addr[:-1])
+        del s_pid, s_inst, s_addr
+    is_a = s_sub == 1
+    nxt = np.minimum(np.arange(len(order)) + 1, max(len(order) - 1, 0))
+    freed = is_a & same_next & (s_sub[nxt] == 0)
+    reused = is_a & same_next & (s_sub[nxt] == 1)
+
+    # Frees that end nothing (block allocated before tracking, by an untracked
+    # allocator, inherited across fork, or a double free).
+    prev_is_alloc = np.zeros(len(order), bool)
+    if len(order) > 1:
+        prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
+    unmatched = int(((~is_a) & ~prev_is_alloc).sum())
+
+    ai = op_index[order][is_a]  # allocation index of each sorted alloc op
+    f_rows = freed[is_a]
+    u_rows = reused[is_a]
+    nx_eid = s_eid[nxt][is_a]
+    free_eid[ai[f_rows]] = nx_eid[f_rows]
+    end_eid[ai[f_rows | u_rows]] = nx_eid[f_rows | u_rows]
+    reason[ai[f_rows]] = np.where(s_rf[nxt][is_a][f_rows], END_REALLOC, END_FREE)
+    reason[ai[u_rows]] = END_REUSED
+    return unmatched
 
 
 def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,
@@ -206,23 +230,33 @@ def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,
     """Heap bytes in use per process after each event that changed them: +size at the
     allocation, -size where its lifetime ended (free, realloc, exec, exit, reuse)."""
     ended = end_eid >= 0
-    p = np.concatenate([a_pid, a_pid[ended]])
     e = np.concatenate([a_eid, end_eid[ended]])
-    d = np.concatenate([size, -size[ended]])
-    order = np.lexsort((e, p))
-    p, e, d = p[order], e[order], d[order]
-    if len(p) == 0:
+    if len(e) == 0:
         return HEAP_TIMELINE.empty_table()
-    first = np.ones(len(p), bool)
-    first[1:] = (p[1:] != p[:-1]) | (e[1:] != e[:-1])
+    # one int64 key per change, (pid, event): the arrays below are the changes' few
+    # columns, each freed once the next is made
+    stride = int(e.max()) + 1
+    key = np.concatenate([a_pid, a_pid[ended]]).astype(np.int64) * stride + e
+    del e
+    d = np.concatenate([size, -size[ended]])
+    order = np.argsort(key, kind="stable")
+    key, d = key[order], d[order]
+    del order
+    first = np.ones(len(key), bool)
+    first[1:] = key[1:] != key[:-1]
     starts = np.flatnonzero(first)
-    gp, ge, gd = p[starts], e[starts], np.add.reduceat(d, starts)
+    del first
+    gkey, gd = key[starts], np.add.reduceat(d, starts)
+    del key, d, starts
+    gp, ge = gkey // stride, gkey % stride
+    del gkey
     run = np.cumsum(gd)
     new_pid = np.ones(len(gp), bool)
     new_pid[1:] = gp[1:] != gp[:-1]
     pid_start = np.maximum.accumulate(np.where(new_pid, np.arange(len(gp)), 0))
-    before = np.where(pid_start > 0, run[np.maximum(pid_start - 1, 0)], 0)
-    heap = run - before
+    del new_pid
+    heap = run - np.where(pid_start > 0, run[np.maximum(pid_start - 1, 0)], 0)
+    del run, pid_start
     by_event = np.argsort(ge, kind="stable")
     return pa.table({
         "pid": pa.array(gp[by_event].astype(np.uint32)),

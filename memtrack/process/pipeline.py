@@ -116,6 +116,8 @@ class Stages:
             self.tasks[name] = self.progress.add_task(name, total=None)
         t0 = time.perf_counter()
         yield
+        # what the stage freed goes back to the system, not to the next stage's pool
+        pa.default_memory_pool().release_unused()
         timings = self.summary.timings
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
