@@ -35,7 +35,16 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from memtrack.dwarf.cfi import CFA_NONE, RSP, T_RA, T_RBP, TRACKED, Rule, build_table  # noqa: E402
+from memtrack.dwarf.cfi import (  # noqa: E402
+    CFA_NONE,
+    RSP,
+    T_RA,
+    T_RBP,
+    TRACKED,
+    CFITable,
+    Rule,
+    build_table,
+)
 from memtrack.elf import ElfImage  # noqa: E402
 from memtrack.elf.debuglink import find_debug_file  # noqa: E402
 from memtrack.schema import (  # noqa: E402
@@ -78,7 +87,8 @@ class Mod:
     rbp: np.ndarray  # their rows' saved-rbp offset from the CFA, 0 where not saved
 
 
-def read_module(path: str, base: int, rng: np.random.Generator, pool: int) -> Mod:
+def read_module(path: str, base: int, rng: np.random.Generator, pool: int
+                ) -> tuple[Mod, CFITable]:
     with ElfImage(path) as img:
         build_id = img.build_id or ""
         s = img.segments
@@ -99,14 +109,13 @@ def read_module(path: str, base: int, rng: np.random.Generator, pool: int) -> Mo
     rbp = t.off[rows, T_RBP]
     rbp = np.where((t.rule[rows, T_RBP] == Rule.OFFSET) & (rbp <= -16)
                    & (rbp >= -t.cfa_off[rows]), rbp, 0)  # a slot of its own frame
-    return Mod(path, base, build_id, segs, ras, t.cfa_off[rows], rbp)
+    return Mod(path, base, build_id, segs, ras, t.cfa_off[rows], rbp), t
 
 
-def start_return(path: str) -> int:
+def start_return(path: str, t: CFITable) -> int:
     """A return address inside _start whose row says rip is undefined (outermost)."""
     with ElfImage(path) as img:
         start, size = img.functions({"_start"})["_start"]
-    t = build_table(path)
     for a in range(start + 1, start + size + 1):
         i = int(t.lookup(np.array([a - 1]))[0])
         if i >= 0 and t.cfa_reg[i] != CFA_NONE and t.rule[i, T_RA] == Rule.UNDEFINED:
@@ -114,10 +123,10 @@ def start_return(path: str) -> int:
     raise SystemExit(f"{path}: _start has no row with rip undefined")
 
 
-def stack_records(mods: list[Mod], n: int, threads: int, depth: int,
+def stack_records(mods: list[Mod], start_ra: int, n: int, threads: int, depth: int,
                   rng: np.random.Generator) -> pa.Table:
-    """n distinct stack records (STACKS rows), call paths over the modules' pools."""
-    start_ra = mods[0].base + start_return(mods[0].path)
+    """n distinct stack records (STACKS rows), call paths over the modules' pools, each
+    ending at the return address start_ra (in _start)."""
     sites = []
     for m, name in ALLOC_SITES:
         with ElfImage(mods[m].path) as img:
@@ -301,8 +310,11 @@ def generate(out: Path, events: int, stacks: int, threads: int = 8, depth: int =
     """Write the artifact; returns its row counts."""
     rng = np.random.default_rng(seed)
     t_start = time.perf_counter()
-    mods = [read_module(p, b, rng, 4000) for p, b in zip(MODULES, BASES, strict=True)]
-    records = stack_records(mods, stacks, threads, depth, rng)
+    read = [read_module(p, b, rng, 4000) for p, b in zip(MODULES, BASES, strict=True)]
+    mods = [m for m, _ in read]
+    start_ra = mods[0].base + start_return(mods[0].path, read[0][1])
+    del read
+    records = stack_records(mods, start_ra, stacks, threads, depth, rng)
     if not quiet:
         print(f"synth: {stacks} stack records in {time.perf_counter() - t_start:.1f}s",
               file=sys.stderr)

@@ -164,12 +164,18 @@ def process(
         bool, typer.Option("--no-cache", help="Parse every module's DWARF afresh.")
     ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
+    jobs: Annotated[
+        int | None,
+        typer.Option("-j", "--jobs", envvar="MEMTRACK_JOBS",
+                     help="Processes that unwind stacks, and DuckDB's threads; the tables "
+                          "are the same whatever N [default: the machine's cores]."),
+    ] = None,
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables."""
     from memtrack.commands import process as cmd
 
     call(cmd.run, artifact, output, parquet=parquet, host_modules=host_modules,
-         cache_dir=cache_dir, no_cache=no_cache, quiet=quiet,
+         cache_dir=cache_dir, no_cache=no_cache, quiet=quiet, jobs=jobs,
          say=lambda line: err.print(line, markup=False, soft_wrap=True))
 
 

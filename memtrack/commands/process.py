@@ -11,7 +11,7 @@ from memtrack.commands import CommandError
 
 def run(artifact: Path, output: Path, *, parquet: Path | None, host_modules: bool,
         cache_dir: Path | None, no_cache: bool, quiet: bool,
-        say: Callable[[str], None]) -> int:
+        say: Callable[[str], None], jobs: int | None = None) -> int:
     import duckdb
 
     from memtrack.process.pipeline import ProcessError, process
@@ -22,7 +22,7 @@ def run(artifact: Path, output: Path, *, parquet: Path | None, host_modules: boo
         summary = process(
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()),
-            progress=False if quiet else None,
+            progress=False if quiet else None, jobs=jobs,
         )
     except (ArtifactError, ProcessError) as e:
         raise CommandError(str(e)) from None
