@@ -169,7 +169,7 @@ INSERTS = {
 }
 
 
-MEMORY_LIMIT = "1GB"
+MEMORY_LIMIT = "512MB"
 
 
 class RunDatabase:

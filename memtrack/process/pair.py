@@ -127,6 +127,7 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     by_free_event[free_eid[rr]] = np.flatnonzero(rr)
     is_realloc_alloc = kind[a_eid] == EventKind.REALLOC
     realloc_of[is_realloc_alloc] = by_free_event[a_eid[is_realloc_alloc]]
+    del by_free_event, rr
 
     # temporary (heaptrack's definition, per thread): the thread's next allocator event
     # after the allocation is the one that freed it.
@@ -140,6 +141,7 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
     next_eid = np.full(n, -1, np.int64)
     next_eid[h_sorted[:-1][same_thread]] = h_sorted[1:][same_thread]
     temporary = has_free & (next_eid[a_eid] == free_eid)
+    del next_eid, h_eid, h_sorted, same_thread
 
     def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
         dtype = np.uint32 if typ == pa.uint32() else np.uint64
@@ -173,6 +175,7 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         },
         schema=ALLOCATIONS,
     )
+    del free_ts, end_ts_a, free_tid, realloc_of, temporary, has_free, has_end, a_ts
     counters = {
         "allocations": n_alloc,
         "frees": len(f_eid),
@@ -182,6 +185,7 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         "allocations_not_freed": int((reason >= END_EXEC).sum()),
         "failed_allocations": int((is_alloc_kind & (addr == 0)).sum()),
     }
+    del a_mask, f_mask, r_mask, is_alloc_kind, is_realloc_alloc
     timeline = _heap_timeline(a_pid, a_eid, end_eid, size.to_numpy().astype(np.int64), ts)
     return Pairing(table, timeline, counters)
 
