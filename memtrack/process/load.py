@@ -169,7 +169,7 @@ INSERTS = {
 }
 
 
-MEMORY_LIMIT = "512MB"
+MEMORY_LIMIT = "1GB"
 
 
 class RunDatabase:
