@@ -66,3 +66,27 @@ def test_tables_equal_whatever_jobs(artifact: Path, tmp_path: Path) -> None:
 def test_jobs_must_be_positive(artifact: Path, tmp_path: Path) -> None:
     with pytest.raises(ProcessError, match="--jobs must be at least 1"):
         process(artifact, tmp_path / "x.duckdb", progress=False, jobs=0)
+
+
+def test_first_verified_record_of_each_hash(artifact: Path) -> None:
+    """A hash recorded twice is unwound from its first record that verifies; the same
+    bytes from two processes are one stack, counted."""
+    import pyarrow as pa
+
+    from memtrack.process.parallel import choose_records
+    from memtrack.schema import STACKS
+    from memtrack.schema.artifact import Artifact
+
+    rows = Artifact.open(artifact).read("stacks").table.slice(0, 3).to_pylist()
+    bad = dict(rows[0], payload=rows[0]["payload"][:-1] + bytes([rows[0]["payload"][-1] ^ 1]))
+    table = pa.Table.from_pylist([
+        bad,  # does not verify
+        dict(rows[0], pid=999),  # the first of its hash that does
+        rows[1], dict(rows[1], pid=777),  # one stack recorded by two processes
+        rows[2],
+    ], schema=STACKS)
+    chosen, counters = choose_records(table, 1 << 20)
+    assert chosen.column("pid").to_pylist() == [999, rows[1]["pid"], rows[2]["pid"]]
+    assert chosen.column("hash").to_pylist() == [r["hash"] for r in rows]
+    assert counters == {"decode_mismatch": 1, "decode_bad_payload": 0,
+                        "stacks_duplicate_hash": 1}
