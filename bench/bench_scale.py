@@ -5,9 +5,11 @@ issue's targets side by side; with --captures, also the captures the issue names
 demo's Python workload, the C++ std::map program, sqlite3 with 300 k inserts).
 
     .venv/bin/python bench/bench_scale.py [--events 1M,10M] [--stacks 100k] [--big]
-        [--captures] [--keep DIR]
+        [--captures] [--keep DIR] [--rss-cap MiB]
 
---big adds the 50 M case (run it alone: ~10 GB of disk and minutes of both cores).
+--big adds the 50 M case (run it alone: ~6 GB of disk and minutes of both cores; the peak
+still grows with the events, so on a shared machine give --rss-cap, which kills a run
+whose process tree goes over it).
 Every time is printed with its ratio to a baseline measured in the same run: reading
 events.arrow and sorting it by time, the least any processing must do. Peak RSS is the
 largest sum of the resident sets of `memtrack process` and its workers, sampled every
@@ -21,6 +23,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,17 +62,27 @@ def tree_rss_mib(pid: int) -> float:
     return total * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_process(art: Path, db: Path, jobs: int | None) -> tuple[float, float, dict[str, float]]:
-    """(seconds, peak MiB, stage seconds) of `memtrack process` from the shell."""
+class Capped(Exception):
+    """The process tree went over --rss-cap and was killed."""
+
+
+def run_process(art: Path, db: Path, jobs: int | None, cap_mib: float | None = None
+                ) -> tuple[float, float, dict[str, float]]:
+    """(seconds, peak MiB, stage seconds) of `memtrack process` from the shell; killed
+    (Capped) when its tree's RSS goes over cap_mib."""
     cmd = [*MEMTRACK, "process", str(art), "-o", str(db)]
     if jobs:
         cmd += ["--jobs", str(jobs)]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                         cwd=ROOT)
+                         cwd=ROOT, start_new_session=True)
     peak = 0.0
     while p.poll() is None:
         peak = max(peak, tree_rss_mib(p.pid))
+        if cap_mib and peak > cap_mib:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise Capped(f"over {cap_mib:.0f} MiB after {time.perf_counter() - t0:.0f} s")
         time.sleep(0.05)
     sec = time.perf_counter() - t0
     err = p.stderr.read() if p.stderr else ""
@@ -140,6 +153,7 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="add the 50 M case")
     ap.add_argument("--captures", action="store_true", help="also the issue's captures (root)")
     ap.add_argument("--keep", type=Path, help="write the artifacts here and keep them")
+    ap.add_argument("--rss-cap", type=float, help="MiB: kill a run whose tree goes over")
     args = ap.parse_args()
     sizes = [count(s) for s in args.events.split(",")] + ([count("50M")] if args.big else [])
     tmp = args.keep or Path(tempfile.mkdtemp(prefix="bench-scale-"))
@@ -156,9 +170,13 @@ def main() -> None:
                 run_process(art, tmp / "warm.duckdb", None)
                 (tmp / "warm.duckdb").unlink()
             results = {}
-            for jobs in (1, 2):
-                db = tmp / f"synth-{n}-j{jobs}.duckdb"
-                results[jobs] = run_process(art, db, jobs)
+            try:
+                for jobs in (1, 2):
+                    db = tmp / f"synth-{n}-j{jobs}.duckdb"
+                    results[jobs] = run_process(art, db, jobs, args.rss_cap)
+            except Capped as e:
+                print(f"{n:,} events, jobs {jobs}: killed, {e}")
+                break
             same = checksums(tmp / f"synth-{n}-j1.duckdb") == checksums(
                 tmp / f"synth-{n}-j2.duckdb")
             for jobs in (1, 2):
