@@ -5,7 +5,7 @@ issue's targets side by side; with --captures, also the captures the issue names
 demo's Python workload, the C++ std::map program, sqlite3 with 300 k inserts).
 
     .venv/bin/python bench/bench_scale.py [--events 1M,10M] [--stacks 100k] [--big]
-        [--captures] [--keep DIR] [--rss-cap MiB]
+        [--captures] [--keep DIR] [--rss-cap MiB] [--no-warm]
 
 --big adds the 50 M case (run it alone: ~6 GB of disk and minutes of both cores; the peak
 still grows with the events, so on a shared machine give --rss-cap, which kills a run
@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--captures", action="store_true", help="also the issue's captures (root)")
     ap.add_argument("--keep", type=Path, help="write the artifacts here and keep them")
     ap.add_argument("--rss-cap", type=float, help="MiB: kill a run whose tree goes over")
+    ap.add_argument("--no-warm", action="store_true", help="caches already warm: no warm-up")
     args = ap.parse_args()
     sizes = [count(s) for s in args.events.split(",")] + ([count("50M")] if args.big else [])
     tmp = args.keep or Path(tempfile.mkdtemp(prefix="bench-scale-"))
@@ -166,7 +167,7 @@ def main() -> None:
             if not (art / "manifest.json").is_file():
                 generate(art, n, args.stacks)
             base = min(baseline(art) for _ in range(2))
-            if n == sizes[0]:  # every size has the same stacks: one run warms the caches
+            if n == sizes[0] and not args.no_warm:  # the same stacks in every size
                 run_process(art, tmp / "warm.duckdb", None)
                 (tmp / "warm.duckdb").unlink()
             results = {}
