@@ -207,6 +207,13 @@ def process(
     label: Annotated[list[str] | None, typer.Option(
         "--label", help="key=value said of the run (commit=..., branch=...); repeatable; "
                         "kept in meta and in the dataset's runs.")] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option("-j", "--jobs", envvar="MEMTRACK_JOBS",
+                     help="Processes that unwind stacks, and DuckDB's threads; the tables "
+                          "are the same whatever N [default: the machine's cores]."),
+    ] = None,
+
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables (and/or a run
     dataset)."""
@@ -216,7 +223,7 @@ def process(
          host_modules=on("--host-modules", host_modules), cache_dir=cache_dir,
          no_cache=not on("--cache", cache), quiet=quiet,
          say=lambda line: err.print(line, markup=False, soft_wrap=True),
-         dataset=dataset, run_id=run_id, labels=label or [], force=force)
+         dataset=dataset, run_id=run_id, labels=label or [], force=force, jobs=jobs)
 
 
 @app.command()

@@ -54,7 +54,7 @@ def parse_labels(labels: Sequence[str]) -> dict[str, str]:
 def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool,
         cache_dir: Path | None, no_cache: bool, quiet: bool,
         say: Callable[[str], None], dataset: Path | None = None, run_id: str | None = None,
-        labels: Sequence[str] = (), force: bool = False) -> int:
+        labels: Sequence[str] = (), force: bool = False, jobs: int | None = None) -> int:
     from memtrack.schema.dataset import DatasetError
 
     meta_labels = parse_labels(labels)
@@ -65,7 +65,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
     if dataset is None or run_id is None:
         assert output is not None
         return _process(artifact, output, parquet, host_modules, cache_dir, no_cache,
-                        force, quiet, say, meta_labels)[0]
+                        force, quiet, say, meta_labels, jobs)[0]
     from memtrack.process.dataset import append_run, check_target
 
     try:
@@ -82,7 +82,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
     try:
         db = output if work is None else work / "run.duckdb"
         status, metadata = _process(artifact, db, parquet, host_modules, cache_dir, no_cache,
-                                    force, quiet, say, meta_labels,
+                                    force, quiet, say, meta_labels, jobs,
                                     shown=None if work is None else f"{dataset} run {run_id}")
         try:
             replaced = append_run(dataset, run_id, db, metadata=metadata, force=force)
@@ -100,8 +100,8 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
 
 def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: bool,
              cache_dir: Path | None, no_cache: bool, force: bool, quiet: bool,
-             say: Callable[[str], None], labels: dict[str, str], shown: str | None = None
-             ) -> tuple[int, Path | None]:
+             say: Callable[[str], None], labels: dict[str, str], jobs: int | None,
+             shown: str | None = None) -> tuple[int, Path | None]:
     """Run the pipeline; the exit status and the memory_metadata.json it wrote. `shown`:
     the name the summary gives the run (default: the database written). Nothing that
     exists is replaced without `force`."""
@@ -116,7 +116,7 @@ def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: b
         summary = process(
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()),
-            progress=False if quiet else None, labels=labels,
+            progress=False if quiet else None, labels=labels, jobs=jobs,
         )
     except (ArtifactError, ProcessError) as e:
         raise CommandError(str(e)) from None

@@ -30,6 +30,7 @@ from memtrack.schema.stages import DECODED_RECORDS
 class DecodedRecords:
     table: pa.Table  # DECODED_RECORDS: one row per record that decoded and verified
     counters: dict[str, int] = field(default_factory=dict)
+    kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their rows
 
 
 DEFAULT_MAX_BYTES = 256 << 20  # rebuilt stack bytes per decode_chunks run
@@ -129,7 +130,7 @@ def decode_table(stacks: pa.Table) -> DecodedRecords:
     n = stacks.num_rows
     counters = {"stack_records": n, "decode_mismatch": 0, "decode_bad_payload": 0}
     if n == 0:
-        return DecodedRecords(DECODED_RECORDS.empty_table(), counters)
+        return DecodedRecords(DECODED_RECORDS.empty_table(), counters, np.zeros(0, np.int64))
     nwords = (stacks.column("copy_len").to_numpy() // 8).astype(np.int64)
     poff, pdata = _binary_parts(stacks.column("payload"))
     P, woff = _payload_words(poff, pdata)
@@ -165,4 +166,4 @@ def decode_table(stacks: pa.Table) -> DecodedRecords:
         "stack": _binary_chunks(data, nwords[rows] * 8),
         "fp_chain": stacks.column("fp_chain").take(take),
     }, schema=DECODED_RECORDS)
-    return DecodedRecords(table, counters)
+    return DecodedRecords(table, counters, rows)

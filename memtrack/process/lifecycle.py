@@ -125,11 +125,19 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
     manifest's) give the root a life even when nothing else names it."""
     n = events.num_rows
     ts = events["ts"].to_numpy()
-    order = np.argsort(ts, kind="stable")
-    col = {c: events[c].to_numpy()[order] for c in ("ts", "pid", "tid", "kind", "flags",
-                                                     "addr", "size")}
-    eid = (events["event_id"].to_numpy()[order] if "event_id" in events.column_names
-           else order.astype(np.uint64))
+    in_order = n < 2 or bool((ts[1:] >= ts[:-1]).all())
+    order = None if in_order else np.argsort(ts, kind="stable")
+    # only the lifecycle events are gathered (a few per process among millions)
+    kinds = events["kind"].to_numpy()
+    rows = np.flatnonzero(np.isin(kinds, (EventKind.FORK, EventKind.EXEC, EventKind.EXIT)))
+    del kinds
+    if order is not None:
+        rows = rows[np.argsort(ts[rows], kind="stable")]
+    picked = events.take(pa.array(rows))
+    col = {c: picked[c].to_numpy() for c in ("ts", "pid", "tid", "kind", "flags", "addr",
+                                             "size")}
+    eid = (picked["event_id"].to_numpy() if "event_id" in events.column_names
+           else rows.astype(np.uint64))
     kind, flags = col["kind"], col["flags"]
     fk = kind == EventKind.FORK
     clones = pa.table({
@@ -149,9 +157,11 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
         "status": pa.array(col["size"][xt].astype(np.int64).astype(np.int32), pa.int32()),
         "process": pa.array((flags[xt] & EXIT_PROCESS) != 0)})  # fmt: skip
     first_seen: dict[int, int] = {}
-    if n:
-        pids, first = np.unique(col["pid"], return_index=True)
-        first_seen = dict(zip(pids.tolist(), col["ts"][first].tolist(), strict=True))
+    if n:  # each pid's earliest event (the first in file order among equal times)
+        pid = events["pid"].to_numpy()
+        pids, first = np.unique(pid if order is None else pid[order], return_index=True)
+        first_seen = dict(zip(pids.tolist(), (ts if order is None else ts[order])[first]
+                              .tolist(), strict=True))
     lc = Lifecycle(clones, execs, exits, [])
     lc.lives = _lives(lc, processes, first_seen, root_pid, start_ns)
     return lc

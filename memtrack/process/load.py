@@ -173,15 +173,21 @@ INSERTS = {
 }
 
 
+MEMORY_LIMIT = "1GB"
+
+
 class RunDatabase:
     """A run database being written: a temporary file next to `out_db`, renamed over it
     by `finish` (a failed run leaves the old database in place)."""
 
-    def __init__(self, out_db: Path) -> None:
+    def __init__(self, out_db: Path, threads: int = 1) -> None:
         self.out_db = Path(out_db)
         self.tmp = self.out_db.with_name(f".{self.out_db.name}.{os.getpid()}.tmp")
         self.tmp.unlink(missing_ok=True)
-        self.con = duckdb.connect(str(self.tmp))
+        # DuckDB keeps at most MEMORY_LIMIT of the tables it is given in memory and
+        # writes the rest out to the database file (its default is 80 % of the RAM)
+        self.con = duckdb.connect(str(self.tmp), config={"memory_limit": MEMORY_LIMIT,
+                                                         "threads": threads})
         create_schema(self.con)
 
     def copy_in(self, name: str, tbl: pa.Table) -> None:
@@ -274,12 +280,14 @@ class RunDatabase:
 
 def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, str]],
          symbolize: Symbolize, parquet_dir: Path | None = None,
-         stage: Callable[[str], AbstractContextManager[None]] | None = None) -> Loaded:
+         stage: Callable[[str], AbstractContextManager[None]] | None = None,
+         threads: int = 1) -> Loaded:
     """Write the run database at out_db (replacing it). `symbolize` names the code
     locations the stacks hold (under `stage("symbolize")` when a stage timer is given,
-    the rest under `stage("load")`); `meta` gives the meta rows once that is done."""
+    the rest under `stage("load")`); `meta` gives the meta rows once that is done.
+    threads: DuckDB's."""
     timed = stage or (lambda _name: nullcontext())
-    db = RunDatabase(out_db)
+    db = RunDatabase(out_db, threads)
     try:
         with timed("load"):
             known = db.stacks(tables.stacks, tables.stack_frames, tables.modules)

@@ -3,10 +3,11 @@ snapshots and the address spaces forked children inherit) -> load
 (symbolizing the code locations the stacks hold) -> RUN.memory_metadata.json.
 
 Each stage is its module's entry point; this module runs them in order, times them and
-gathers their counters. Decode and unwind go run by run (decode_chunks): the rebuilt
-stack bytes, gigabytes on a long capture, are held one run at a time; each stack hash
-is unwound once, in the first run that holds it. The stack stages do nothing when the
-artifact holds no stack records (a capture made with --stacks off).
+gathers their counters. Decode and unwind go piece by piece, on `jobs` processes
+(memtrack.process.parallel): the rebuilt stack bytes, gigabytes on a long capture, are
+held one piece (per job) at a time; each stack hash is unwound once, from its first
+record that verifies. The stack stages do nothing when the artifact holds no stack
+records (a capture made with --stacks off).
 """
 
 from __future__ import annotations
@@ -27,19 +28,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from memtrack.process import metadata
 from memtrack.process.addrspace import inherited_mappings
+from memtrack.process.decode import DEFAULT_MAX_BYTES
 from memtrack.process.load import Loaded, StageTables, load, meta_rows
 from memtrack.process.pair import pair
+from memtrack.process.parallel import default_jobs, unwind_records
 from memtrack.process.read import read_artifact
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
-from memtrack.process.unwind import UnwoundStacks
 from memtrack.schema import FORMAT_VERSION, loss_lines
 from memtrack.schema.artifact import Artifact
 from memtrack.schema.stages import (
     MODULES,
     SYMBOLIZED_FRAMES,
-    UNWOUND_STACK_FRAMES,
-    UNWOUND_STACKS,
 )
 from memtrack.symbolize.modules import ModuleStore
 
@@ -124,6 +124,8 @@ class Stages:
             self.tasks[name] = self.progress.add_task(name, total=None)
         t0 = time.perf_counter()
         yield
+        # what the stage freed goes back to the system, not to the next stage's pool
+        pa.default_memory_pool().release_unused()
         timings = self.summary.timings
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
@@ -146,6 +148,7 @@ def process(
     progress: bool | None = None,
     chunk_bytes: int | None = None,
     labels: dict[str, str] | None = None,
+    jobs: int | None = None,
 ) -> Summary:
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
@@ -155,7 +158,12 @@ def process(
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
     labels: what the user says of the run (`--label commit=...`), kept in meta.
+    jobs: processes that decode and unwind stack records, and DuckDB's threads (None:
+    the machine's cores); the output does not depend on it either.
     """
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise ProcessError(f"--jobs must be at least 1, not {jobs}")
     artifact_path, out_db = Path(artifact_path), Path(out_db)
     if not out_db.parent.is_dir():
         raise ProcessError(f"{out_db.parent}: no such directory for the run database")
@@ -182,7 +190,11 @@ def process(
         store = ModuleStore(artifact_path, host_modules=host_modules)
         spaces = inherited_mappings(tables.mappings, res.life.forks,
                                     tables.stacks.column("pid").to_numpy())
-        unwound = unwind_runs(tables.stacks, spaces, store, summary, st, chunk_bytes)
+        work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
+                              store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage)
+        summary.add(work.counters)
+        summary.warn(work.problems)
+        unwound = work.unwound
         summary.stacks = unwound.stacks.num_rows
         summary.counters["events_stack_missing"] = missing_stacks(events, unwound.stacks)
         modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
@@ -218,7 +230,7 @@ def process(
             rss=res.rss, modules=modules, stacks=unwound.stacks,
             stack_frames=unwound.stack_frames, regions=spans.regions,
         ), meta, lambda known: symbolize_locations(store, known, cache),
-            Path(parquet_dir) if parquet_dir else None, st.stage)
+            Path(parquet_dir) if parquet_dir else None, st.stage, threads=jobs)
         summary.rows = loaded.rows
         summary.frames_by_method = loaded.frames_by_method
         summary.unknown_frames = loaded.unknown_frames
@@ -238,50 +250,6 @@ def allocator_functions(probes: Any) -> list[str]:
     names = {p["function"] for p in probes if isinstance(p, dict)
              and isinstance(p.get("function"), str) and p["function"]}
     return sorted(names | {demangle(n) for n in names})
-
-
-def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summary: Summary,
-                st: Stages, chunk_bytes: int | None) -> UnwoundStacks:
-    """Stacks and stack frames of every stack hash the records hold, decoded and unwound
-    run by run; the runs are in file order, so a hash is unwound from its first record
-    as when the whole table is decoded and unwound at once."""
-    if records.num_rows == 0:
-        return UnwoundStacks(UNWOUND_STACKS.empty_table(), UNWOUND_STACK_FRAMES.empty_table())
-    from memtrack.process.decode import DEFAULT_MAX_BYTES, decode_chunks
-    from memtrack.process.unwind import Unwinder
-
-    unwinder = Unwinder(mappings, store)
-    runs = decode_chunks(records, chunk_bytes or DEFAULT_MAX_BYTES)
-    stacks, frames = [], []
-    pairs = []  # distinct (stack_hash, pid) of each run's records
-    while True:
-        with st.stage("decode"):
-            run = next(runs, None)
-        if run is None:
-            break
-        summary.add(run.counters)
-        with st.stage("unwind"):
-            pairs.append(_distinct_pairs(run.table))
-            table = run.table
-            del run
-            out = unwinder.unwind(table)
-            del table
-            summary.add(out.counters)
-            stacks.append(out.stacks)
-            frames.append(out.stack_frames)
-    summary.warn(unwinder.problems)
-    # the same bytes recorded by more than one process are one stack (the first's)
-    summary.counters["stacks_duplicate_hash"] = (
-        _distinct_pairs(pa.concat_tables(pairs)).num_rows - len(unwinder.seen))
-    return UnwoundStacks(pa.concat_tables(stacks), pa.concat_tables(frames))
-
-
-def _distinct_pairs(records: pa.Table) -> pa.Table:
-    """The distinct (stack_hash, pid) of a table."""
-    return records.select(["stack_hash", "pid"]).group_by(
-        ["stack_hash", "pid"], use_threads=False).aggregate([])
-
-
 def modules_table(mappings: pa.Table, stack_frames: pa.Table, store: ModuleStore,
                   artifact_path: Path) -> pa.Table:
     """One row per build id mapped or met while unwinding (a few hundred at most)."""

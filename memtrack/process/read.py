@@ -46,8 +46,11 @@ def read_artifact(art: Artifact) -> ArtifactTables:
 
 
 def sort_events(events: pa.Table) -> pa.Table:
-    """Events in time order (stable: a thread's own order is kept), with `event_id`."""
+    """Events in time order (stable: a thread's own order is kept), with `event_id`.
+    Events already in time order (as capture writes them) are not copied."""
     ts = events.column("ts").to_numpy()
-    order = np.argsort(ts, kind="stable")
-    out = events.take(pa.array(order))
-    return out.add_column(0, "event_id", pa.array(np.arange(len(order), dtype=np.uint64)))
+    n = len(ts)
+    event_id = pa.array(np.arange(n, dtype=np.uint64))
+    if n > 1 and not bool((ts[1:] >= ts[:-1]).all()):
+        events = events.take(pa.array(np.argsort(ts, kind="stable")))
+    return events.add_column(0, "event_id", event_id)

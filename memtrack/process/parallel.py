@@ -1,0 +1,155 @@
+"""Decode and unwind the stack records in pieces, on `jobs` worker processes.
+
+Each stack hash is unwound once, from its first record (in file order) that decodes and
+verifies. The records of a hash that occurs once need no choice; those of the hashes
+recorded more than once (a forked child, the kernel's dedupe map forgetting) are decoded
+first only to learn which verify (`decode`), so that the rest of the work splits into
+pieces that need nothing from each other (`unwind`: decode, then walk). A piece holds at
+most `chunk_bytes` of rebuilt copies; with more than one job, pieces are also cut so that
+every job gets one (never below MIN_PIECE records). Which records are unwound, and so
+every table, does not depend on the pieces or the jobs: each stack is walked alone, and
+the load stage orders stacks by hash and frames by stack and depth.
+
+Workers are spawned (not forked: the parent holds Arrow's and DuckDB's threads); each
+builds its own Unwinder from the mappings and module store, and reads the per-build-id
+CFI rows from the unwind cache that the first to need them writes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.process.decode import decode_chunks, decode_table
+from memtrack.process.unwind import Unwinder, UnwoundStacks
+from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
+from memtrack.symbolize.modules import ModuleStore
+
+MIN_PIECE = 2000  # records: below this a worker's start-up costs more than it saves
+
+
+def default_jobs() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
+@dataclass
+class StackWork:
+    unwound: UnwoundStacks
+    counters: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # sorted, each once
+
+
+def choose_records(records: pa.Table, chunk_bytes: int) -> tuple[pa.Table, dict[str, int]]:
+    """The records to unwind (STACKS rows, file order): every record whose hash occurs
+    once, and the first verified record of each hash that occurs more often. Counts the
+    repeated hashes' records that did not verify, and `stacks_duplicate_hash` (the same
+    bytes recorded by more than one process: one stack, the first's)."""
+    counters = {"decode_mismatch": 0, "decode_bad_payload": 0, "stacks_duplicate_hash": 0}
+    h = records.column("hash").to_numpy()
+    uniq, counts = np.unique(h, return_counts=True)
+    repeated = counts[np.searchsorted(uniq, h)] > 1
+    if not repeated.any():
+        return records, counters
+    rows = np.flatnonzero(repeated)
+    verified = []
+    start = 0
+    for run in decode_chunks(records.take(pa.array(rows)), chunk_bytes):
+        verified.append(rows[start + run.kept])
+        start += run.counters["stack_records"]
+        counters["decode_mismatch"] += run.counters["decode_mismatch"]
+        counters["decode_bad_payload"] += run.counters["decode_bad_payload"]
+    ok = np.concatenate(verified)
+    _, first = np.unique(h[ok], return_index=True)
+    keep = ~repeated
+    keep[ok[first]] = True
+    pid = records.column("pid").to_numpy()
+    pairs = np.unique(np.stack([h[ok], pid[ok].astype(np.uint64)]), axis=1).shape[1]
+    counters["stacks_duplicate_hash"] = pairs - len(first)
+    return records.filter(pa.array(keep)), counters
+
+
+def pieces(records: pa.Table, chunk_bytes: int, jobs: int) -> Iterator[pa.Table]:
+    """Consecutive slices of at most chunk_bytes of copies (one record at least) and,
+    with jobs > 1, at most a job's share of the records."""
+    n = records.num_rows
+    share = max(MIN_PIECE, -(-n // jobs)) if jobs > 1 else n
+    ends = np.cumsum(records.column("copy_len").to_numpy() // 8 * 8, dtype=np.int64)
+    a = 0
+    while a < n:
+        first = int(ends[a - 1]) if a else 0
+        b = max(int(np.searchsorted(ends, first + chunk_bytes, side="right")), a + 1)
+        b = min(b, a + share)
+        yield records.slice(a, b - a)
+        a = b
+
+
+Piece = tuple[pa.Table, pa.Table, dict[str, int], list[str]]
+_unwinder: Unwinder | None = None  # a worker's
+
+
+def _start_worker(mappings: pa.Table, artifact: Path, host_modules: bool) -> None:
+    global _unwinder
+    _unwinder = Unwinder(mappings, ModuleStore(artifact, host_modules=host_modules))
+
+
+def _piece(records: pa.Table, unwinder: Unwinder | None = None,
+           stage: Callable[[str], AbstractContextManager[None]] | None = None) -> Piece:
+    """Decode and unwind one piece (in a worker: with the worker's unwinder)."""
+    from contextlib import nullcontext
+
+    timed = stage or (lambda _name: nullcontext())
+    u = unwinder or _unwinder
+    assert u is not None
+    with timed("decode"):
+        run = decode_table(records)
+    counters = {k: v for k, v in run.counters.items() if k != "stack_records"}
+    with timed("unwind"):
+        out = u.unwind(run.table)
+    del run
+    counters.update({k: counters.get(k, 0) + v for k, v in out.counters.items()})
+    return out.stacks, out.stack_frames, counters, u.problems
+
+
+def unwind_records(records: pa.Table, mappings: pa.Table, artifact: Path, host_modules: bool,
+                   store: ModuleStore, chunk_bytes: int, jobs: int,
+                   stage: Callable[[str], AbstractContextManager[None]]) -> StackWork:
+    """Stacks and stack frames of every stack hash of `records` (the artifact's STACKS
+    table), on `jobs` processes (1: in this one). `stage(name)` times "decode" (choosing
+    records) and "unwind" (with several jobs the pieces' decoding too)."""
+    counters: dict[str, int] = {"stack_records": records.num_rows}
+    if records.num_rows == 0:
+        return StackWork(UnwoundStacks(UNWOUND_STACKS.empty_table(),
+                                       UNWOUND_STACK_FRAMES.empty_table()), counters)
+    with stage("decode"):
+        chosen, picked = choose_records(records, chunk_bytes)
+    counters.update(picked)
+    parts = list(pieces(chosen, chunk_bytes, jobs))
+    del chosen
+    results: list[Piece] = []
+    if jobs <= 1 or len(parts) == 1:
+        unwinder = Unwinder(mappings, store)
+        while parts:
+            results.append(_piece(parts.pop(0), unwinder, stage))
+    else:
+        with stage("unwind"), ProcessPoolExecutor(
+                max_workers=min(jobs, len(parts)), mp_context=multiprocessing.get_context(
+                    "spawn"), initializer=_start_worker,
+                initargs=(mappings, artifact, host_modules)) as pool:
+            results = list(pool.map(_piece, parts))
+    problems: set[str] = set()
+    for _, _, c, p in results:
+        for k, v in c.items():
+            counters[k] = counters.get(k, 0) + v
+        problems.update(p)
+    return StackWork(UnwoundStacks(pa.concat_tables([r[0] for r in results]),
+                                   pa.concat_tables([r[1] for r in results])),
+                     counters, sorted(problems))
