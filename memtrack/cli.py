@@ -72,6 +72,10 @@ def capture(
         "--stack-copies", envvar="MEMTRACK_STACK_COPIES",
         help="Debug: also write every allocation's raw stack copy (stack_copies.arrow), "
              "the proof that each stack record unwinds as its allocations would.")] = False,
+    python_frames: Annotated[str, typer.Option(
+        "--python-frames", envvar="MEMTRACK_PYTHON_FRAMES",
+        help="Python frames in the stacks of CPython 3.11 programs (with --stacks on): "
+             "on or off.")] = "on",
     rss: Annotated[bool, typer.Option("--rss/--no-rss", envvar="MEMTRACK_RSS",
                                       help="Record resident memory (kmem:rss_stat).")] = True,
     track_faults: Annotated[bool, typer.Option("--track-faults", envvar="MEMTRACK_TRACK_FAULTS",
@@ -116,7 +120,8 @@ def capture(
     from memtrack.commands import capture as cmd_
 
     call(cmd_.run, cmd, output, force=force, stacks=stacks, stack_budget=stack_budget,
-         stack_copies=stack_copies, rss=rss, track_faults=track_faults,
+         stack_copies=stack_copies, python_frames=python_frames, rss=rss,
+         track_faults=track_faults,
          modules=modules, start_disabled=start_disabled, control_fifo=control_fifo,
          probe_placement=probe_placement, events_ring_pages=events_ring_pages,
          stacks_ring_pages=stacks_ring_pages, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,

@@ -9,7 +9,7 @@ from memtrack.commands import CommandError
 
 
 def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget: int,
-        stack_copies: bool, rss: bool, track_faults: bool, modules: bool,
+        stack_copies: bool, python_frames: str, rss: bool, track_faults: bool, modules: bool,
         start_disabled: bool, control_fifo: Path | None, probe_placement: str,
         events_ring_pages: int | None, stacks_ring_pages: int | None, on_ring_full: str,
         fail_on_loss: bool,
@@ -26,10 +26,13 @@ def run(cmd: list[str], output: Path, *, force: bool, stacks: str, stack_budget:
 
     if stacks not in ("on", "off"):
         raise CommandError(f"--stacks {stacks}: expected on or off")
+    if python_frames not in ("on", "off"):
+        raise CommandError(f"--python-frames {python_frames}: expected on or off")
     rings = {k: v for k, v in (("events_ring_pages", events_ring_pages),
                                ("stacks_ring_pages", stacks_ring_pages)) if v is not None}
     options = CaptureOptions(
         stacks=stacks == "on", stack_budget=stack_budget, stack_copies=stack_copies,
+        python_frames=python_frames == "on",
         rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
         probe_placement=probe_placement, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
         program_cache=program_cache, **rings)
