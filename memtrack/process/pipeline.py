@@ -27,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from memtrack.process import metadata
 from memtrack.process.load import Loaded, StageTables, load, meta_rows
 from memtrack.process.pair import pair
+from memtrack.process.pyframes import merge as merge_python
 from memtrack.process.read import read_artifact
 from memtrack.process.rss import resident
 from memtrack.process.unwind import UnwoundStacks
@@ -93,7 +94,8 @@ class Summary:
 NOTABLE = (
     "events_bad_kind", "frees_unmatched", "allocations_reused_without_free",
     "decode_mismatch", "events_stack_missing", "symbolize_missing_rows",
-    "stacks_duplicate_hash",
+    "stacks_duplicate_hash", "python_code_missing", "python_native_missing",
+    "python_runs_unplaced",
 )  # fmt: skip
 
 
@@ -137,6 +139,7 @@ def process(
     cache_dir: Path | str | None = None,
     progress: bool | None = None,
     chunk_bytes: int | None = None,
+    python_frames: bool = True,
 ) -> Summary:
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
@@ -145,6 +148,7 @@ def process(
     progress: a progress bar per stage; None = only when stderr is a terminal.
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
+    python_frames: False leaves the Python frames out (the native stacks only).
     """
     artifact_path, out_db = Path(artifact_path), Path(out_db)
     if not out_db.parent.is_dir():
@@ -168,6 +172,12 @@ def process(
 
         store = ModuleStore(artifact_path, host_modules=host_modules)
         unwound = unwind_runs(tables.stacks, tables.mappings, store, summary, st, chunk_bytes)
+        with st.stage("pyframes"):
+            merged = merge_python(tables.py_stacks, tables.py_codes, unwound.stacks,
+                                  unwound.stack_frames, store, python=python_frames)
+        summary.add(merged.counters)
+        unwound = UnwoundStacks(pa.concat_tables([unwound.stacks, merged.stacks]),
+                                pa.concat_tables([unwound.stack_frames, merged.stack_frames]))
         summary.stacks = unwound.stacks.num_rows
         summary.counters["events_stack_missing"] = missing_stacks(events, unwound.stacks)
         modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
@@ -200,7 +210,7 @@ def process(
             events=events, allocations=pairing.allocations,
             heap_timeline=pairing.heap_timeline, life=res.life, mappings=tables.mappings,
             rss=res.rss, modules=modules, stacks=unwound.stacks,
-            stack_frames=unwound.stack_frames,
+            stack_frames=unwound.stack_frames, python_locations=merged.locations,
         ), meta, lambda known: symbolize_locations(store, known, cache),
             Path(parquet_dir) if parquet_dir else None, st.stage)
         summary.rows = loaded.rows

@@ -21,6 +21,8 @@ class ArtifactTables:
     rss: pa.Table
     faults: pa.Table
     stacks: pa.Table  # the stack records, in file order
+    py_stacks: pa.Table  # the Python stack records (format 2.1; empty before)
+    py_codes: pa.Table
     events_bad_kind: int = 0  # events dropped for a kind this reader does not know
 
 
@@ -39,6 +41,8 @@ def read_artifact(art: Artifact) -> ArtifactTables:
         rss=art.read("rss", required=False).table,
         faults=art.read("faults", required=False).table,
         stacks=art.read("stacks", required=False).table,
+        py_stacks=art.read("py_stacks", required=False).table,
+        py_codes=art.read("py_codes", required=False).table,
         events_bad_kind=bad,
     )
 
