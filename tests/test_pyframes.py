@@ -1,0 +1,211 @@
+"""Python frames (issue 15): CPython 3.11's frames in allocation stacks, merged with the
+native ones, through the command line on fixtures/python/frames.py (functions calling
+functions, a generator, a method, a lambda, code compiled from a string, a thread, the
+json C extension); the offset table against the installed headers; the line-table
+decoder against CPython's own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from memtrack.capture.pyframes import FIELDS, OFFSETS, find_interpreter
+from memtrack.process.pyframes import line_ranges
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "fixtures" / "python" / "frames.py"
+MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
+PYTHON = "/usr/bin/python3"
+N = 300_000
+HEADERS = Path("/usr/include/python3.11")
+
+# offsetof expressions of FIELDS, in order
+EXPRS = (
+    "offsetof(_PyRuntimeState, gilstate.tstate_current)",
+    "offsetof(_PyRuntimeState, interpreters.head)",
+    "offsetof(PyInterpreterState, threads.head)",
+    "offsetof(PyThreadState, next)", "offsetof(PyThreadState, native_thread_id)",
+    "offsetof(PyThreadState, cframe)", "offsetof(_PyCFrame, current_frame)",
+    "offsetof(_PyInterpreterFrame, f_code)", "offsetof(_PyInterpreterFrame, previous)",
+    "offsetof(_PyInterpreterFrame, prev_instr)", "offsetof(_PyInterpreterFrame, is_entry)",
+    "offsetof(PyCodeObject, co_firstlineno)", "offsetof(PyCodeObject, co_firstlineno)",
+    "offsetof(PyCodeObject, co_filename)", "offsetof(PyCodeObject, co_qualname)",
+    "offsetof(PyCodeObject, co_linetable)", "offsetof(PyCodeObject, co_code_adaptive)",
+    "offsetof(PyASCIIObject, length)", "offsetof(PyASCIIObject, state)",
+    "sizeof(PyASCIIObject)", "sizeof(PyCompactUnicodeObject)",
+    "offsetof(PyVarObject, ob_size)", "offsetof(PyBytesObject, ob_sval)",
+)
+
+
+def sites() -> dict[str, int]:
+    out = {}
+    for i, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if "# site " in line:
+            out[line.split("# site ")[1].split()[0]] = i
+    return out
+
+
+def test_offsets_match_the_headers(tmp_path: Path) -> None:
+    """The 3.11 row of the offset table is what the 3.11 headers say."""
+    if not (HEADERS / "internal" / "pycore_frame.h").exists():
+        pytest.skip("python3.11-dev headers are not installed (scripts/setup installs them)")
+    src = tmp_path / "off.c"
+    src.write_text("#define Py_BUILD_CORE 1\n#include <Python.h>\n"
+                   "#include <internal/pycore_frame.h>\n#include <internal/pycore_runtime.h>\n"
+                   "#include <internal/pycore_interp.h>\n#include <stdio.h>\n#include <stddef.h>\n"
+                   "int main(void) {\n" +
+                   "".join(f'    printf("%zu\\n", {e});\n' for e in EXPRS) + "}\n")
+    subprocess.run(["gcc", f"-I{HEADERS}", str(src), "-o", str(tmp_path / "off")], check=True)
+    got = subprocess.run([str(tmp_path / "off")], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert len(EXPRS) == len(FIELDS)
+    assert tuple(map(int, got)) == OFFSETS[(3, 11)]
+
+
+def test_line_table_matches_cpython() -> None:
+    """Every instruction's line, from the location table, as CPython's co_positions."""
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the decoder reads 3.11's location table")
+    import inspect
+    import json.encoder as enc
+
+    codes = [f.__code__ for _, f in inspect.getmembers(enc, inspect.isfunction)]
+    codes += [m.__code__ for _, m in inspect.getmembers(enc.JSONEncoder, inspect.isfunction)]
+    codes.append(compile(SCRIPT.read_text(), str(SCRIPT), "exec"))
+    checked = 0
+    for code in codes:
+        ends, lines = line_ranges(code.co_linetable, code.co_firstlineno)
+        for unit, pos in enumerate(code.co_positions()):
+            j = int((ends <= unit).sum())
+            assert lines[j] == (pos[0] or 0), (code.co_name, unit)  # 0: no line
+            checked += 1
+    assert checked > 500
+
+
+def test_interpreter_found_from_its_symbols() -> None:
+    """Debian's stripped python3 is found by _PyRuntime and its version read from the
+    file; a 3.12 libpython (pyenv, when there) is found and not supported."""
+    interp = find_interpreter(os.path.realpath(PYTHON))
+    assert interp is not None and interp.version is not None
+    assert interp.version[:2] == (3, 11) and interp.supported
+    assert find_interpreter("/bin/true") is None
+    lib = Path.home() / ".pyenv/versions/3.12.1/lib/libpython3.12.so.1.0"
+    if lib.exists():
+        other = find_interpreter(str(lib))
+        assert other is not None and other.version == (3, 12, 1) and not other.supported
+
+
+def capture_and_process(tmp_path: Path, *extra: str) -> duckdb.DuckDBPyConnection:
+    art, db = tmp_path / "run.memtrack", tmp_path / "run.duckdb"
+    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), *extra, "--", PYTHON,
+                        str(SCRIPT)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return duckdb.connect(str(db), read_only=True)
+
+
+def frames_of(con: duckdb.DuckDBPyConnection, size: int) -> list[tuple[str, str, int, str]]:
+    rows = con.execute("""
+        SELECT name, coalesce(file, ''), coalesce(line, 0), method FROM stack_lines
+        WHERE stack_id = (SELECT stack_id FROM allocations WHERE size = ?)
+        ORDER BY position""", [size]).fetchall()
+    assert rows, f"no allocation of {size} bytes"
+    return rows
+
+
+def python_part(frames: list[tuple[str, str, int, str]]) -> list[tuple[str, str, int]]:
+    return [(n, os.path.basename(f) if f.startswith("/") else f, ln)
+            for n, f, ln, m in frames if m == "python"]
+
+
+@pytest.mark.bpf
+def test_python_frames_merged(tmp_path: Path) -> None:
+    s = sites()
+    con = capture_and_process(tmp_path)
+    mod = ("<module>", "frames.py", s["module"])
+    # bytearray(n) asks for n + 1 bytes
+    want = {
+        N + 2: [("leaf", "frames.py", s["leaf"]), ("middle", "frames.py", s["middle"]),
+                ("main", "frames.py", s["main"]), mod],
+        N + 11: [("gen", "frames.py", s["gen"]), ("main", "frames.py", s["main_gen"]), mod],
+        N + 21: [("Box.method", "frames.py", s["method"]),
+                 ("main", "frames.py", s["main_method"]), mod],
+        N + 31: [("<lambda>", "frames.py", s["lambda"]),
+                 ("main", "frames.py", s["main_lambda"]), mod],
+        N + 41: [("from_string", "<generated>", 2), ("<module>", "<generated>", 3),
+                 ("main", "frames.py", s["main_exec"]), mod],
+    }
+    for size, chain in want.items():
+        frames = frames_of(con, size)
+        assert python_part(frames) == chain, (size, frames)
+        # native frames (the allocator, bytearray's C code) above the Python ones, the
+        # interpreter's start below them, no evaluation frame left in between
+        first = next(i for i, f in enumerate(frames) if f[3] == "python")
+        assert first >= 2 and frames[0][3] == "regs"
+        assert "PyByteArray_Resize" in [f[0] for f in frames[:first]]
+        assert frames[-1][0] == "_start"
+        assert "_PyEval_EvalFrameDefault" not in [f[0] for f in frames]
+    # the generator ran in its own evaluation call: native frames between it and main
+    gen = frames_of(con, N + 11)
+    i = [f[0] for f in gen].index("gen")
+    assert gen[i + 1][3] != "python"
+    # the thread: its own chain, from threading's bootstrap, not main's
+    th = python_part(frames_of(con, N + 51))
+    assert th[0] == ("in_thread", "frames.py", s["thread"])
+    assert [f[0] for f in th[1:]] == ["Thread.run", "Thread._bootstrap_inner",
+                                      "Thread._bootstrap"]
+    # json: the C encoder's native frames above JSONEncoder.iterencode
+    rows = con.execute("""
+        SELECT DISTINCT a.stack_id FROM allocations a JOIN stack_lines l USING (stack_id)
+        WHERE l.name = 'JSONEncoder.iterencode'""").fetchall()
+    assert rows
+    for (sid,) in rows:
+        fr = con.execute("SELECT name, file, line, method FROM stack_lines WHERE stack_id = ?"
+                         " ORDER BY position", [sid]).fetchall()
+        names = [f[0] for f in fr]
+        it = names.index("JSONEncoder.iterencode")
+        assert any("_json" in n for n in names[:it]), names
+        assert [(f[0], f[2]) for f in fr[it + 1:it + 4]] == [
+            ("JSONEncoder.encode", fr[it + 1][2]), ("dumps", fr[it + 2][2]),
+            ("main", s["main_json"])]
+    counters = con.execute("SELECT value FROM meta WHERE key = 'counters'").fetchone()[0]
+    assert '"python_code_missing": 0' in counters
+    # runs with no evaluation frame left to replace go outermost: only where the native
+    # unwinding stopped short
+    short = con.execute("""
+        SELECT s.complete FROM stacks s JOIN stack_frames f USING (stack_id)
+        WHERE f.depth = s.depth - 1 AND f.method = 'python'""").fetchall()
+    assert not any(c for (c,) in short)
+
+
+@pytest.mark.bpf
+def test_python_frames_off(tmp_path: Path) -> None:
+    """--python-frames off: the native frames only, the evaluation frames in place."""
+    con = capture_and_process(tmp_path, "--python-frames", "off")
+    frames = frames_of(con, N + 2)
+    assert not python_part(frames)
+    assert "_PyEval_EvalFrameDefault" in [f[0] for f in frames]
+    assert con.execute("SELECT count(*) FROM stack_frames WHERE method = 'python'"
+                       ).fetchone()[0] == 0
+
+
+@pytest.mark.bpf
+def test_unknown_version_is_one_note(tmp_path: Path) -> None:
+    """A CPython the offset table does not know: one warning, native frames only."""
+    py312 = Path.home() / ".pyenv/versions/3.12.1/bin/python3.12"
+    if not py312.exists() or shutil.which("gcc") is None:
+        pytest.skip("no CPython 3.12 on this machine")
+    art = tmp_path / "run.memtrack"
+    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", str(py312), "-c",
+                        "x = bytearray(300000)"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if "python frames:" in ln]
+    assert len(notes) == 1 and "CPython 3.12.1" in notes[0] and "native frames only" in notes[0]
