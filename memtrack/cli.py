@@ -169,12 +169,15 @@ def process(
         bool, typer.Option("--no-cache", help="Parse every module's DWARF afresh.")
     ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
+    python_frames: Annotated[str, typer.Option(
+        "--python-frames", help="Merge the captured Python frames into the stacks: on or "
+                                "off (native frames only).")] = "on",
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables."""
     from memtrack.commands import process as cmd
 
     call(cmd.run, artifact, output, parquet=parquet, host_modules=host_modules,
-         cache_dir=cache_dir, no_cache=no_cache, quiet=quiet,
+         cache_dir=cache_dir, no_cache=no_cache, quiet=quiet, python_frames=python_frames,
          say=lambda line: err.print(line, markup=False, soft_wrap=True))
 
 

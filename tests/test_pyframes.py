@@ -102,6 +102,7 @@ def test_interpreter_found_from_its_symbols() -> None:
 
 
 def capture_and_process(tmp_path: Path, *extra: str) -> duckdb.DuckDBPyConnection:
+    tmp_path.mkdir(exist_ok=True)
     art, db = tmp_path / "run.memtrack", tmp_path / "run.duckdb"
     r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), *extra, "--", PYTHON,
                         str(SCRIPT)], capture_output=True, text=True, timeout=600)
@@ -186,15 +187,30 @@ def test_python_frames_merged(tmp_path: Path) -> None:
     assert not any(c for (c,) in short)
 
 
-@pytest.mark.bpf
-def test_python_frames_off(tmp_path: Path) -> None:
-    """--python-frames off: the native frames only, the evaluation frames in place."""
-    con = capture_and_process(tmp_path, "--python-frames", "off")
+def native_only(con: duckdb.DuckDBPyConnection) -> None:
     frames = frames_of(con, N + 2)
     assert not python_part(frames)
     assert "_PyEval_EvalFrameDefault" in [f[0] for f in frames]
+    assert frames[-1][0] == "_start"
     assert con.execute("SELECT count(*) FROM stack_frames WHERE method = 'python'"
                        ).fetchone()[0] == 0
+
+
+@pytest.mark.bpf
+def test_python_frames_off(tmp_path: Path) -> None:
+    """capture --python-frames off: the native frames only, the evaluation frames in
+    place; process --python-frames off on an artifact that has them: the same."""
+    native_only(capture_and_process(tmp_path / "capture", "--python-frames", "off"))
+    art, db = tmp_path / "run.memtrack", tmp_path / "native.duckdb"
+    capture_and_process(tmp_path).close()
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "--python-frames",
+                        "off"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    native_only(duckdb.connect(str(db), read_only=True))
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "--python-frames",
+                        "maybe"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "memtrack: --python-frames maybe: expected on or off")
 
 
 @pytest.mark.bpf

@@ -12,8 +12,8 @@ native frames above the Python ones. Python frames have method `python`; their
 locations are (code key, line) pairs, keyed apart from native ones (no module, no
 reason) and named in `frames` from `python_locations`.
 
-One Python step per distinct Python stack record and per code object (a few thousand),
-none per event.
+Vectorized over frames (numpy, Arrow); one Python step per distinct (code object,
+instruction) pair, to read its line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from memtrack.schema.stackrecord import ragged
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
 
@@ -117,123 +119,180 @@ def eval_ranges(store: ModuleStore, frames: pa.Table) -> dict[str, tuple[int, in
     return out
 
 
+def _lines(keys: np.ndarray, instrs: np.ndarray, codes: pa.Table) -> np.ndarray:
+    """The line of each (code key, instruction index); 0 where the code record is
+    missing or the instruction has no line. One step per distinct pair."""
+    ckeys = codes.column("key").to_numpy()
+    tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    pairs, inverse = np.unique(np.stack([keys, instrs.astype(np.uint64)]), axis=1,
+                               return_inverse=True)
+    out = np.zeros(pairs.shape[1], np.int64)
+    for i, (key, instr) in enumerate(zip(pairs[0].tolist(), pairs[1].tolist(), strict=True)):
+        j = int(np.searchsorted(ckeys, key))
+        if j >= len(ckeys) or ckeys[j] != key:
+            continue
+        if key not in tables:
+            tables[key] = line_ranges(codes.column("linetable")[j].as_py(),
+                                      codes.column("first_line")[j].as_py())
+        ends, lines = tables[key]
+        unit = 0 if instr == 0xFFFFFFFF else instr  # a frame that has not started
+        k = int(np.searchsorted(ends, unit, side="right"))
+        out[i] = lines[k] if k < len(lines) else 0
+    return out[inverse.ravel()]
+
+
 def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frames: pa.Table,
           store: ModuleStore, *, python: bool = True) -> Merged:
     """The stacks of the Python stack hashes: each native stack with its evaluation
     frames replaced by the Python runs they executed (`python` False: the native stack
-    alone, under the Python stack hash the events carry)."""
+    alone, under the Python stack hash the events carry). Vectorized over every frame."""
     counters = {"python_stacks": 0, "python_frames": 0, "python_code_missing": 0,
                 "python_native_missing": 0, "python_runs_unplaced": 0}
     if py_stacks.num_rows == 0:
         return Merged(UNWOUND_STACKS.empty_table(), UNWOUND_STACK_FRAMES.empty_table(),
                       PYTHON_LOCATIONS.empty_table(), counters)
-    # the first record of each hash
+    # the first record of each hash; the first code record of each key, sorted by key
     _, first = np.unique(py_stacks.column("hash").to_numpy(), return_index=True)
-    recs = py_stacks.take(np.sort(first)).to_pylist()
-    codes: dict[int, dict] = {}
-    for c in py_codes.to_pylist():
-        codes.setdefault(c["key"], c)
-    tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    recs = py_stacks.take(np.sort(first))
+    _, cfirst = np.unique(py_codes.column("key").to_numpy(), return_index=True)
+    codes = py_codes.take(cfirst)
+    nrec = recs.num_rows
+    rhash = recs.column("hash").to_numpy()
+    rnative = recs.column("native_hash").to_numpy()
+    code_key = recs.column("code_key").combine_chunks()
+    flen = np.diff(code_key.offsets.to_numpy()).astype(np.int64)
+    fkey = code_key.values.to_numpy()
+    finstr = recs.column("instr").combine_chunks().values.to_numpy()
+    fentry = recs.column("entry").combine_chunks().values.to_numpy(zero_copy_only=False)
+    frow = np.repeat(np.arange(nrec), flen)
+    fstart = np.concatenate([[0], np.cumsum(flen)])[:-1]
+    # run of each frame: the frames entered from C before it in its record
+    before = np.cumsum(fentry) - fentry
+    frun = before - before[fstart][frow] if len(frow) else before
+    nruns = np.zeros(nrec, np.int64)
+    if len(frow):
+        nruns[:] = frun[fstart + flen - 1] + 1
+    if not python:
+        nruns[:] = 0
 
-    # native frames by stack hash, in depth order
+    # native frames in (hash, depth) order; the evaluation frames among them, ranked
     sf = stack_frames.sort_by([("stack_hash", "ascending"), ("depth", "ascending")])
     sf_hash = sf.column("stack_hash").to_numpy()
-    evals = eval_ranges(store, sf) if python else {}
     is_eval = np.zeros(sf.num_rows, bool)
-    bids = sf.column("build_id").to_pylist() if evals else []
-    look = sf.column("lookup_vaddr").fill_null(0).to_numpy() if evals else None
-    for bid, (start, size) in evals.items():
-        mine = np.array([b == bid for b in bids], bool)
-        is_eval |= mine & (look >= start) & (look < start + size)
+    if python:
+        bids = sf.column("build_id")
+        look = sf.column("lookup_vaddr").fill_null(0).to_numpy()
+        for bid, (start, size) in eval_ranges(store, sf).items():
+            mine = pc.fill_null(pc.equal(bids, bid), False).to_numpy(zero_copy_only=False)
+            is_eval |= mine & (look >= start) & (look < start + size)
+    eval_idx = np.flatnonzero(is_eval)
+    lo = np.searchsorted(sf_hash, rnative, side="left")
+    hi = np.searchsorted(sf_hash, rnative, side="right")
+    elo = np.searchsorted(sf_hash[eval_idx], rnative, side="left")
+    nevals = np.searchsorted(sf_hash[eval_idx], rnative, side="right") - elo
+    ecum = np.cumsum(is_eval) - is_eval  # evaluation frames before each row, over all rows
     st_hash = stacks.column("stack_hash").to_numpy()
-    st_rows = stacks.to_pylist()
-    st_index = {int(h): i for i, h in enumerate(st_hash)}
-    sf_cols = {k: sf.column(k).to_pylist() for k in UNWOUND_STACK_FRAMES.names}
+    st_order = np.argsort(st_hash, kind="stable")
+    si = np.searchsorted(st_hash[st_order], rnative)
+    found = (si < len(st_hash)) & (st_hash[st_order][np.minimum(si, len(st_hash) - 1)]
+                                   == rnative) if len(st_hash) else np.zeros(nrec, bool)
+    counters["python_native_missing"] = int((~found).sum())
 
-    loc_ids: dict[tuple[int, int], int] = {}
-    locs: dict[str, list] = {k: [] for k in PYTHON_LOCATIONS.names}
-    out_st: dict[str, list] = {k: [] for k in UNWOUND_STACKS.names}
-    out_sf: dict[str, list] = {k: [] for k in UNWOUND_STACK_FRAMES.names}
+    # native rows, repeated per record; an evaluation frame whose run exists is dropped
+    nlen = hi - lo
+    nrow = np.repeat(np.arange(nrec), nlen)
+    nidx = ragged(lo, nlen)
+    rank = ecum[nidx] - ecum[lo][nrow] if len(nidx) else nidx
+    keep = ~(is_eval[nidx] & (rank < nruns[nrow]))
+    nrow, nidx = nrow[keep], nidx[keep]
+    ndepth = sf.column("depth").to_numpy().astype(np.int64)[nidx]
+    # Python frames, at the depth of the evaluation frame of their run (outermost when
+    # no evaluation frame is left for it)
+    placed = frun < nevals[frow]
+    pyf = np.flatnonzero(frun < nruns[frow])
+    at = np.where(placed[pyf], eval_idx[np.minimum(elo[frow[pyf]] + frun[pyf],
+                                                   max(len(eval_idx) - 1, 0))]
+                  if len(eval_idx) else 0, 0)
+    big = np.iinfo(np.int64).max // 4
+    pdepth = np.where(placed[pyf], sf.column("depth").to_numpy().astype(np.int64)[at]
+                      if sf.num_rows else 0, big)
+    counters["python_runs_unplaced"] = int(len(np.unique(
+        np.stack([frow[pyf][~placed[pyf]], frun[pyf][~placed[pyf]]]), axis=1)[0])) \
+        if (~placed[pyf]).any() else 0
+    prow = frow[pyf]
+    rows = np.concatenate([nrow, prow])
+    dkey = np.concatenate([ndepth, pdepth])
+    sub = np.concatenate([np.zeros(len(nrow), np.int64), 1 + pyf - fstart[prow]])
+    order = np.lexsort((sub, dkey, rows))
+    rows = rows[order]
+    is_py = order >= len(nrow)
+    src = np.where(is_py, 0, np.concatenate([nidx, np.zeros(len(pyf), np.int64)])[order])
+    pysel = np.where(is_py, order - len(nrow), 0)
+    counts = np.bincount(rows, minlength=nrec)
+    depth = np.arange(len(rows)) - np.repeat(np.concatenate([[0], np.cumsum(counts)])[:-1],
+                                              counts)
 
-    def location(key: int, instr: int) -> int:
-        code = codes.get(key)
-        line = 0
-        if code is not None:
-            if key not in tables:
-                tables[key] = line_ranges(code["linetable"], code["first_line"])
-            ends, lines = tables[key]
-            unit = 0 if instr == 0xFFFFFFFF else instr  # a frame that has not started
-            j = int(np.searchsorted(ends, unit, side="right"))
-            line = int(lines[j]) if j < len(lines) else 0
-        else:
-            counters["python_code_missing"] += 1
-        k = (key, line)
-        if k not in loc_ids:
-            loc_ids[k] = len(loc_ids)
-            locs["key"].append(len(loc_ids) - 1)
-            locs["function"].append(code["qualname"] if code else "[unknown python code]")
-            locs["file"].append(code["filename"] if code else None)
-            locs["line"].append(line)
-        return loc_ids[k]
+    # Python locations: (code key, line), keyed apart from native locations
+    lines = _lines(fkey[pyf], finstr[pyf], codes) if len(pyf) else np.zeros(0, np.int64)
+    ckeys = codes.column("key").to_numpy()
+    ci = np.minimum(np.searchsorted(ckeys, fkey[pyf]), max(len(ckeys) - 1, 0))
+    have = (ckeys[ci] == fkey[pyf]) if len(ckeys) else np.zeros(len(pyf), bool)
+    counters["python_code_missing"] = int((~have).sum())
+    locs_u, loc_of = np.unique(np.stack([np.where(have, fkey[pyf], 0),
+                                         lines.astype(np.uint64)]), axis=1, return_inverse=True)
+    loc_of = loc_of.ravel()
+    lci = np.minimum(np.searchsorted(ckeys, locs_u[0]), max(len(ckeys) - 1, 0))
+    lhave = (ckeys[lci] == locs_u[0]) if len(ckeys) else np.zeros(locs_u.shape[1], bool)
+    mask = pa.array(~lhave)
+    locations = pa.table({
+        "key": pa.array(np.arange(locs_u.shape[1], dtype=np.uint64)),
+        "function": pc.if_else(mask, "[unknown python code]",
+                               codes.column("qualname").take(pa.array(lci)) if len(ckeys)
+                               else pa.nulls(locs_u.shape[1], pa.string())),
+        "file": pc.if_else(mask, pa.scalar(None, pa.string()),
+                           codes.column("filename").take(pa.array(lci)) if len(ckeys)
+                           else pa.nulls(locs_u.shape[1], pa.string())),
+        "line": pa.array(locs_u[1].astype(np.uint32)),
+    }, schema=PYTHON_LOCATIONS)
+    caddr = codes.column("address").to_numpy()[ci] if len(ckeys) else np.zeros(len(pyf))
+    caddr = np.where(have, caddr, 0).astype(np.uint64)
 
-    for rec in recs:
-        native = int(rec["native_hash"])
-        lo = int(np.searchsorted(sf_hash, native, side="left"))
-        hi = int(np.searchsorted(sf_hash, native, side="right"))
-        si = st_index.get(native)
-        if si is None:
-            counters["python_native_missing"] += 1
-        # the Python runs, innermost first: each ends at a frame entered from C
-        runs: list[list[tuple[int, int]]] = [[]]
-        for key, instr, entry in zip(rec["code_key"], rec["instr"], rec["entry"], strict=True):
-            runs[-1].append((int(key), int(instr)))
-            if entry:
-                runs.append([])
-        runs = [r for r in runs if r]
-        rows: list[tuple[str, int, int | None, str | None, str | None, int | None,
-                         str | None]] = []
-        run = 0
-        for j in range(lo, hi):
-            if python and is_eval[j] and run < len(runs):
-                for key, instr in runs[run]:
-                    code = codes.get(key)
-                    rows.append(("python", code["address"] if code else 0, None, None, None,
-                                 location(key, instr), None))
-                run += 1
-                continue
-            rows.append((sf_cols["method"][j], sf_cols["address"][j], None,
-                         sf_cols["build_id"][j], sf_cols["path"][j],
-                         sf_cols["lookup_vaddr"][j], sf_cols["reason"][j]))
-        if python and run < len(runs):
-            # more runs than evaluation frames (the native stack stopped short): the
-            # rest go outermost, in order
-            counters["python_runs_unplaced"] += len(runs) - run
-            for r in runs[run:]:
-                for key, instr in r:
-                    code = codes.get(key)
-                    rows.append(("python", code["address"] if code else 0, None, None, None,
-                                 location(key, instr), None))
-        h = int(rec["hash"])
-        for d, (method, address, _, bid, path, lv, reason) in enumerate(rows):
-            out_sf["stack_hash"].append(h)
-            out_sf["pid"].append(rec["pid"])
-            out_sf["depth"].append(d)
-            out_sf["address"].append(address)
-            out_sf["method"].append(method)
-            out_sf["build_id"].append(bid)
-            out_sf["path"].append(path)
-            out_sf["lookup_vaddr"].append(lv)
-            out_sf["reason"].append(reason)
-            counters["python_frames"] += method == "python"
-        base = st_rows[si] if si is not None else {
-            "truncated": False, "complete": False, "stop": "no-mapping"}
-        out_st["stack_hash"].append(h)
-        out_st["pid"].append(rec["pid"])
-        out_st["depth"].append(len(rows))
-        out_st["truncated"].append(base["truncated"])
-        out_st["complete"].append(base["complete"])
-        out_st["stop"].append(base["stop"])
-        counters["python_stacks"] += 1
-    return Merged(pa.table(out_st, schema=UNWOUND_STACKS),
-                  pa.table(out_sf, schema=UNWOUND_STACK_FRAMES),
-                  pa.table(locs, schema=PYTHON_LOCATIONS), counters)
+    def native(col: str) -> pa.Array:
+        return sf.column(col).take(pa.array(src, mask=is_py)) if sf.num_rows else \
+            pa.nulls(len(rows), sf.schema.field(col).type)
+
+    frames = pa.table({
+        "stack_hash": pa.array(rhash[rows], pa.uint64()),
+        "pid": recs.column("pid").take(pa.array(rows)),
+        "depth": pa.array(depth.astype(np.uint16)),
+        "address": pa.array(np.where(is_py, caddr[pysel] if len(pyf) else 0,
+                                     sf.column("address").to_numpy()[src] if sf.num_rows
+                                     else 0).astype(np.uint64)),
+        "method": pc.if_else(pa.array(is_py), "python", native("method")),
+        "build_id": native("build_id"),
+        "path": native("path"),
+        "lookup_vaddr": pc.if_else(pa.array(is_py),
+                                   pa.array(loc_of[pysel].astype(np.uint64)) if len(pyf)
+                                   else pa.nulls(len(rows), pa.uint64()),
+                                   native("lookup_vaddr")),
+        "reason": native("reason"),
+    }, schema=UNWOUND_STACK_FRAMES)
+    base = stacks.take(pa.array(st_order[np.minimum(si, max(len(st_hash) - 1, 0))],
+                                mask=~found)) if len(st_hash) else None
+
+    def of_native(col: str, default: object) -> pa.Array:
+        if base is None:
+            return pa.array([default] * nrec, UNWOUND_STACKS.field(col).type)
+        return base.column(col).fill_null(default)
+
+    out_stacks = pa.table({
+        "stack_hash": pa.array(rhash, pa.uint64()),
+        "pid": recs.column("pid"),
+        "depth": pa.array(counts.astype(np.uint16)),
+        "truncated": of_native("truncated", False),
+        "complete": of_native("complete", False),
+        "stop": of_native("stop", "no-mapping"),
+    }, schema=UNWOUND_STACKS)
+    counters["python_stacks"] = nrec
+    counters["python_frames"] = int(is_py.sum())
+    return Merged(out_stacks, frames, locations, counters)
