@@ -101,11 +101,13 @@ def test_interpreter_found_from_its_symbols() -> None:
         assert other is not None and other.version == (3, 12, 1) and not other.supported
 
 
-def capture_and_process(tmp_path: Path, *extra: str) -> duckdb.DuckDBPyConnection:
+def capture_and_process(tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+                        ) -> duckdb.DuckDBPyConnection:
     tmp_path.mkdir(exist_ok=True)
     art, db = tmp_path / "run.memtrack", tmp_path / "run.duckdb"
     r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), *extra, "--", PYTHON,
-                        str(SCRIPT)], capture_output=True, text=True, timeout=600)
+                        str(SCRIPT)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr
     r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)], capture_output=True,
                        text=True, timeout=600)
@@ -225,3 +227,29 @@ def test_unknown_version_is_one_note(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if "python frames:" in ln]
     assert len(notes) == 1 and "CPython 3.12.1" in notes[0] and "native frames only" in notes[0]
+
+
+def small_objects(con: duckdb.DuckDBPyConnection) -> dict[int, int]:
+    """Allocations made at the small-object site, by size."""
+    line = sites()["small"]
+    return dict(con.execute("""
+        SELECT a.size, count(*) FROM allocations a WHERE a.stack_id IN (
+            SELECT stack_id FROM stack_lines WHERE name = 'small.<locals>.<listcomp>'
+            AND line = ? AND method = 'python') GROUP BY 1""", [line]).fetchall())
+
+
+@pytest.mark.bpf
+def test_pymalloc_against_malloc(tmp_path: Path) -> None:
+    """What a user sees of objects: with the default pymalloc, requests of 512 bytes and
+    less are served from pymalloc's arenas (mmap'd, not malloc'd) and do not appear;
+    with PYTHONMALLOC=malloc every object is a malloc with its Python frames (bytes of
+    60 and 61: 33 + n bytes each, 1000 of each). The list holding them grows past 512
+    bytes by malloc either way."""
+    default = capture_and_process(tmp_path / "pymalloc")
+    seen = small_objects(default)
+    assert seen and min(seen) > 512
+    assert python_part(frames_of(default, N + 2))[0] == ("leaf", "frames.py", sites()["leaf"])
+    every = capture_and_process(tmp_path / "malloc", env={"PYTHONMALLOC": "malloc"})
+    every_seen = small_objects(every)
+    assert every_seen[93] == 1000 and every_seen[94] == 1000
+    assert python_part(frames_of(every, N + 2))[0] == ("leaf", "frames.py", sites()["leaf"])
