@@ -296,3 +296,16 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     counters["python_stacks"] = nrec
     counters["python_frames"] = int(is_py.sum())
     return Merged(out_stacks, frames, locations, counters)
+
+
+def native_hashes(py_stacks: pa.Table, hashes: np.ndarray) -> np.ndarray:
+    """The native stack hash of each stack hash an event carries: a Python stack's
+    `native_hash`, any other hash itself."""
+    h = np.asarray(hashes, dtype=np.uint64)
+    keys = py_stacks.column("hash").to_numpy()
+    if len(keys) == 0:
+        return h
+    order = np.argsort(keys, kind="stable")
+    keys, natives = keys[order], py_stacks.column("native_hash").to_numpy()[order]
+    i = np.minimum(np.searchsorted(keys, h), len(keys) - 1)
+    return np.where(keys[i] == h, natives[i], h)
