@@ -6,6 +6,7 @@ decoder against CPython's own."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -181,6 +182,12 @@ def test_python_frames_merged(tmp_path: Path) -> None:
             ("main", s["main_json"])]
     counters = con.execute("SELECT value FROM meta WHERE key = 'counters'").fetchone()[0]
     assert '"python_code_missing": 0' in counters
+    # info follows a Python stack to the native record it extends
+    r = subprocess.run([*MEMTRACK, "info", str(tmp_path / "run.memtrack"), "--json"],
+                       capture_output=True, text=True, timeout=600, check=True)
+    info = json.loads(r.stdout)
+    assert info["tables"]["py_stacks"]["rows"] > 0 and info["tables"]["py_codes"]["rows"] > 0
+    assert info["stack_records"]["unresolved_hashes"] == 0
     # runs with no evaluation frame left to replace go outermost: only where the native
     # unwinding stopped short
     short = con.execute("""
