@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,30 +17,45 @@ import pytest
 
 from memtrack.capture.pyframes import FIELDS, OFFSETS, find_interpreter
 from memtrack.process.pyframes import line_ranges
+from memtrack.schema.artifact import Artifact
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "fixtures" / "python" / "frames.py"
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 PYTHON = "/usr/bin/python3"
 N = 300_000
-HEADERS = Path("/usr/include/python3.11")
 
-# offsetof expressions of FIELDS, in order
-EXPRS = (
-    "offsetof(_PyRuntimeState, gilstate.tstate_current)",
-    "offsetof(_PyRuntimeState, interpreters.head)",
-    "offsetof(PyInterpreterState, threads.head)",
-    "offsetof(PyThreadState, next)", "offsetof(PyThreadState, native_thread_id)",
-    "offsetof(PyThreadState, cframe)", "offsetof(_PyCFrame, current_frame)",
-    "offsetof(_PyInterpreterFrame, f_code)", "offsetof(_PyInterpreterFrame, previous)",
-    "offsetof(_PyInterpreterFrame, prev_instr)", "offsetof(_PyInterpreterFrame, is_entry)",
-    "offsetof(PyCodeObject, co_firstlineno)", "offsetof(PyCodeObject, co_firstlineno)",
-    "offsetof(PyCodeObject, co_filename)", "offsetof(PyCodeObject, co_qualname)",
-    "offsetof(PyCodeObject, co_linetable)", "offsetof(PyCodeObject, co_code_adaptive)",
-    "offsetof(PyASCIIObject, length)", "offsetof(PyASCIIObject, state)",
-    "sizeof(PyASCIIObject)", "sizeof(PyCompactUnicodeObject)",
-    "offsetof(PyVarObject, ob_size)", "offsetof(PyBytesObject, ob_sval)",
-)
+# offsetof expressions of FIELDS, in order, per version
+def exprs(version: tuple[int, int]) -> tuple[str, ...]:
+    v311 = version == (3, 11)
+    return (
+        "offsetof(_PyRuntimeState, gilstate.tstate_current)" if v311 else "0",
+        "offsetof(_PyRuntimeState, interpreters.head)",
+        "offsetof(PyInterpreterState, threads.head)",
+        "offsetof(PyThreadState, next)", "offsetof(PyThreadState, native_thread_id)",
+        "offsetof(PyThreadState, cframe)", "offsetof(_PyCFrame, current_frame)",
+        "offsetof(_PyInterpreterFrame, f_code)", "offsetof(_PyInterpreterFrame, previous)",
+        "offsetof(_PyInterpreterFrame, prev_instr)",
+        "offsetof(_PyInterpreterFrame, is_entry)" if v311 else "0",
+        "offsetof(PyCodeObject, co_linetable) + 8 - 80",
+        "offsetof(PyCodeObject, co_firstlineno)",
+        "offsetof(PyCodeObject, co_filename)", "offsetof(PyCodeObject, co_qualname)",
+        "offsetof(PyCodeObject, co_linetable)", "offsetof(PyCodeObject, co_code_adaptive)",
+        "offsetof(PyASCIIObject, length)", "offsetof(PyASCIIObject, state)",
+        "sizeof(PyASCIIObject)", "sizeof(PyCompactUnicodeObject)",
+        "offsetof(PyVarObject, ob_size)", "offsetof(PyBytesObject, ob_sval)",
+        "offsetof(_PyInterpreterFrame, owner)",
+        "0" if v311 else "FRAME_OWNED_BY_CSTACK == 3",
+    )
+
+
+HEADERS = {(3, 11): Path("/usr/include/python3.11"),
+           (3, 12): Path.home() / ".pyenv/versions/3.12.1/include/python3.12"}
+PYENV = Path.home() / ".pyenv/versions"
+# Debian's stripped python3.11 and, where pyenv has them, CPython built from source
+# (libpython, with DWARF)
+INTERPRETERS = {"debian-3.11": Path(PYTHON), "built-3.11": PYENV / "3.11.7/bin/python3.11",
+                "built-3.12": PYENV / "3.12.1/bin/python3.12"}
 
 
 def sites() -> dict[str, int]:
@@ -52,21 +66,24 @@ def sites() -> dict[str, int]:
     return out
 
 
-def test_offsets_match_the_headers(tmp_path: Path) -> None:
-    """The 3.11 row of the offset table is what the 3.11 headers say."""
-    if not (HEADERS / "internal" / "pycore_frame.h").exists():
-        pytest.skip("python3.11-dev headers are not installed (scripts/setup installs them)")
+@pytest.mark.parametrize("version", sorted(HEADERS))
+def test_offsets_match_the_headers(tmp_path: Path, version: tuple[int, int]) -> None:
+    """Each row of the offset table is what that version's headers say."""
+    inc = HEADERS[version]
+    if not (inc / "internal" / "pycore_frame.h").exists():
+        pytest.skip(f"no {version} headers here (scripts/setup installs python3.11-dev)")
     src = tmp_path / "off.c"
     src.write_text("#define Py_BUILD_CORE 1\n#include <Python.h>\n"
                    "#include <internal/pycore_frame.h>\n#include <internal/pycore_runtime.h>\n"
                    "#include <internal/pycore_interp.h>\n#include <stdio.h>\n#include <stddef.h>\n"
                    "int main(void) {\n" +
-                   "".join(f'    printf("%zu\\n", {e});\n' for e in EXPRS) + "}\n")
-    subprocess.run(["gcc", f"-I{HEADERS}", str(src), "-o", str(tmp_path / "off")], check=True)
+                   "".join(f'    printf("%zu\\n", (size_t)({e}));\n' for e in exprs(version)) +
+                   "}\n")
+    subprocess.run(["gcc", f"-I{inc}", str(src), "-o", str(tmp_path / "off")], check=True)
     got = subprocess.run([str(tmp_path / "off")], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert len(EXPRS) == len(FIELDS)
-    assert tuple(map(int, got)) == OFFSETS[(3, 11)]
+    assert len(exprs(version)) == len(FIELDS)
+    assert tuple(map(int, got)) == OFFSETS[version]
 
 
 def test_line_table_matches_cpython() -> None:
@@ -91,22 +108,31 @@ def test_line_table_matches_cpython() -> None:
 
 def test_interpreter_found_from_its_symbols() -> None:
     """Debian's stripped python3 is found by _PyRuntime and its version read from the
-    file; a 3.12 libpython (pyenv, when there) is found and not supported."""
+    file; a 3.12 libpython (pyenv, when there) too, and a 3.13 one is found and not
+    supported."""
     interp = find_interpreter(os.path.realpath(PYTHON))
     assert interp is not None and interp.version is not None
     assert interp.version[:2] == (3, 11) and interp.supported
     assert find_interpreter("/bin/true") is None
-    lib = Path.home() / ".pyenv/versions/3.12.1/lib/libpython3.12.so.1.0"
+    # an extension module imports _PyRuntime: not an interpreter
+    ext = PYENV / "3.11.7/lib/python3.11/lib-dynload/math.cpython-311-x86_64-linux-gnu.so"
+    if ext.exists():
+        assert find_interpreter(str(ext)) is None
+    lib = PYENV / "3.12.1/lib/libpython3.12.so.1.0"
     if lib.exists():
         other = find_interpreter(str(lib))
-        assert other is not None and other.version == (3, 12, 1) and not other.supported
+        assert other is not None and other.version == (3, 12, 1) and other.supported
+    lib = PYENV / "3.13.0/lib/libpython3.13.so.1.0"
+    if lib.exists():
+        other = find_interpreter(str(lib))
+        assert other is not None and other.version == (3, 13, 0) and not other.supported
 
 
-def capture_and_process(tmp_path: Path, *extra: str, env: dict[str, str] | None = None
-                        ) -> duckdb.DuckDBPyConnection:
+def capture_and_process(tmp_path: Path, *extra: str, env: dict[str, str] | None = None,
+                        python: str = PYTHON) -> duckdb.DuckDBPyConnection:
     tmp_path.mkdir(exist_ok=True)
     art, db = tmp_path / "run.memtrack", tmp_path / "run.duckdb"
-    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), *extra, "--", PYTHON,
+    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), *extra, "--", python,
                         str(SCRIPT)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr
@@ -131,9 +157,13 @@ def python_part(frames: list[tuple[str, str, int, str]]) -> list[tuple[str, str,
 
 
 @pytest.mark.bpf
-def test_python_frames_merged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("interp", sorted(INTERPRETERS))
+def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
+    exe = INTERPRETERS[interp]
+    if not exe.exists():
+        pytest.skip(f"no {exe} here")
     s = sites()
-    con = capture_and_process(tmp_path)
+    con = capture_and_process(tmp_path, python=str(exe))
     mod = ("<module>", "frames.py", s["module"])
     # bytearray(n) asks for n + 1 bytes
     want = {
@@ -172,11 +202,13 @@ def test_python_frames_merged(tmp_path: Path) -> None:
         WHERE l.name = 'JSONEncoder.iterencode'""").fetchall()
     assert rows
     for (sid,) in rows:
-        fr = con.execute("SELECT name, file, line, method FROM stack_lines WHERE stack_id = ?"
-                         " ORDER BY position", [sid]).fetchall()
+        fr = con.execute("""
+            SELECT l.name, l.file, l.line, l.method, m.path FROM stack_lines l
+            LEFT JOIN modules m USING (module_id) WHERE stack_id = ? ORDER BY position""",
+                         [sid]).fetchall()
         names = [f[0] for f in fr]
         it = names.index("JSONEncoder.iterencode")
-        assert any("_json" in n for n in names[:it]), names
+        assert any("_json" in (f[4] or "") for f in fr[:it]), fr
         assert [(f[0], f[2]) for f in fr[it + 1:it + 4]] == [
             ("JSONEncoder.encode", fr[it + 1][2]), ("dumps", fr[it + 2][2]),
             ("main", s["main_json"])]
@@ -225,15 +257,22 @@ def test_python_frames_off(tmp_path: Path) -> None:
 @pytest.mark.bpf
 def test_unknown_version_is_one_note(tmp_path: Path) -> None:
     """A CPython the offset table does not know: one warning, native frames only."""
-    py312 = Path.home() / ".pyenv/versions/3.12.1/bin/python3.12"
-    if not py312.exists() or shutil.which("gcc") is None:
-        pytest.skip("no CPython 3.12 on this machine")
-    art = tmp_path / "run.memtrack"
-    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", str(py312), "-c",
+    py313 = PYENV / "3.13.0/bin/python3.13"
+    if not py313.exists():
+        pytest.skip("no CPython 3.13 on this machine")
+    art, db = tmp_path / "run.memtrack", tmp_path / "run.duckdb"
+    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", str(py313), "-c",
                         "x = bytearray(300000)"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if "python frames:" in ln]
-    assert len(notes) == 1 and "CPython 3.12.1" in notes[0] and "native frames only" in notes[0]
+    assert len(notes) == 1 and "CPython 3.13.0" in notes[0] and "native frames only" in notes[0]
+    assert Artifact.open(art).read("py_stacks").table.num_rows == 0
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    frames = [f[0] for f in frames_of(con, 300001)]
+    assert "_PyEval_EvalFrameDefault" in frames and frames[-1] == "_start"
 
 
 def small_objects(con: duckdb.DuckDBPyConnection) -> dict[int, int]:

@@ -10,10 +10,14 @@
  * without an entry gets native frames only.
  *
  * The thread state: _PyRuntime.gilstate.tstate_current when its native_thread_id is the
- * calling thread's (it holds the GIL), else the interpreters' thread list is searched
- * for it (a thread that released the GIL still has its frames). Each frame is one read
- * of the _PyInterpreterFrame header (code, previous, prev_instr, is_entry) and one of
- * the code object's immutable fields (first line through line table pointer), hashed
+ * calling thread's (it holds the GIL), else (and always on 3.12, whose current thread
+ * state is a thread-local) the interpreters' thread list is searched for it (a thread
+ * that released the GIL still has its frames). A run of frames one evaluation call
+ * executed ends at a frame with is_entry (3.11) or just above a shim frame owned by the
+ * C stack (3.12, skipped). Each frame is one read
+ * of the _PyInterpreterFrame header (code, previous, prev_instr, is_entry, owner) and
+ * one of the code object's MT_PY_SPAN bytes of immutable fields (up to the line table
+ * pointer), hashed
  * into the code key: a code object freed and another allocated at its address is a new
  * key, so a code record is never reused for another function.
  *
@@ -42,13 +46,16 @@
 #define MT_PY_NAME 256      /* bytes of a qualified name kept */
 #define MT_PY_FILE 512      /* bytes of a file name kept */
 #define MT_PY_LINES 8192    /* bytes of a line table kept */
-#define MT_PY_SPAN 72       /* bytes of a code object's immutable fields hashed */
+#define MT_PY_SPAN 80       /* bytes of a code object's immutable fields hashed */
 #define MT_PY_FRAME 72      /* bytes of a frame header read */
+#define MT_PY_SHIMS 32      /* entry shim frames (3.12) walked past at most */
+#define MT_PY_CSTACK 3      /* _PyInterpreterFrame.owner of a 3.12 shim: FRAME_OWNED_BY_CSTACK */
+#define MT_PY_SHIM_MARK 0x5348494dULL
 
 /* The offsets of one interpreter version (memtrack.capture.pyframes.OFFSETS). */
 struct mt_py_proc {
     u64 runtime;            /* address of _PyRuntime in the process */
-    u32 tstate_current;     /* in _PyRuntimeState */
+    u32 tstate_current;     /* in _PyRuntimeState (0: none, search the thread list) */
     u32 interp_head;        /* in _PyRuntimeState: interpreters.head */
     u32 threads_head;       /* in PyInterpreterState */
     u32 ts_next;            /* in PyThreadState */
@@ -58,7 +65,7 @@ struct mt_py_proc {
     u32 f_code;             /* in _PyInterpreterFrame */
     u32 f_previous;
     u32 f_prev_instr;
-    u32 f_is_entry;
+    u32 f_is_entry;         /* 3.11: the frame was entered from C */
     u32 co_span;            /* start of the MT_PY_SPAN bytes hashed */
     u32 co_firstlineno;     /* in PyCodeObject */
     u32 co_filename;
@@ -71,6 +78,8 @@ struct mt_py_proc {
     u32 str_compact_data;   /* sizeof(PyCompactUnicodeObject) */
     u32 bytes_size;         /* ob_size */
     u32 bytes_data;         /* ob_sval */
+    u32 f_owner;            /* _PyInterpreterFrame.owner */
+    u32 shim;               /* 3.12: a run ends at a shim frame (owner CSTACK), no is_entry */
     u32 _pad;
 };
 
@@ -115,7 +124,7 @@ static __always_inline u64 mt_py_word(const void *base, u32 off) {
 
 /* The calling thread's PyThreadState, or 0. */
 static __always_inline u64 mt_py_tstate(const struct mt_py_proc *p, u32 tid) {
-    u64 ts = mt_py_word((void *)p->runtime, p->tstate_current);
+    u64 ts = p->tstate_current ? mt_py_word((void *)p->runtime, p->tstate_current) : 0;
     if (ts && (u32)mt_py_word((void *)ts, p->ts_native_tid) == tid)
         return ts;
     u64 interp = mt_py_word((void *)p->runtime, p->interp_head);
@@ -165,7 +174,8 @@ static __always_inline int mt_py_code_record(struct mt_py_scratch *s, const stru
     if (bpf_probe_read_user(span, MT_PY_SPAN, (void *)(code + p->co_span)))
         return -1;
 #define MT_PY_FIELD(off) span[(((off) - p->co_span) / 8) & 15]
-    u64 firstline = (u32)MT_PY_FIELD(p->co_firstlineno);
+    u64 firstline = (u32)(MT_PY_FIELD(p->co_firstlineno) >>
+                          (((p->co_firstlineno - p->co_span) & 7) * 8));
     u64 qualname = MT_PY_FIELD(p->co_qualname);
     u64 filename = MT_PY_FIELD(p->co_filename);
     u64 linetable = MT_PY_FIELD(p->co_linetable);
@@ -223,11 +233,16 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
     u64 cframe = mt_py_word((void *)ts, p->ts_cframe);
     u64 frame = cframe ? mt_py_word((void *)cframe, p->cf_current) : 0;
     u64 h = mt_fnv_step(MT_FNV_OFFSET, native);
-    u64 n = 0;
+    /* the frame count lives in scratch (read back through a volatile pointer): the
+     * verifier carries one state per iteration, whatever the shims skipped */
+    vs->nframes = 0;
     vs->more = 0;
 #pragma clang loop unroll(disable)
-    for (int i = 0; i < MT_PY_DEPTH; i++) {
+    for (int i = 0; i < MT_PY_DEPTH + MT_PY_SHIMS; i++) {
         if (!frame)
+            break;
+        u64 n = vs->nframes;
+        if (n >= MT_PY_DEPTH)
             break;
         u64 fr[16] = {};
         u64 span[16] = {};
@@ -239,6 +254,18 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
         u64 prev = fr[(p->f_previous / 8) & 15];
         u64 instr = fr[(p->f_prev_instr / 8) & 15];
         u64 entry = (fr[(p->f_is_entry / 8) & 15] >> ((p->f_is_entry & 7) * 8)) & 1;
+        u64 owner = (fr[(p->f_owner / 8) & 15] >> ((p->f_owner & 7) * 8)) & 0xff;
+        if (p->shim) {
+            if (owner == MT_PY_CSTACK) {
+                /* a shim: the frame before it began a run (entered from C) */
+                if (n > 0)
+                    s->frames[(2 * n - 1) & (2 * MT_PY_DEPTH - 1)] |= 1ULL << 32;
+                h = mt_fnv_step(h, MT_PY_SHIM_MARK);
+                frame = prev;
+                continue;
+            }
+            entry = 0;
+        }
         if (!code || bpf_probe_read_user(span, MT_PY_SPAN, (void *)(code + p->co_span))) {
             mt_py_count(MT_PY_READ_FAILED);
             break;
@@ -250,21 +277,21 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
         key = key ? key : 1;
         u64 index = (instr - code - p->co_code) / 2;
         u64 w = (index & 0xffffffff) | entry << 32;
-        s->frames[2 * i] = key;
-        s->frames[2 * i + 1] = w;
-        s->code_addr[i] = code;
+        s->frames[(2 * n) & (2 * MT_PY_DEPTH - 1)] = key;
+        s->frames[(2 * n + 1) & (2 * MT_PY_DEPTH - 1)] = w;
+        s->code_addr[n & (MT_PY_DEPTH - 1)] = code;
         h = mt_fnv_step(mt_fnv_step(h, key), w);
-        n = i + 1;
+        vs->nframes = n + 1;
         frame = prev;
     }
-    if (n == MT_PY_DEPTH && frame) {
+    u64 n = vs->nframes;
+    if (frame && n > 0) {
         vs->more = 1;
         mt_py_count(MT_PY_TRUNCATED);
     }
     if (n == 0)
         return native;
     mt_py_count(MT_PY_WITH_FRAMES);
-    vs->nframes = n;
     h = mt_fnv_step(h, n);
     h = h ? h : 1;
     if (mt_py_seen.lookup(&h))

@@ -68,7 +68,7 @@ FIELDS = (
     "f_previous",  # _PyInterpreterFrame.previous
     "f_prev_instr",  # _PyInterpreterFrame.prev_instr
     "f_is_entry",  # _PyInterpreterFrame.is_entry
-    "co_span",  # PyCodeObject.co_firstlineno: 72 immutable bytes hashed from here
+    "co_span",  # offsetof(PyCodeObject, co_linetable) + 8 - 80: 80 immutable bytes hashed
     "co_firstlineno",  # PyCodeObject.co_firstlineno
     "co_filename",  # PyCodeObject.co_filename
     "co_qualname",  # PyCodeObject.co_qualname
@@ -80,10 +80,16 @@ FIELDS = (
     "str_compact_data",  # sizeof(PyCompactUnicodeObject)
     "bytes_size",  # PyVarObject.ob_size
     "bytes_data",  # PyBytesObject.ob_sval
+    "f_owner",  # _PyInterpreterFrame.owner
+    "shim",  # 1: runs end above shim frames (3.12), 0: at is_entry frames (3.11)
 )
 OFFSETS: dict[tuple[int, int], tuple[int, ...]] = {
-    (3, 11): (576, 40, 16, 8, 160, 56, 8, 32, 48, 56, 68, 72, 72, 112, 128, 136, 184,
-              16, 32, 48, 72, 16, 32),
+    (3, 11): (576, 40, 16, 8, 160, 56, 8, 32, 48, 56, 68, 64, 72, 112, 128, 136, 184,
+              16, 32, 48, 72, 16, 32, 69, 0),
+    # 3.12: the current thread state is a thread-local (0: search the thread list), no
+    # is_entry (0: unused)
+    (3, 12): (0, 40, 72, 8, 144, 56, 0, 0, 8, 56, 0, 64, 68, 112, 128, 136, 192,
+              16, 32, 40, 56, 16, 32, 70, 1),
 }
 
 
@@ -121,14 +127,13 @@ def find_interpreter(path: str) -> Interpreter | None:
             dynsym = img.sections.get(".dynsym")
             if dynsym is None:
                 return None
-            found = dynsym.get_symbol_by_name("_PyRuntime")
-            if not found:
+            runtime = _defined(dynsym, "_PyRuntime")
+            if runtime is None:  # not an interpreter (an extension module imports it)
                 return None
-            runtime = int(found[0]["st_value"])
             version = None
-            pv = dynsym.get_symbol_by_name("Py_Version")
-            if pv:
-                raw = img.code(int(pv[0]["st_value"]), 4)
+            pv = _defined(dynsym, "Py_Version")
+            if pv is not None:
+                raw = img.code(pv, 4)
                 if len(raw) == 4:
                     hexv = int.from_bytes(raw, "little")
                     version = (hexv >> 24, (hexv >> 16) & 0xFF, (hexv >> 8) & 0xFF)
@@ -137,6 +142,14 @@ def find_interpreter(path: str) -> Interpreter | None:
     except (ElfReadError, OSError, ValueError, KeyError):
         return None
     return Interpreter(path, runtime, first, version)
+
+
+def _defined(dynsym: Any, name: str) -> int | None:
+    """The value of a symbol the module defines (not one it imports), or None."""
+    for sym in dynsym.get_symbol_by_name(name) or ():
+        if sym["st_shndx"] != "SHN_UNDEF":
+            return int(sym["st_value"])
+    return None
 
 
 def fork_child_offset(tracefs: Path = TRACEFS) -> int:
