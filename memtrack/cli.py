@@ -74,7 +74,7 @@ def capture(
              "the proof that each stack record unwinds as its allocations would.")] = False,
     python_frames: Annotated[str, typer.Option(
         "--python-frames", envvar="MEMTRACK_PYTHON_FRAMES",
-        help="Python frames in the stacks of CPython 3.11 programs (with --stacks on): "
+        help="Python frames in the stacks of CPython 3.11 and 3.12 programs (with --stacks on): "
              "on or off.")] = "on",
     rss: Annotated[bool, typer.Option("--rss/--no-rss", envvar="MEMTRACK_RSS",
                                       help="Record resident memory (kmem:rss_stat).")] = True,

@@ -55,7 +55,7 @@ TRACEFS = Path("/sys/kernel/tracing/events")
 # Offsets per CPython version (major, minor), in the order of bpf/pyframes.h's struct
 # mt_py_proc, each `offsetof` of that version's headers (Include/internal: compile a
 # file defining Py_BUILD_CORE that prints them; tests/test_pyframes.py does so against
-# the installed python3.11-dev headers and compares).
+# the installed python3.11-dev headers, and pyenv's 3.12 where present, and compares).
 FIELDS = (
     "tstate_current",  # _PyRuntimeState.gilstate.tstate_current
     "interp_head",  # _PyRuntimeState.interpreters.head
