@@ -104,6 +104,10 @@ def capture(
         "--stack-copies", envvar="MEMTRACK_STACK_COPIES", **SWITCH,
         help="Debug: also write every allocation's raw stack copy (stack_copies.arrow), "
              "the proof that each stack record unwinds as its allocations would.")] = "off",
+    python_frames: Annotated[str, typer.Option(
+        "--python-frames", envvar="MEMTRACK_PYTHON_FRAMES", **SWITCH,
+        help="Python frames in the stacks of CPython 3.11 and 3.12 programs (with "
+             "--stacks on).")] = "on",
     rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", **SWITCH,
                                      help="Record resident memory (kmem:rss_stat).")] = "on",
     track_faults: Annotated[str, typer.Option(
@@ -150,6 +154,7 @@ def capture(
 
     call(cmd_.run, cmd, output, force=force, stacks=on("--stacks", stacks),
          stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
+         python_frames=on("--python-frames", python_frames),
          rss=on("--rss", rss), track_faults=on("--track-faults", track_faults),
          modules=on("--modules", modules), start_disabled=start_disabled, control_fifo=control_fifo,
          probe_placement=probe_placement, events_ring_pages=events_ring_pages,
@@ -214,6 +219,9 @@ def process(
                           "are the same whatever N [default: the machine's cores]."),
     ] = None,
 
+    python_frames: Annotated[str, typer.Option(
+        "--python-frames", **SWITCH, help="Merge the captured Python frames into the stacks "
+                                          "(off: native frames only).")] = "on",
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables (and/or a run
     dataset)."""
@@ -223,7 +231,8 @@ def process(
          host_modules=on("--host-modules", host_modules), cache_dir=cache_dir,
          no_cache=not on("--cache", cache), quiet=quiet,
          say=lambda line: err.print(line, markup=False, soft_wrap=True),
-         dataset=dataset, run_id=run_id, labels=label or [], force=force, jobs=jobs)
+         dataset=dataset, run_id=run_id, labels=label or [], force=force, jobs=jobs,
+         python_frames=on("--python-frames", python_frames))
 
 
 @app.command()

@@ -46,6 +46,8 @@ def sample_rows(name: str, n: int, seed: int = 0) -> dict[str, list]:
         elif pa.types.is_list(t) and pa.types.is_struct(t.value_type):
             names = [c.name for c in t.value_type]
             cols[f.name] = [[dict.fromkeys(names, i + j) for j in range(i % 3)] for i in range(n)]
+        elif pa.types.is_list(t) and pa.types.is_boolean(t.value_type):
+            cols[f.name] = [[bool((i + j) % 2) for j in range(i % 6)] for i in range(n)]
         elif pa.types.is_list(t) and pa.types.is_string(t.value_type):
             cols[f.name] = [[f"arg{j}" for j in range(i % 4)] for i in range(n)]
         elif pa.types.is_list(t):

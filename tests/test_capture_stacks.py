@@ -21,7 +21,7 @@ def full_tracker() -> Any:
     from memtrack.capture.tracker import Tracker
 
     with Tracker(CaptureOptions()) as t:
-        assert [p.name for p in t.parts] == ["stacks", "core", "rss"]
+        assert [p.name for p in t.parts] == ["stacks", "pyframes", "core", "rss"]
         yield t
 
 

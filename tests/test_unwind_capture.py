@@ -17,6 +17,7 @@ from support.snaps import VARIANTS, build_fixture
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.decode import decode
+from memtrack.process.pyframes import native_hashes
 from memtrack.process.unwind import unwind
 from memtrack.schema import EventKind
 from memtrack.schema.artifact import Artifact
@@ -61,9 +62,11 @@ def stacks_by_size(path: Path) -> tuple[dict[int, list[list[str]]], Any]:
         names.setdefault((f["stack_hash"], f["pid"]), []).append(outer.get(i, "?"))
     ev = art.read("events").table
     ev = ev.filter(pc.equal(ev.column("kind"), pa.scalar(EventKind.MALLOC, pa.uint8())))
+    # a Python stack's native frames are those of the native stack it extends
+    native = native_hashes(art.read("py_stacks").table, ev.column("stack_hash").to_numpy())
     out: dict[int, list[list[str]]] = {}
-    for e in ev.select(["size", "stack_hash", "pid"]).to_pylist():
-        out.setdefault(e["size"], []).append(names.get((e["stack_hash"], e["pid"]), []))
+    for e, h in zip(ev.select(["size", "pid"]).to_pylist(), native.tolist(), strict=True):
+        out.setdefault(e["size"], []).append(names.get((h, e["pid"]), []))
     return out, res
 
 

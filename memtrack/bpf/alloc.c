@@ -11,7 +11,8 @@
  * module's functions with one uprobe_multi link per program.
  *
  * Needs: MT_EVENTS_PAGES (events ring size in pages). Optional: MT_STACKS (stacks.h
- * is included before this file and defines mt_stack_capture). */
+ * is included before this file and defines mt_stack_capture), MT_PYFRAMES (pyframes.h
+ * too: mt_py_capture folds the Python frames into the stack hash). */
 
 #include <uapi/linux/ptrace.h>
 
@@ -151,8 +152,12 @@ static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, 
     c->stack_hash = 0;
     c->on = mt_is_enabled();
 #ifdef MT_STACKS
-    if (c->on)
+    if (c->on) {
         c->stack_hash = mt_stack_capture(ctx, pid, tid);
+#ifdef MT_PYFRAMES
+        c->stack_hash = mt_py_capture(pid, tid, c->stack_hash);
+#endif
+    }
 #endif
     return 0;
 }

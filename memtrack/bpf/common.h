@@ -74,6 +74,7 @@ static __always_inline int mt_is_tracked(u32 tgid) {
 #define MT_RING_RSS 2
 #define MT_RING_RSS_EVENTS 3
 #define MT_RING_FAULTS 4
+#define MT_RING_PYFRAMES 5
 #define MT_NRINGS 8
 BPF_RINGBUF_OUTPUT(mt_ring_template, 1);
 BPF_ARRAY_OF_MAPS(mt_rings, "mt_ring_template", MT_NRINGS);

@@ -36,8 +36,8 @@ from memtrack.schema.artifact import ArtifactWriter
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 
 # common.h MT_RING_*: a ring's slot in mt_rings / mt_pause_at / mt_pauses.
-RING_EVENTS, RING_STACKS, RING_RSS, RING_RSS_EVENTS, RING_FAULTS = range(5)
-RING_NAMES = ("events", "stacks", "rss", "rss_events", "faults")
+RING_EVENTS, RING_STACKS, RING_RSS, RING_RSS_EVENTS, RING_FAULTS, RING_PYFRAMES = range(6)
+RING_NAMES = ("events", "stacks", "rss", "rss_events", "faults", "pyframes")
 ON_RING_FULL = ("pause", "drop")
 
 
@@ -78,6 +78,7 @@ class CaptureOptions:
     stacks: bool = True
     stack_budget: int = 32768  # at most; a copy stops at the stack's end
     stack_copies: bool = False  # debug: every capture's raw copy too (stack_copies.arrow)
+    python_frames: bool = True  # Python frames in the stacks (with stacks on)
     rss: bool = True
     track_faults: bool = False
     modules: bool = True

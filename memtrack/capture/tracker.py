@@ -72,12 +72,17 @@ def find_command(name: str, env: dict[str, str] | None = None,
 
 
 def default_parts(options: CaptureOptions) -> list[CapturePart]:
-    """Stacks (when enabled), the core, RSS (when enabled), in program order."""
+    """Stacks and Python frames (when enabled), the core, RSS (when enabled), in program
+    order."""
     parts: list[Any] = []
     if options.stacks:
         from memtrack.capture.stacks import StacksPart
 
         parts.append(StacksPart(options))
+        if options.python_frames:
+            from memtrack.capture.pyframes import PyFramesPart
+
+            parts.append(PyFramesPart(options))
     parts.append(CorePart(options))
     if options.rss:
         from memtrack.capture.rss import RssPart
@@ -292,11 +297,14 @@ class Tracker:
     def on_stop(self, pid: int, maps: list[Any]) -> None:
         """A tracked process is stopped at an attach stop with these mappings: the parts
         that keep per-process kernel state (stacks: kept regions, stack ends) update it
-        before it runs on."""
+        before it runs on; a hook may return warnings (python frames: an interpreter
+        version it does not know)."""
         for part in self.parts:
             hook = getattr(part, "on_stop", None)
             if hook is not None:
-                hook(self.bpf, pid, maps)
+                for w in hook(self.bpf, pid, maps) or ():
+                    if w not in self.warnings:
+                        self.warnings.append(w)
 
     def loss_totals(self) -> dict[str, int]:
         out = dict.fromkeys(LOSS_COUNTERS, 0)

@@ -43,7 +43,7 @@ def collect_info(path: Path) -> dict[str, Any]:
         "losses": m.losses,
         "modules": art.modules(),
         "peak_rss": peak_rss(art, reads["rss"].table, ev, reads["processes"].table),
-        "stack_records": stack_records(reads["stacks"].table, ev),
+        "stack_records": stack_records(reads["stacks"].table, ev, reads["py_stacks"].table),
         "warnings": art.warnings,
     }
 
@@ -71,14 +71,19 @@ def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[
     return rows
 
 
-def stack_records(stacks: Any, events: Any, top: int = 10) -> dict[str, Any]:
+def stack_records(stacks: Any, events: Any, py_stacks: Any = None, top: int = 10
+                  ) -> dict[str, Any]:
     """Stack records: how many, how many were cut at the budget, distinct hashes, the
     allocations without a stack, and the `top` most frequent stacks by allocations
-    referencing them."""
+    referencing them (a Python stack counts for the native record it extends)."""
     import numpy as np
+
+    from memtrack.process.pyframes import native_hashes
 
     hashes = stacks.column("hash").to_numpy()
     h = events.column("stack_hash").to_numpy() if events.num_rows else np.zeros(0, np.uint64)
+    if py_stacks is not None:
+        h = native_hashes(py_stacks, h)
     kinds = events.column("kind").to_numpy() if events.num_rows else np.zeros(0, np.uint8)
     alloc = np.isin(kinds, [int(k) for k in ALLOC_KINDS])
     used, counts = np.unique(h[h != 0], return_counts=True)

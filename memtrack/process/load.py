@@ -53,6 +53,8 @@ class StageTables:
     stacks: pa.Table  # UNWOUND_STACKS, one row per stack hash
     stack_frames: pa.Table  # UNWOUND_STACK_FRAMES
     regions: pa.Table = field(default_factory=REGIONS.empty_table)  # REGIONS
+    python_locations: pa.Table | None = None  # process.pyframes.PYTHON_LOCATIONS
+
 
 
 @dataclass
@@ -120,7 +122,11 @@ FRAMES_SQL = """
     FROM sym s JOIN k USING (row) LEFT JOIN src_modules m ON m.build_id = k.build_id
     UNION ALL
     SELECT frame_id, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, key, reason
-    FROM locs WHERE build_id IS NULL;
+    FROM locs WHERE build_id IS NULL AND reason IS NOT NULL
+    UNION ALL
+    SELECT l.frame_id, 0, p.function, NULL, NULL, p.file, p.line, NULL, NULL, NULL, NULL, NULL
+    FROM locs l JOIN src_python_locations p USING (key)
+    WHERE l.build_id IS NULL AND l.reason IS NULL;
     INSERT INTO frames SELECT f.frame_id, f.inline_depth,
         coalesce(f.function, f.symbol,
                  CASE WHEN d.path IS NOT NULL THEN
@@ -211,8 +217,14 @@ class RunDatabase:
         self.con.execute(STACKS_SQL)
         return self.con.execute(KNOWN_SQL).to_arrow_table()
 
-    def frames(self, known: pa.Table, symbolized: pa.Table) -> Loaded:
-        """Load the frames table from the symbolized locations (row = known's row)."""
+    def frames(self, known: pa.Table, symbolized: pa.Table,
+               python_locations: pa.Table | None = None) -> Loaded:
+        """Load the frames table from the symbolized locations (row = known's row) and
+        the Python locations (the frames with neither module nor reason)."""
+        from memtrack.process.pyframes import PYTHON_LOCATIONS
+
+        self.copy_in("src_python_locations", python_locations if python_locations is not None
+                     else PYTHON_LOCATIONS.empty_table())
         self.copy_in("known", known)
         self.copy_in("sym", symbolized.select(SYMBOLIZED_FRAMES.names).cast(SYMBOLIZED_FRAMES))
         self.con.execute(FRAMES_SQL)
@@ -294,7 +306,7 @@ def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, s
         with timed("symbolize"):
             symbolized = symbolize(known)
         with timed("load"):
-            out = db.frames(known, symbolized)
+            out = db.frames(known, symbolized, tables.python_locations)
             db.events(tables.events, tables.allocations, tables.heap_timeline)
             db.lives(tables.life, tables.events)
             db.table("mappings", tables.mappings)

@@ -32,9 +32,11 @@ from memtrack.process.decode import DEFAULT_MAX_BYTES
 from memtrack.process.load import Loaded, StageTables, load, meta_rows
 from memtrack.process.pair import pair
 from memtrack.process.parallel import default_jobs, unwind_records
+from memtrack.process.pyframes import merge as merge_python
 from memtrack.process.read import read_artifact
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
+from memtrack.process.unwind import UnwoundStacks
 from memtrack.schema import FORMAT_VERSION, loss_lines
 from memtrack.schema.artifact import Artifact
 from memtrack.schema.stages import (
@@ -101,7 +103,8 @@ NOTABLE = (
     "events_bad_kind", "frees_unmatched", "allocations_reused_without_free",
     "decode_mismatch", "events_stack_missing", "symbolize_missing_rows",
     "stacks_duplicate_hash", "region_ends_unmatched", "regions_duplicate_id",
-    "regions_unnamed",
+    "regions_unnamed", "python_code_missing", "python_native_missing",
+    "python_runs_unplaced",
 )  # fmt: skip
 
 
@@ -149,6 +152,8 @@ def process(
     chunk_bytes: int | None = None,
     labels: dict[str, str] | None = None,
     jobs: int | None = None,
+    python_frames: bool = True,
+
 ) -> Summary:
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
@@ -160,6 +165,8 @@ def process(
     labels: what the user says of the run (`--label commit=...`), kept in meta.
     jobs: processes that decode and unwind stack records, and DuckDB's threads (None:
     the machine's cores); the output does not depend on it either.
+    python_frames: False leaves the Python frames out (the native stacks only).
+
     """
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
@@ -195,6 +202,12 @@ def process(
         summary.add(work.counters)
         summary.warn(work.problems)
         unwound = work.unwound
+        with st.stage("pyframes"):
+            merged = merge_python(tables.py_stacks, tables.py_codes, unwound.stacks,
+                                  unwound.stack_frames, store, python=python_frames)
+        summary.add(merged.counters)
+        unwound = UnwoundStacks(pa.concat_tables([unwound.stacks, merged.stacks]),
+                                pa.concat_tables([unwound.stack_frames, merged.stack_frames]))
         summary.stacks = unwound.stacks.num_rows
         summary.counters["events_stack_missing"] = missing_stacks(events, unwound.stacks)
         modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
@@ -229,6 +242,7 @@ def process(
             heap_timeline=pairing.heap_timeline, life=res.life, mappings=tables.mappings,
             rss=res.rss, modules=modules, stacks=unwound.stacks,
             stack_frames=unwound.stack_frames, regions=spans.regions,
+            python_locations=merged.locations,
         ), meta, lambda known: symbolize_locations(store, known, cache),
             Path(parquet_dir) if parquet_dir else None, st.stage, threads=jobs)
         summary.rows = loaded.rows

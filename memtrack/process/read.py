@@ -22,6 +22,9 @@ class ArtifactTables:
     faults: pa.Table
     stacks: pa.Table  # the stack records, in file order
     region_names: pa.Table  # region_id, name
+    py_stacks: pa.Table  # the Python stack records (format 2.2; empty before)
+    py_codes: pa.Table
+
     events_bad_kind: int = 0  # events dropped for a kind this reader does not know
 
 
@@ -41,6 +44,9 @@ def read_artifact(art: Artifact) -> ArtifactTables:
         faults=art.read("faults", required=False).table,
         stacks=art.read("stacks", required=False).table,
         region_names=art.read("region_names", required=False).table,
+        py_stacks=art.read("py_stacks", required=False).table,
+        py_codes=art.read("py_codes", required=False).table,
+
         events_bad_kind=bad,
     )
 

@@ -18,7 +18,7 @@ from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember
 # the codes of the artifact's columns, re-exported: the contract is read from here
 __all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember"]
 
-FORMAT_VERSION = "2.1"
+FORMAT_VERSION = "2.2"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
@@ -207,6 +207,43 @@ REGION_NAMES = pa.schema(
     ]
 )
 
+# Python frames (capture --python-frames, default on with stacks; format 2.2). A Python
+# stack record per distinct chain of interpreter frames at an allocation: `hash` is what
+# events.stack_hash refers to (the native stack's hash folded with the chain),
+# `native_hash` the native stack record it extends; per frame, innermost first, the code
+# key (a code object's address and immutable fields, hashed), the instruction index
+# (code units from its first instruction) and whether the frame was entered from C (the
+# first frame an evaluation-loop call ran). `cut`: the chain went on beyond the bound.
+PY_STACKS = pa.schema(
+    [
+        ("hash", pa.uint64()),
+        ("native_hash", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("tid", pa.uint32()),
+        ("cut", pa.bool_()),
+        ("code_key", pa.list_(pa.uint64())),
+        ("instr", pa.list_(pa.uint32())),
+        ("entry", pa.list_(pa.bool_())),
+    ]
+)
+
+# One row per code object a Python stack record names, read when first seen: its
+# qualified name, file name, first line and line table (co_linetable's bytes; a table
+# longer than capture keeps is cut: `linetable_size` is its whole length).
+PY_CODES = pa.schema(
+    [
+        ("key", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("address", pa.uint64()),
+        ("qualname", pa.string()),
+        ("filename", pa.string()),
+        ("first_line", pa.uint32()),
+        ("linetable", pa.binary()),
+        ("linetable_size", pa.uint32()),
+
+    ]
+)
+
 # Every Arrow file of an artifact: name -> schema. All are IPC streams with zstd
 # buffers, written batch by batch, so a capture killed mid-way leaves files that are
 # readable up to their last whole batch.
@@ -219,6 +256,9 @@ TABLES: dict[str, pa.Schema] = {
     "processes": PROCESSES,
     "faults": FAULTS,
     "region_names": REGION_NAMES,
+    "py_stacks": PY_STACKS,
+    "py_codes": PY_CODES,
+
 }
 
 # Loss counters the manifest always carries (0 when nothing was lost). Stages may add
@@ -235,13 +275,14 @@ LOSS_COUNTERS = (
     "rss_ring_full",
     "rss_events_ring_full",  # madvise/mremap events of the rss part
     "faults_ring_full",
+    "pyframes_ring_full",
 )
 
 
 # Counters among those that report reduced fidelity, not lost data: a copy cut at the
 # stack budget still holds its frames up to the cut. They are printed like losses (never
 # silent) but do not fail `--fail-on-loss`.
-FIDELITY_COUNTERS = frozenset({"stack_copies_cut"})
+FIDELITY_COUNTERS = frozenset({"stack_copies_cut", "python_frames_cut"})
 
 # Three counts of stacks that do not fit their copy, one per stage that knows it:
 # - capture (manifest losses) `stack_copies_cut`: allocations whose copy the budget cut

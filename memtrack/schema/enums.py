@@ -92,6 +92,7 @@ class Method(enum.IntEnum):
     CFI = 1  # DWARF call frame information (or a frame-0 prologue / signal row)
     FP = 2  # the frame pointer, where no CFI covers the pc
     FP_KERNEL = 3  # the kernel's frame-pointer chain, past the end of the copy
+    PYTHON = 4  # an interpreter frame of CPython, in place of the evaluation frame
 
 
 class Stop(enum.IntEnum):

@@ -52,7 +52,7 @@ from memtrack.symbolize.normalize import Normalized, Normalizer
 METHODS = names(Method)
 STOPS = names(Stop)
 UNRESOLVED = names(Unresolved)
-M_REGS, M_CFI, M_FP, M_KERNEL = Method
+M_REGS, M_CFI, M_FP, M_KERNEL = Method.REGS, Method.CFI, Method.FP, Method.FP_KERNEL
 S_NONE, S_COMPLETE, S_TRUNCATED, S_NO_MAPPING, S_NO_ADVANCE, S_NO_RULE, S_BAD_REG, \
     S_BAD_ADDR, S_BAD_EXPR, S_MAX_DEPTH, S_NULL = Stop
 

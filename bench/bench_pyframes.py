@@ -1,0 +1,155 @@
+"""Python frames: what they cost, on against off, in the same run.
+
+1. BPF run time per allocator entry (kernel.bpf_stats_enabled, the mt_alloc program)
+   with stacks on and Python frames off / on, on Debian's python3 running a flat loop
+   and the same loop 30 Python calls deep (PYTHONMALLOC=malloc: every object is a
+   malloc).
+2. End to end through the command line: `memtrack capture` and `memtrack process`
+   wall time with --python-frames off / on, and the records each wrote.
+
+Run as root: .venv/bin/python bench/bench_pyframes.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+
+from memtrack.capture.parts import CaptureOptions  # noqa: E402
+from memtrack.schema import ALLOC_KINDS  # noqa: E402
+from memtrack.schema.artifact import Artifact  # noqa: E402
+
+STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+PROBE = b"mt_alloc"
+PYTHON = str(Path("/usr/bin/python3").resolve())
+LOOP = ("def work(n):\n"
+        "    keep = []\n"
+        "    for i in range(n):\n"
+        "        d = {{'a': i, 'b': [i, i + 1]}}\n"
+        "        l = [d, str(i)]\n"
+        "        if i % 1000 == 0:\n"
+        "            keep.append(l)\n"
+        "def deep(k, n):\n"
+        "    return work(n) if k == 0 else deep(k - 1, n)\n"
+        "deep({depth}, {n})\n")
+
+
+def fdinfo(fd: int) -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if v.strip().isdigit():
+            out[k] = int(v.strip())
+    return out
+
+
+def bpf_cost(workloads: dict[str, list[str]], tmp: Path) -> dict[str, dict[str, float]]:
+    """ns of mt_alloc per tracked allocator entry: every process on the host runs the
+    program (untracked ones return at once), so the untracked runs are costed at the
+    stacks-off run's rate per run, as bench_stacks.py does."""
+    from memtrack.capture.tracker import Tracker
+
+    out: dict[str, dict[str, float]] = {}
+    configs = (("base", CaptureOptions(stacks=False)), ("off", CaptureOptions(python_frames=False)),
+               ("on", CaptureOptions(python_frames=True)))
+    for label, opts in configs:
+        with Tracker(opts) as tracker:
+            for wname, cmd in workloads.items():
+                fd = tracker.bpf.funcs[PROBE].fd
+                before = fdinfo(fd)
+                art = tmp / f"{label}-{wname}.memtrack"
+                session = tracker.spawn(cmd, art, overwrite=True,
+                                        env={**os.environ, "PYTHONMALLOC": "malloc"})
+                session.wait(timeout=900)
+                info = fdinfo(fd)
+                runs = info["run_cnt"] - before.get("run_cnt", 0)
+                ns = info["run_time_ns"] - before.get("run_time_ns", 0)
+                kind = Artifact.open(art).read("events").table.column("kind")
+                tracked = int(pc.sum(pc.is_in(kind, value_set=pa.array(
+                    [int(k) for k in ALLOC_KINDS], pa.uint8()))).as_py() or 0)
+                r = out.setdefault(wname, {})
+                base = r.get("base_run", ns / max(runs, 1))
+                r.setdefault("base_run", base)
+                r[label] = (ns - (runs - tracked) * base) / max(tracked, 1)
+                r["tracked"] = tracked
+    return out
+
+
+def cli(args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "memtrack.cli", *args], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def end_to_end(cmd: list[str], tmp: Path, repeat: int) -> dict[str, dict[str, Any]]:
+    """The best of `repeat` alternating runs (the first also warms the program and
+    symbol caches)."""
+    out: dict[str, dict[str, Any]] = {}
+    for _ in range(repeat):
+        for label in ("off", "on"):
+            art, db = tmp / f"cli-{label}.memtrack", tmp / f"cli-{label}.duckdb"
+            cap = cli(["capture", "-o", str(art), "--force", "--python-frames", label, "--",
+                       *cmd])
+            proc = cli(["process", str(art), "-o", str(db)])
+            a = Artifact.open(art)
+            r = out.setdefault(label, {"capture_s": cap, "process_s": proc})
+            r["capture_s"] = min(r["capture_s"], cap)
+            r["process_s"] = min(r["process_s"], proc)
+            r.update(stack_records=a.read("stacks").table.num_rows,
+                     py_stacks=a.read("py_stacks").table.num_rows,
+                     py_codes=a.read("py_codes").table.num_rows)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench_pyframes: needs root (bcc)")
+    n = 20000 if args.quick else 100000
+    workloads = {
+        "flat": [PYTHON, "-c", LOOP.format(depth=0, n=n)],
+        "deep30": [PYTHON, "-c", LOOP.format(depth=30, n=n)],
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="bench-pyframes-"))
+    saved = STATS.read_text().strip()
+    STATS.write_text("1")
+    try:
+        cost = bpf_cost(workloads, tmp)
+    finally:
+        STATS.write_text(saved)
+    try:
+        e2e = end_to_end(workloads["deep30"], tmp, 2 if args.quick else 3)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("BPF run time of mt_alloc per tracked allocator entry (PYTHONMALLOC=malloc), "
+          "stacks off / stacks on, Python frames off / on:")
+    for wname, r in cost.items():
+        print(f"  {wname:<7} {r['base']:5.0f} ns / {r['off']:5.0f} ns / {r['on']:5.0f} ns  "
+              f"(frames on: {r['on'] / r['off']:.2f}x, +{r['on'] - r['off']:.0f} ns; "
+              f"{r['tracked']:,} entries)")
+    print("\nend to end through the CLI, deep30 (pymalloc), --python-frames off / on:")
+    off, on = e2e["off"], e2e["on"]
+    for k in ("capture_s", "process_s"):
+        print(f"  {k:<10} {off[k]:6.2f} s / {on[k]:6.2f} s  ({on[k] / off[k]:.2f}x)")
+    print(f"  records: stack {off['stack_records']:,} / {on['stack_records']:,}; python stacks "
+          f"{on['py_stacks']:,}, code objects {on['py_codes']:,}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""Python frames: the CapturePart that adds bpf/pyframes.h and drains its record ring.
+
+At each attach stop (exec, a new executable mapping) `on_stop` looks for a CPython
+interpreter among the process's executable mappings: a module whose dynamic symbols
+define `_PyRuntime` (Debian's stripped /usr/bin/python3 exports it, as does a
+libpython). Its version is the `Py_Version` constant read from the file (3.11+), never
+from code run in the traced process. A version in OFFSETS gets an entry in the kernel's
+mt_py_procs (the runtime's address and that version's struct offsets), and from then on
+every allocation of the process folds its thread's Python frames into its stack hash;
+any other version is one warning naming it and the file, and its stacks keep their
+native frames only.
+
+The ring carries two kinds of records (bpf/pyframes.h): Python stack records (a chain
+of code keys and instruction indexes, and the native stack hash it extends) and code
+records (a code object's qualified name, file name, first line and line table, read by
+the BPF program when the code key is new). They become py_stacks.arrow and
+py_codes.arrow; `process` names and merges the frames (memtrack.process.pyframes).
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.capture.parts import RING_PYFRAMES, CaptureOptions, Ring
+from memtrack.capture.procfs import MapLine
+from memtrack.schema import PY_CODES, PY_STACKS
+from memtrack.schema.artifact import ArtifactWriter
+
+RING = "mt_py_ring"
+PROCS = "mt_py_procs"
+DEPTH = 128  # bpf/pyframes.h MT_PY_DEPTH
+OUT_WORDS = 8 + (2 * (256 + 512) + 8192) // 8  # MT_PY_OUT_WORDS: the largest record
+REC_STACK, REC_CODE = 1, 2
+# mt_py_stats indexes of bpf/pyframes.h -> counter names.
+KERNEL_STATS = (
+    "python_captures",
+    "python_stacks",
+    "python_stack_records",
+    "python_code_records",
+    "pyframes_ring_full",
+    "python_frames_cut",
+    "python_no_thread",
+    "python_read_failed",
+)
+KERNEL_LOSSES = ("pyframes_ring_full", "python_frames_cut")
+TRACEFS = Path("/sys/kernel/tracing/events")
+
+# Offsets per CPython version (major, minor), in the order of bpf/pyframes.h's struct
+# mt_py_proc, each `offsetof` of that version's headers (Include/internal: compile a
+# file defining Py_BUILD_CORE that prints them; tests/test_pyframes.py does so against
+# the installed python3.11-dev headers, and pyenv's 3.12 where present, and compares).
+FIELDS = (
+    "tstate_current",  # _PyRuntimeState.gilstate.tstate_current
+    "interp_head",  # _PyRuntimeState.interpreters.head
+    "threads_head",  # PyInterpreterState.threads.head
+    "ts_next",  # PyThreadState.next
+    "ts_native_tid",  # PyThreadState.native_thread_id
+    "ts_cframe",  # PyThreadState.cframe
+    "cf_current",  # _PyCFrame.current_frame
+    "f_code",  # _PyInterpreterFrame.f_code
+    "f_previous",  # _PyInterpreterFrame.previous
+    "f_prev_instr",  # _PyInterpreterFrame.prev_instr
+    "f_is_entry",  # _PyInterpreterFrame.is_entry
+    "co_span",  # offsetof(PyCodeObject, co_linetable) + 8 - 80: 80 immutable bytes hashed
+    "co_firstlineno",  # PyCodeObject.co_firstlineno
+    "co_filename",  # PyCodeObject.co_filename
+    "co_qualname",  # PyCodeObject.co_qualname
+    "co_linetable",  # PyCodeObject.co_linetable
+    "co_code",  # PyCodeObject.co_code_adaptive
+    "str_length",  # PyASCIIObject.length
+    "str_state",  # PyASCIIObject.state
+    "str_ascii_data",  # sizeof(PyASCIIObject)
+    "str_compact_data",  # sizeof(PyCompactUnicodeObject)
+    "bytes_size",  # PyVarObject.ob_size
+    "bytes_data",  # PyBytesObject.ob_sval
+    "f_owner",  # _PyInterpreterFrame.owner
+    "shim",  # 1: runs end above shim frames (3.12), 0: at is_entry frames (3.11)
+)
+OFFSETS: dict[tuple[int, int], tuple[int, ...]] = {
+    (3, 11): (576, 40, 16, 8, 160, 56, 8, 32, 48, 56, 68, 64, 72, 112, 128, 136, 184,
+              16, 32, 48, 72, 16, 32, 69, 0),
+    # 3.12: the current thread state is a thread-local (0: search the thread list), no
+    # is_entry (0: unused)
+    (3, 12): (0, 40, 72, 8, 144, 56, 0, 0, 8, 56, 0, 64, 68, 112, 128, 136, 192,
+              16, 32, 40, 56, 16, 32, 70, 1),
+}
+
+
+class PyProc(ct.Structure):
+    """bpf/pyframes.h struct mt_py_proc."""
+
+    _fields_ = [("runtime", ct.c_uint64), *((f, ct.c_uint32) for f in FIELDS),
+                ("_pad", ct.c_uint32)]
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """A CPython module: where its _PyRuntime lies (ELF vaddr) and its version."""
+
+    path: str
+    runtime_vaddr: int
+    first_load: int  # the first PT_LOAD's vaddr, page-aligned (where offset 0 maps)
+    version: tuple[int, int, int] | None  # None: older than 3.11 (no Py_Version)
+
+    @property
+    def supported(self) -> bool:
+        return self.version is not None and self.version[:2] in OFFSETS
+
+    def describe(self) -> str:
+        v = ".".join(map(str, self.version)) if self.version else "before 3.11"
+        return f"CPython {v} ({self.path})"
+
+
+def find_interpreter(path: str) -> Interpreter | None:
+    """The CPython interpreter a module file is, or None (not one, or unreadable)."""
+    from memtrack.elf.image import ElfImage, ElfReadError
+
+    try:
+        with ElfImage(path) as img:
+            dynsym = img.sections.get(".dynsym")
+            if dynsym is None:
+                return None
+            runtime = _defined(dynsym, "_PyRuntime")
+            if runtime is None:  # not an interpreter (an extension module imports it)
+                return None
+            version = None
+            pv = _defined(dynsym, "Py_Version")
+            if pv is not None:
+                raw = img.code(pv, 4)
+                if len(raw) == 4:
+                    hexv = int.from_bytes(raw, "little")
+                    version = (hexv >> 24, (hexv >> 16) & 0xFF, (hexv >> 8) & 0xFF)
+            seg = img.segments
+            first = int(seg.vaddr[0]) & ~0xFFF if len(seg.vaddr) else 0
+    except (ElfReadError, OSError, ValueError, KeyError):
+        return None
+    return Interpreter(path, runtime, first, version)
+
+
+def _defined(dynsym: Any, name: str) -> int | None:
+    """The value of a symbol the module defines (not one it imports), or None."""
+    for sym in dynsym.get_symbol_by_name(name) or ():
+        if sym["st_shndx"] != "SHN_UNDEF":
+            return int(sym["st_value"])
+    return None
+
+
+def fork_child_offset(tracefs: Path = TRACEFS) -> int:
+    """child_pid's offset in sched_process_fork's record, from its tracefs format (it
+    moved when the comm fields became dynamic strings)."""
+    try:
+        text = (tracefs / "sched" / "sched_process_fork" / "format").read_text()
+    except OSError:
+        return 20
+    for line in text.splitlines():
+        if "child_pid;" in line:
+            for part in line.split(";"):
+                if part.strip().startswith("offset:"):
+                    return int(part.split(":")[1])
+    return 20
+
+
+def _decode(raw: bytes, kind: int) -> str:
+    codec = {1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}.get(kind)
+    if codec is None:
+        return ""
+    n = len(raw) - len(raw) % kind
+    return raw[:n].decode(codec, errors="replace")
+
+
+@dataclass
+class PyBatches:
+    stacks: pa.RecordBatch
+    codes: pa.RecordBatch
+    malformed: int
+
+
+def records_to_batches(records: list[Any]) -> PyBatches:
+    """Ring records as PY_STACKS and PY_CODES batches. One Python step per record: they
+    are one per distinct Python chain or code object, not per allocation."""
+    st: dict[str, list[Any]] = {k: [] for k in PY_STACKS.names}
+    co: dict[str, list[Any]] = {k: [] for k in PY_CODES.names}
+    bad = 0
+    for rec in records:
+        b = bytes(rec)
+        if len(b) < 32 or len(b) % 8:
+            bad += 1
+            continue
+        w = np.frombuffer(b, dtype="<u8")
+        kind = int(w[0]) & 0xFF
+        pid, tid = int(w[2]) & 0xFFFFFFFF, int(w[2]) >> 32
+        if kind == REC_STACK:
+            n = (int(w[0]) >> 8) & 0xFFFF
+            if n == 0 or n > DEPTH or len(w) != 4 + 2 * n:
+                bad += 1
+                continue
+            fr = w[4:].reshape(n, 2)
+            st["hash"].append(int(w[1]))
+            st["native_hash"].append(int(w[3]))
+            st["pid"].append(pid)
+            st["tid"].append(tid)
+            st["cut"].append(bool((int(w[0]) >> 24) & 1))
+            st["code_key"].append(fr[:, 0].tolist())
+            st["instr"].append((fr[:, 1] & np.uint64(0xFFFFFFFF)).astype(np.uint32).tolist())
+            st["entry"].append(((fr[:, 1] >> np.uint64(32)) & np.uint64(1)).astype(bool).tolist())
+        elif kind == REC_CODE and len(w) >= 8:
+            w5, lt = int(w[5]), int(w[6])
+            qlen, qkind = w5 & 0xFFFF, (w5 >> 16) & 7
+            flen, fkind = (w5 >> 32) & 0xFFFF, (w5 >> 48) & 7
+            qpad, fpad = (qlen + 7) & ~7, (flen + 7) & ~7
+            data = b[64:]
+            if qpad + fpad + lt > len(data):
+                bad += 1
+                continue
+            co["key"].append(int(w[1]))
+            co["pid"].append(pid)
+            co["address"].append(int(w[3]))
+            co["first_line"].append(int(w[4]) & 0xFFFFFFFF)
+            co["qualname"].append(_decode(data[:qlen], qkind))
+            co["filename"].append(_decode(data[qpad:qpad + flen], fkind))
+            co["linetable"].append(data[qpad + fpad:qpad + fpad + lt])
+            co["linetable_size"].append(int(w[4]) >> 32)
+        else:
+            bad += 1
+    return PyBatches(pa.RecordBatch.from_pydict(st, schema=PY_STACKS),
+                     pa.RecordBatch.from_pydict(co, schema=PY_CODES), bad)
+
+
+class PyFramesPart:
+    """CapturePart for Python frames (pyframes.h); needs the stacks part before it."""
+
+    name = "pyframes"
+
+    def __init__(self, options: CaptureOptions, *, seen_entries: int = 65536,
+                 code_entries: int = 65536, ring_pages: int = 1024) -> None:
+        self.ring_pages = ring_pages
+        self.seen_entries = seen_entries
+        self.code_entries = code_entries
+        self.malformed = 0
+        self.interpreters: dict[tuple[str, int, int], Interpreter | None] = {}
+        self._reader: Any = None
+
+    def sources(self) -> list[str]:
+        return ["pyframes.h"]
+
+    def cflags(self) -> list[str]:
+        return ["-DMT_PYFRAMES", f"-DMT_PY_RING_PAGES={self.ring_pages}",
+                f"-DMT_PY_SEEN={self.seen_entries}", f"-DMT_PY_CODES={self.code_entries}",
+                f"-DMT_PY_FORK_CHILD={fork_child_offset()}"]
+
+    def attach(self, bpf: Any) -> list[str]:
+        try:
+            bpf.attach_tracepoint(tp="sched:sched_process_fork", fn_name="mt_py_fork")
+        except Exception as e:  # noqa: BLE001 - bcc raises bare Exception
+            return [f"python frames: cannot attach mt_py_fork to sched:sched_process_fork "
+                    f"({e}); fork children that do not exec have native frames only"]
+        return []
+
+    def _interpreter(self, m: MapLine) -> Interpreter | None:
+        key = (m.path, m.inode, _mtime(m.path))
+        if key not in self.interpreters:
+            self.interpreters[key] = find_interpreter(m.path)
+        return self.interpreters[key]
+
+    def on_stop(self, bpf: Any, pid: int, maps: list[MapLine]) -> list[str]:
+        """At an attach stop: point the kernel at this process's interpreter (or forget
+        it: an exec may have replaced it). Returns a warning for a version it does not
+        know, once per interpreter file."""
+        starts: dict[str, int] = {}
+        for m in maps:
+            if m.offset == 0 and m.path.startswith("/"):
+                starts.setdefault(m.path, m.start)
+        found = None
+        for m in maps:
+            if "x" in m.perms and m.path in starts:
+                interp = self._interpreter(m)
+                if interp is not None:
+                    found = interp
+                    break
+        table = bpf[PROCS]
+        if found is None or not found.supported:
+            try:
+                del table[ct.c_uint32(pid)]
+            except KeyError:
+                pass
+            if found is None:
+                return []
+            return [f"python frames: {found.describe()} is not a version memtrack knows "
+                    f"(known: {', '.join(f'{a}.{b}' for a, b in OFFSETS)}); its stacks have "
+                    "native frames only"]
+        assert found.version is not None
+        proc = PyProc(starts[found.path] - found.first_load + found.runtime_vaddr,
+                      *OFFSETS[found.version[:2]], 0)
+        table[ct.c_uint32(pid)] = proc
+        return []
+
+    def rings(self) -> list[Ring]:
+        return [Ring(RING, RING_PYFRAMES, None, OUT_WORDS * 8)]
+
+    def write(self, bpf: Any, writer: ArtifactWriter, ring: Ring, records: Any) -> int:
+        if not records:
+            return 0
+        out = records_to_batches(records)
+        self.malformed += out.malformed
+        if out.codes.num_rows:
+            writer.write("py_codes", out.codes)
+        if out.stacks.num_rows:
+            writer.write("py_stacks", out.stacks)
+        return out.stacks.num_rows + out.codes.num_rows
+
+    def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
+        if self._reader is None:
+            from memtrack.capture.ringbuf import RingReader
+
+            self._reader = RingReader(bpf, RING)
+        return self.write(bpf, writer, self.rings()[0], self._reader.read_records())
+
+    def kernel_stats(self, bpf: Any) -> dict[str, int]:
+        table = bpf["mt_py_stats"]
+        return {name: int(sum(table[ct.c_int(i)])) for i, name in enumerate(KERNEL_STATS)}
+
+    def losses(self, bpf: Any) -> dict[str, int]:
+        stats = self.kernel_stats(bpf)
+        out = {k: stats[k] for k in KERNEL_LOSSES}
+        out["pyframes_records_malformed"] = self.malformed
+        return out
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0

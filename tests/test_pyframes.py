@@ -1,0 +1,301 @@
+"""Python frames (issue 15): CPython 3.11's frames in allocation stacks, merged with the
+native ones, through the command line on fixtures/python/frames.py (functions calling
+functions, a generator, a method, a lambda, code compiled from a string, a thread, the
+json C extension); the offset table against the installed headers; the line-table
+decoder against CPython's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from memtrack.capture.pyframes import FIELDS, OFFSETS, find_interpreter
+from memtrack.process.pyframes import line_ranges
+from memtrack.schema.artifact import Artifact
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "fixtures" / "python" / "frames.py"
+MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
+PYTHON = "/usr/bin/python3"
+N = 300_000
+
+# offsetof expressions of FIELDS, in order, per version
+def exprs(version: tuple[int, int]) -> tuple[str, ...]:
+    v311 = version == (3, 11)
+    return (
+        "offsetof(_PyRuntimeState, gilstate.tstate_current)" if v311 else "0",
+        "offsetof(_PyRuntimeState, interpreters.head)",
+        "offsetof(PyInterpreterState, threads.head)",
+        "offsetof(PyThreadState, next)", "offsetof(PyThreadState, native_thread_id)",
+        "offsetof(PyThreadState, cframe)", "offsetof(_PyCFrame, current_frame)",
+        "offsetof(_PyInterpreterFrame, f_code)", "offsetof(_PyInterpreterFrame, previous)",
+        "offsetof(_PyInterpreterFrame, prev_instr)",
+        "offsetof(_PyInterpreterFrame, is_entry)" if v311 else "0",
+        "offsetof(PyCodeObject, co_linetable) + 8 - 80",
+        "offsetof(PyCodeObject, co_firstlineno)",
+        "offsetof(PyCodeObject, co_filename)", "offsetof(PyCodeObject, co_qualname)",
+        "offsetof(PyCodeObject, co_linetable)", "offsetof(PyCodeObject, co_code_adaptive)",
+        "offsetof(PyASCIIObject, length)", "offsetof(PyASCIIObject, state)",
+        "sizeof(PyASCIIObject)", "sizeof(PyCompactUnicodeObject)",
+        "offsetof(PyVarObject, ob_size)", "offsetof(PyBytesObject, ob_sval)",
+        "offsetof(_PyInterpreterFrame, owner)",
+        "0" if v311 else "FRAME_OWNED_BY_CSTACK == 3",
+    )
+
+
+HEADERS = {(3, 11): Path("/usr/include/python3.11"),
+           (3, 12): Path.home() / ".pyenv/versions/3.12.1/include/python3.12"}
+PYENV = Path.home() / ".pyenv/versions"
+# Debian's stripped python3.11 and, where pyenv has them, CPython built from source
+# (libpython, with DWARF)
+INTERPRETERS = {"debian-3.11": Path(PYTHON), "built-3.11": PYENV / "3.11.7/bin/python3.11",
+                "built-3.12": PYENV / "3.12.1/bin/python3.12"}
+
+
+def sites() -> dict[str, int]:
+    out = {}
+    for i, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if "# site " in line:
+            out[line.split("# site ")[1].split()[0]] = i
+    return out
+
+
+@pytest.mark.parametrize("version", sorted(HEADERS))
+def test_offsets_match_the_headers(tmp_path: Path, version: tuple[int, int]) -> None:
+    """Each row of the offset table is what that version's headers say."""
+    inc = HEADERS[version]
+    if not (inc / "internal" / "pycore_frame.h").exists():
+        pytest.skip(f"no {version} headers here (scripts/setup installs python3.11-dev)")
+    src = tmp_path / "off.c"
+    src.write_text("#define Py_BUILD_CORE 1\n#include <Python.h>\n"
+                   "#include <internal/pycore_frame.h>\n#include <internal/pycore_runtime.h>\n"
+                   "#include <internal/pycore_interp.h>\n#include <stdio.h>\n#include <stddef.h>\n"
+                   "int main(void) {\n" +
+                   "".join(f'    printf("%zu\\n", (size_t)({e}));\n' for e in exprs(version)) +
+                   "}\n")
+    subprocess.run(["gcc", f"-I{inc}", str(src), "-o", str(tmp_path / "off")], check=True)
+    got = subprocess.run([str(tmp_path / "off")], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert len(exprs(version)) == len(FIELDS)
+    assert tuple(map(int, got)) == OFFSETS[version]
+
+
+def test_line_table_matches_cpython() -> None:
+    """Every instruction's line, from the location table, as CPython's co_positions."""
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the decoder reads 3.11's location table")
+    import inspect
+    import json.encoder as enc
+
+    codes = [f.__code__ for _, f in inspect.getmembers(enc, inspect.isfunction)]
+    codes += [m.__code__ for _, m in inspect.getmembers(enc.JSONEncoder, inspect.isfunction)]
+    codes.append(compile(SCRIPT.read_text(), str(SCRIPT), "exec"))
+    checked = 0
+    for code in codes:
+        ends, lines = line_ranges(code.co_linetable, code.co_firstlineno)
+        for unit, pos in enumerate(code.co_positions()):
+            j = int((ends <= unit).sum())
+            assert lines[j] == (pos[0] or 0), (code.co_name, unit)  # 0: no line
+            checked += 1
+    assert checked > 500
+
+
+def test_interpreter_found_from_its_symbols() -> None:
+    """Debian's stripped python3 is found by _PyRuntime and its version read from the
+    file; a 3.12 libpython (pyenv, when there) too, and a 3.13 one is found and not
+    supported."""
+    interp = find_interpreter(os.path.realpath(PYTHON))
+    assert interp is not None and interp.version is not None
+    assert interp.version[:2] == (3, 11) and interp.supported
+    assert find_interpreter("/bin/true") is None
+    # an extension module imports _PyRuntime: not an interpreter
+    ext = PYENV / "3.11.7/lib/python3.11/lib-dynload/math.cpython-311-x86_64-linux-gnu.so"
+    if ext.exists():
+        assert find_interpreter(str(ext)) is None
+    lib = PYENV / "3.12.1/lib/libpython3.12.so.1.0"
+    if lib.exists():
+        other = find_interpreter(str(lib))
+        assert other is not None and other.version == (3, 12, 1) and other.supported
+    lib = PYENV / "3.13.0/lib/libpython3.13.so.1.0"
+    if lib.exists():
+        other = find_interpreter(str(lib))
+        assert other is not None and other.version == (3, 13, 0) and not other.supported
+
+
+def capture_and_process(tmp_path: Path, *extra: str, env: dict[str, str] | None = None,
+                        python: str = PYTHON) -> duckdb.DuckDBPyConnection:
+    tmp_path.mkdir(exist_ok=True)
+    art, db = tmp_path / "run.memtrack", tmp_path / "run.duckdb"
+    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), *extra, "--", python,
+                        str(SCRIPT)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return duckdb.connect(str(db), read_only=True)
+
+
+def frames_of(con: duckdb.DuckDBPyConnection, size: int) -> list[tuple[str, str, int, str]]:
+    rows = con.execute("""
+        SELECT name, coalesce(file, ''), coalesce(line, 0), method FROM stack_lines
+        WHERE stack_id = (SELECT stack_id FROM allocations WHERE size = ?)
+        ORDER BY position""", [size]).fetchall()
+    assert rows, f"no allocation of {size} bytes"
+    return rows
+
+
+def python_part(frames: list[tuple[str, str, int, str]]) -> list[tuple[str, str, int]]:
+    return [(n, os.path.basename(f) if f.startswith("/") else f, ln)
+            for n, f, ln, m in frames if m == "python"]
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("interp", sorted(INTERPRETERS))
+def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
+    exe = INTERPRETERS[interp]
+    if not exe.exists():
+        pytest.skip(f"no {exe} here")
+    s = sites()
+    con = capture_and_process(tmp_path, python=str(exe))
+    mod = ("<module>", "frames.py", s["module"])
+    # bytearray(n) asks for n + 1 bytes
+    want = {
+        N + 2: [("leaf", "frames.py", s["leaf"]), ("middle", "frames.py", s["middle"]),
+                ("main", "frames.py", s["main"]), mod],
+        N + 11: [("gen", "frames.py", s["gen"]), ("main", "frames.py", s["main_gen"]), mod],
+        N + 21: [("Box.method", "frames.py", s["method"]),
+                 ("main", "frames.py", s["main_method"]), mod],
+        N + 31: [("<lambda>", "frames.py", s["lambda"]),
+                 ("main", "frames.py", s["main_lambda"]), mod],
+        N + 41: [("from_string", "<generated>", 2), ("<module>", "<generated>", 3),
+                 ("main", "frames.py", s["main_exec"]), mod],
+    }
+    for size, chain in want.items():
+        frames = frames_of(con, size)
+        assert python_part(frames) == chain, (size, frames)
+        # native frames (the allocator, bytearray's C code) above the Python ones, the
+        # interpreter's start below them, no evaluation frame left in between
+        first = next(i for i, f in enumerate(frames) if f[3] == "python")
+        assert first >= 2 and frames[0][3] == "regs"
+        assert "PyByteArray_Resize" in [f[0] for f in frames[:first]]
+        assert frames[-1][0] == "_start"
+        assert "_PyEval_EvalFrameDefault" not in [f[0] for f in frames]
+    # the generator ran in its own evaluation call: native frames between it and main
+    gen = frames_of(con, N + 11)
+    i = [f[0] for f in gen].index("gen")
+    assert gen[i + 1][3] != "python"
+    # the thread: its own chain, from threading's bootstrap, not main's
+    th = python_part(frames_of(con, N + 51))
+    assert th[0] == ("in_thread", "frames.py", s["thread"])
+    assert [f[0] for f in th[1:]] == ["Thread.run", "Thread._bootstrap_inner",
+                                      "Thread._bootstrap"]
+    # json: the C encoder's native frames above JSONEncoder.iterencode
+    rows = con.execute("""
+        SELECT DISTINCT a.stack_id FROM allocations a JOIN stack_lines l USING (stack_id)
+        WHERE l.name = 'JSONEncoder.iterencode'""").fetchall()
+    assert rows
+    for (sid,) in rows:
+        fr = con.execute("""
+            SELECT l.name, l.file, l.line, l.method, m.path FROM stack_lines l
+            LEFT JOIN modules m USING (module_id) WHERE stack_id = ? ORDER BY position""",
+                         [sid]).fetchall()
+        names = [f[0] for f in fr]
+        it = names.index("JSONEncoder.iterencode")
+        assert any("_json" in (f[4] or "") for f in fr[:it]), fr
+        assert [(f[0], f[2]) for f in fr[it + 1:it + 4]] == [
+            ("JSONEncoder.encode", fr[it + 1][2]), ("dumps", fr[it + 2][2]),
+            ("main", s["main_json"])]
+    counters = con.execute("SELECT value FROM meta WHERE key = 'counters'").fetchone()[0]
+    assert '"python_code_missing": 0' in counters
+    # info follows a Python stack to the native record it extends
+    r = subprocess.run([*MEMTRACK, "info", str(tmp_path / "run.memtrack"), "--json"],
+                       capture_output=True, text=True, timeout=600, check=True)
+    info = json.loads(r.stdout)
+    assert info["tables"]["py_stacks"]["rows"] > 0 and info["tables"]["py_codes"]["rows"] > 0
+    assert info["stack_records"]["unresolved_hashes"] == 0
+    # runs with no evaluation frame left to replace go outermost: only where the native
+    # unwinding stopped short
+    short = con.execute("""
+        SELECT s.complete FROM stacks s JOIN stack_frames f USING (stack_id)
+        WHERE f.depth = s.depth - 1 AND f.method = 'python'""").fetchall()
+    assert not any(c for (c,) in short)
+
+
+def native_only(con: duckdb.DuckDBPyConnection) -> None:
+    frames = frames_of(con, N + 2)
+    assert not python_part(frames)
+    assert "_PyEval_EvalFrameDefault" in [f[0] for f in frames]
+    assert frames[-1][0] == "_start"
+    assert con.execute("SELECT count(*) FROM stack_frames WHERE method = 'python'"
+                       ).fetchone()[0] == 0
+
+
+@pytest.mark.bpf
+def test_python_frames_off(tmp_path: Path) -> None:
+    """capture --python-frames off: the native frames only, the evaluation frames in
+    place; process --python-frames off on an artifact that has them: the same."""
+    native_only(capture_and_process(tmp_path / "capture", "--python-frames", "off"))
+    art, db = tmp_path / "run.memtrack", tmp_path / "native.duckdb"
+    capture_and_process(tmp_path).close()
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "--python-frames",
+                        "off"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    native_only(duckdb.connect(str(db), read_only=True))
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "--python-frames",
+                        "maybe"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "memtrack: --python-frames maybe: expected on or off")
+
+
+@pytest.mark.bpf
+def test_unknown_version_is_one_note(tmp_path: Path) -> None:
+    """A CPython the offset table does not know: one warning, native frames only."""
+    py313 = PYENV / "3.13.0/bin/python3.13"
+    if not py313.exists():
+        pytest.skip("no CPython 3.13 on this machine")
+    art, db = tmp_path / "run.memtrack", tmp_path / "run.duckdb"
+    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", str(py313), "-c",
+                        "x = bytearray(300000)"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if "python frames:" in ln]
+    assert len(notes) == 1 and "CPython 3.13.0" in notes[0] and "native frames only" in notes[0]
+    assert Artifact.open(art).read("py_stacks").table.num_rows == 0
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    frames = [f[0] for f in frames_of(con, 300001)]
+    assert "_PyEval_EvalFrameDefault" in frames and frames[-1] == "_start"
+
+
+def small_objects(con: duckdb.DuckDBPyConnection) -> dict[int, int]:
+    """Allocations made at the small-object site, by size."""
+    line = sites()["small"]
+    return dict(con.execute("""
+        SELECT a.size, count(*) FROM allocations a WHERE a.stack_id IN (
+            SELECT stack_id FROM stack_lines WHERE name = 'small.<locals>.<listcomp>'
+            AND line = ? AND method = 'python') GROUP BY 1""", [line]).fetchall())
+
+
+@pytest.mark.bpf
+def test_pymalloc_against_malloc(tmp_path: Path) -> None:
+    """What a user sees of objects: with the default pymalloc, requests of 512 bytes and
+    less are served from pymalloc's arenas (mmap'd, not malloc'd) and do not appear;
+    with PYTHONMALLOC=malloc every object is a malloc with its Python frames (bytes of
+    60 and 61: 33 + n bytes each, 1000 of each). The list holding them grows past 512
+    bytes by malloc either way."""
+    default = capture_and_process(tmp_path / "pymalloc")
+    seen = small_objects(default)
+    assert seen and min(seen) > 512
+    assert python_part(frames_of(default, N + 2))[0] == ("leaf", "frames.py", sites()["leaf"])
+    every = capture_and_process(tmp_path / "malloc", env={"PYTHONMALLOC": "malloc"})
+    every_seen = small_objects(every)
+    assert every_seen[93] == 1000 and every_seen[94] == 1000
+    assert python_part(frames_of(every, N + 2))[0] == ("leaf", "frames.py", sites()["leaf"])
