@@ -75,7 +75,8 @@ class Summary:
             out.append(f"frames by method: {methods}; unknown frames: {self.unknown_frames}")
         out.append("stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         out.extend(loss_lines(self.losses))
-        noted = {k: v for k, v in self.counters.items() if v and k in NOTABLE}
+        noted = {k: v for k, v in self.counters.items()
+                 if v and (k in NOTABLE or k.endswith("_bad_rows"))}
         if noted:
             out.append("process: " + ", ".join(f"{k} {v}" for k, v in noted.items()))
         out.extend(f"warning: {w}" for w in self.warnings)
@@ -160,6 +161,7 @@ def process(
         tables = st.run("read", lambda: read_artifact(art))
         events = tables.events
         summary.counters["events_bad_kind"] = tables.events_bad_kind
+        summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
         summary.events = events.num_rows
         res = st.run("rss", lambda: resident(tables, m))
         pairing = st.run("pair", lambda: pair(events, res.life, m.end_ns or None))

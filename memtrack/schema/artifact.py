@@ -95,7 +95,7 @@ def artifact_dir(root: Path, name: str) -> Path | None:
     return Path(real)
 
 
-def read_artifact_file(root: Path, *names: str, max_bytes: int) -> bytes:
+def artifact_bytes(root: Path, *names: str, max_bytes: int) -> bytes:
     """The bytes of a small file of the artifact (artifact_file's rules), at most
     `max_bytes` read whatever the file grew to since."""
     with open(artifact_file(root, *names, max_bytes=max_bytes), "rb") as f:
@@ -143,7 +143,7 @@ def _module_copy(root: Path, d: str) -> ModuleCopy:
     shown = root / MODULES_DIR / d / MODULE_INFO
     if not BUILD_ID.fullmatch(d):
         raise ArtifactError(root / MODULES_DIR / d, "not a build id (hex)")
-    data = read_artifact_file(root, MODULES_DIR, d, MODULE_INFO, max_bytes=MAX_MODULE_INFO_BYTES)
+    data = artifact_bytes(root, MODULES_DIR, d, MODULE_INFO, max_bytes=MAX_MODULE_INFO_BYTES)
     try:
         info = json.loads(data)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
@@ -297,6 +297,7 @@ class Artifact:
     path: Path
     manifest: Manifest
     warnings: list[str] = field(default_factory=list)
+    truncated: set[str] = field(default_factory=set)  # tables read up to a cut batch
 
     @classmethod
     def open(cls, path: Path | str) -> Artifact:
@@ -307,7 +308,7 @@ class Artifact:
             raise ArtifactError(path, "not an artifact directory")
         mpath = path / MANIFEST
         try:
-            data = read_artifact_file(path, MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
+            data = artifact_bytes(path, MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise ArtifactError(mpath, "missing (not an artifact, or capture never started)"
                                 ) from None
@@ -367,6 +368,7 @@ class Artifact:
                     [batch.column(n) for n in schema.names], schema=schema)
             batches.append(batch)
         if truncated:
+            self.truncated.add(name)
             self.warnings.append(f"{shown}: {problem}; reading the whole batches before it")
         return TableRead(pa.Table.from_batches(batches, schema=schema), truncated, problem)
 
