@@ -13,7 +13,7 @@ from memtrack.commands import CommandError
 from memtrack.process.decode import decode_chunks
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact, ArtifactError
-from memtrack.symbolize import symbolize_frames
+from memtrack.symbolize import default_cache_dir, symbolize_frames
 from memtrack.symbolize.modules import ModuleStore
 
 
@@ -57,7 +57,7 @@ def show_record(artifact_path: Path, record: str, out: TextIO, *,
     if rows is None:
         raise ValueError(f"no stack record with hash {want:#x} in {artifact_path}")
     store = ModuleStore(artifact_path, host_modules=host_modules)
-    res = unwind(rows, art.read("mappings").table, store)
+    res = unwind(rows, art.read("mappings").table, store, cache_dir=default_cache_dir())
     frames = res.stack_frames
     sym = symbolize_frames(store, frames)
     levels: dict[int, list[dict[str, Any]]] = {}

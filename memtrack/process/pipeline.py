@@ -142,7 +142,8 @@ def process(
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
     host_modules: where the artifact lacks a module, use the host file at its mapped path
-    when its build id matches. cache_dir: the symbolization cache (per build id).
+    when its build id matches. cache_dir: the symbol and CFI caches (per module), None
+    for none.
     progress: a progress bar per stage; None = only when stderr is a terminal.
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
@@ -169,11 +170,12 @@ def process(
         summary.allocations = pairing.allocations.num_rows
 
         store = ModuleStore(artifact_path, host_modules=host_modules)
-        unwound = unwind_runs(tables.stacks, tables.mappings, store, summary, st, chunk_bytes)
+        cache = Path(cache_dir) if cache_dir else None
+        unwound = unwind_runs(tables.stacks, tables.mappings, store, summary, st, chunk_bytes,
+                              cache)
         summary.stacks = unwound.stacks.num_rows
         summary.counters["events_stack_missing"] = missing_stacks(events, unwound.stacks)
         modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
-        cache = Path(cache_dir) if cache_dir else None
 
         def meta(loaded: Loaded) -> dict[str, str]:
             summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows
@@ -215,7 +217,8 @@ def process(
 
 
 def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summary: Summary,
-                st: Stages, chunk_bytes: int | None) -> UnwoundStacks:
+                st: Stages, chunk_bytes: int | None, cache_dir: Path | None = None
+                ) -> UnwoundStacks:
     """Stacks and stack frames of every stack hash the records hold, decoded and unwound
     run by run; the runs are in file order, so a hash is unwound from its first record
     as when the whole table is decoded and unwound at once."""
@@ -224,7 +227,7 @@ def unwind_runs(records: pa.Table, mappings: pa.Table, store: ModuleStore, summa
     from memtrack.process.decode import DEFAULT_MAX_BYTES, decode_chunks
     from memtrack.process.unwind import Unwinder
 
-    unwinder = Unwinder(mappings, store)
+    unwinder = Unwinder(mappings, store, cache_dir=cache_dir)
     runs = decode_chunks(records, chunk_bytes or DEFAULT_MAX_BYTES)
     stacks, frames = [], []
     pairs = []  # distinct (stack_hash, pid) of each run's records

@@ -13,6 +13,7 @@ PT_LOAD segment holding it (`Module.file_offset_to_vaddr`, memtrack.elf.Segments
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class Module:
     debug_path: Path | None = None  # separate debug file, if any
     _segments: Segments | None = field(default=None, repr=False)
     _dwarf_path: Path | None | bool = field(default=False, repr=False)  # False: not asked
+    _digest: str = field(default="", repr=False)
 
     @property
     def is_vdso(self) -> bool:
@@ -63,6 +65,27 @@ class Module:
             except ElfReadError as e:
                 raise ModuleError(str(e)) from None
         return self._segments
+
+    @property
+    def cache_key(self) -> str | None:
+        """What names this module's entries in the symbol and CFI caches: its build id
+        and a hash of the bytes of its files (an artifact's copy can be corrupt or forged
+        under a genuine build id: its rows must never serve, or be served by, another
+        file's), or None where the build id is not hex (`path:` keys) or a file cannot
+        be read."""
+        if not BUILD_ID.fullmatch(self.build_id):
+            return None
+        if not self._digest:
+            h = hashlib.blake2b(digest_size=16)
+            try:
+                for p in (self.elf_path, self.debug_path):
+                    if p is not None:
+                        with open(p, "rb") as f:
+                            h.update(hashlib.file_digest(f, "blake2b").digest())
+            except OSError:
+                return None
+            self._digest = h.hexdigest()
+        return f"{self.build_id}-{self._digest}"
 
     @property
     def dwarf_path(self) -> Path | None:
