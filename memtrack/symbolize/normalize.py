@@ -181,7 +181,9 @@ class Normalizer:
         self.spaces = AddressSpaces(mappings)
         self.store = store
         self.modules: list[Module | None] = []  # by module index; None: unusable
-        self._index = np.full(len(self.spaces.bid_values), -2, dtype=np.int64)  # -2: unseen
+        # -2: unseen; one more entry, so that an index of no build id (-1, read as 0
+        # before it is masked) is in bounds when there is none
+        self._index = np.full(len(self.spaces.bid_values) + 1, -2, dtype=np.int64)
         self._why: list[int] = []  # per module index: NO_MODULE / CORRUPT_ELF / RESOLVED
         self.problems: list[str] = []  # one line per module that could not be used
 

@@ -1,0 +1,111 @@
+"""Hostile artifacts (issue 16): every case of tests/support/hostile.py damages a copy of
+one small real capture, and `info`, `process` and `report` run on it through the command
+line, each in a subprocess with a time limit, an address-space limit (RLIMIT_AS) and an
+audit hook (tests/support/hostile_run.py) that names every file opened outside the
+artifact and the output. Each must exit 0 with the right output or 2 with one line naming
+the problem, never print a traceback, and read or write nothing outside."""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.hostile import Case, cases, libc_dir, module_info
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "tests" / "support" / "hostile_run.py"
+TIME_LIMIT = 120  # seconds per command, on a shared 2-core machine
+MEMORY_LIMIT = 6 << 30  # address space per command
+READ_ROOTS = [*(p for p in sys.path if p.startswith("/") and not p.startswith("/tmp")),
+              sys.prefix, sys.base_prefix, str(ROOT / "memtrack"), "/usr/lib/debug", "/proc",
+              "/sys", "/dev/urandom", "/usr/share/zoneinfo", "/etc/localtime"]
+
+pytestmark = pytest.mark.bpf
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`ls /` captured with stacks, RSS and its modules (the vDSO, libc with its debug file)."""
+    art = tmp_path_factory.mktemp("hostile") / "base.memtrack"
+    r = subprocess.run([sys.executable, "-m", "memtrack.cli", "capture", "-o", str(art), "--",
+                        "/bin/ls", "/"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return art
+
+
+def limit() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def memtrack(work: Path, *args: str, read: list[Path], write: list[Path]
+             ) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run `memtrack ARGS` under watch; its result and the files it opened outside."""
+    log = work / "violations.txt"
+    log.unlink(missing_ok=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "XDG_CACHE_HOME": str(work / "xdg"),
+           "COLUMNS": "200", "PYTHONDONTWRITEBYTECODE": "1", "HOSTILE_VIOLATIONS": str(log),
+           "HOSTILE_READ": ":".join([*READ_ROOTS, *map(str, read)]),
+           "HOSTILE_WRITE": ":".join(["/dev/null", *map(str, write)])}
+    r = subprocess.run([sys.executable, str(RUNNER), "memtrack", *args], capture_output=True,
+                       text=True, cwd=work, env=env, timeout=TIME_LIMIT, preexec_fn=limit)
+    return r, log.read_text().splitlines() if log.exists() else []
+
+
+def check(r: subprocess.CompletedProcess, bad: list[str], what: str) -> str:
+    """The contract every command keeps on any artifact; the output it printed."""
+    assert not bad, f"{what}: opened outside the artifact: {bad}"
+    assert "Traceback" not in r.stderr and "Error" not in r.stderr.split(":")[0], (
+        f"{what}: {r.stderr[-2000:]}")
+    assert r.returncode in (0, 2), f"{what}: exit {r.returncode}: {r.stderr[-2000:]}"
+    if r.returncode == 2:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("memtrack: "), f"{what}: {r.stderr}"
+    return r.stdout + r.stderr
+
+
+def make(capture: Path, tmp_path: Path, case: Case) -> tuple[Path, Path, list[str]]:
+    """The damaged copy, the outside directory (a valid ELF, a manifest) and its listing."""
+    art = tmp_path / "run.memtrack"
+    shutil.copytree(capture, art, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copyfile(libc_dir(art) / module_info(libc_dir(art))["file"], outside / "libc.so.6")
+    shutil.copyfile(art / "manifest.json", outside / "manifest.json")
+    before = sorted(str(p) for p in outside.rglob("*"))
+    case.damage(art, outside)
+    return art, outside, before
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(reason=c.known, strict=False)) if c.known else c
+    for c in cases()], ids=lambda c: c.name)
+def test_hostile_artifact(capture: Path, tmp_path: Path, case: Case) -> None:
+    art, outside, before = make(capture, tmp_path, case)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    out.mkdir()
+    said = []
+    r, bad = memtrack(tmp_path, "info", str(art), read=[art], write=[])
+    said.append(check(r, bad, "info"))
+    codes = [r.returncode]
+    db = out / "run.duckdb"
+    r, bad = memtrack(tmp_path, "process", str(art), "-o", str(db), "--no-host-modules",
+                      "--cache-dir", str(cache), "--quiet", read=[art, cache, out],
+                      write=[cache, out])
+    said.append(check(r, bad, "process"))
+    codes.append(r.returncode)
+    if r.returncode == 0:
+        r, bad = memtrack(tmp_path, "report", str(db), read=[out], write=[])
+        said.append(check(r, bad, "report"))
+        assert r.returncode == 0, r.stderr
+    assert sorted(str(p) for p in outside.rglob("*")) == before, "written outside"
+    assert not [p for p in tmp_path.parent.rglob("ESCAPED*")], "a build id escaped"
+    if case.expect == "ok":
+        assert codes == [0, 0], said
+    elif case.expect == "error":
+        assert codes == [2, 2], said
+    if case.says:
+        assert any(case.says in s for s in said), (case.says, said)
