@@ -44,7 +44,8 @@ def _no_nulls(t: pa.Table, *names: str) -> pa.ChunkedArray:
 
 
 def _at_most(t: pa.Table, name: str, hi: int) -> pa.ChunkedArray:
-    return pc.less_equal(t.column(name), hi)
+    col = t.column(name)
+    return pc.less_equal(col, pa.scalar(hi, col.type))  # an int scalar would cast to int64
 
 
 def _events_ok(t: pa.Table) -> pa.ChunkedArray:

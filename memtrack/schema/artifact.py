@@ -356,6 +356,9 @@ class Artifact:
         while True:
             try:
                 batch = reader.read_next_batch()
+                # a damaged offset or length is read beyond its buffer (a crash) unless
+                # every batch is validated in full before use
+                batch.validate(full=True)
             except StopIteration:
                 break
             except (pa.ArrowException, OSError, MemoryError) as e:

@@ -142,6 +142,8 @@ class AddressSpaces:
 
     def file_offset(self, row: np.ndarray, addr: np.ndarray) -> np.ndarray:
         """File offset (uint64) of each address in its mapping row (row >= 0)."""
+        if not len(self.start):  # no mapping at all: every row is -1
+            return np.zeros(len(row), dtype=np.uint64)
         r = np.maximum(row, 0)
         return np.asarray(addr, dtype=np.uint64) - self.start[r] + self.offset[r]
 

@@ -29,10 +29,7 @@ class Case:
     known: str = ""  # a failure not fixed yet (the test is an expected failure until then)
 
 
-KNOWN_NO_MAPPINGS = "IndexError in unwinding when no mapping row is usable"
-KNOWN = {"mappings-none-usable": KNOWN_NO_MAPPINGS, "mappings-empty": KNOWN_NO_MAPPINGS,
-         "flip-mappings-0.1": KNOWN_NO_MAPPINGS,
-         "events-size-2^64-1": "a traceback in info (not yet traced)"}
+KNOWN: dict[str, str] = {}  # case name -> why it still fails
 
 
 def read_table(art: Path, name: str) -> pa.Table:
