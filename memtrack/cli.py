@@ -194,11 +194,14 @@ def query(
     run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
     sql: Annotated[str, typer.Argument(help="The SQL to run.")],
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+    allow_files: Annotated[bool, typer.Option(
+        "--allow-files", help="Let the SQL read and write files (read_csv, COPY ... TO).")
+    ] = False,
 ) -> None:
-    """Run SQL against a processed run and print the result."""
+    """Run SQL against a processed run (read-only, no file access) and print the result."""
     from memtrack.commands import query as cmd
 
-    call(cmd.run, run, sql, fmt, sys.stdout)
+    call(cmd.run, run, sql, fmt, sys.stdout, allow_files)
 
 
 @app.command()

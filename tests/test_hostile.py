@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import duckdb
 import pytest
 from support.hostile import Case, cases, libc_dir, module_info
 
@@ -109,3 +110,51 @@ def test_hostile_artifact(capture: Path, tmp_path: Path, case: Case) -> None:
         assert codes == [2, 2], said
     if case.says:
         assert any(case.says in s for s in said), (case.says, said)
+
+
+@pytest.fixture(scope="module")
+def run_db(capture: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    db = tmp_path_factory.mktemp("hostile-db") / "run.duckdb"
+    r = subprocess.run([sys.executable, "-m", "memtrack.cli", "process", str(capture), "-o",
+                        str(db), "--quiet"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return db
+
+
+@pytest.mark.parametrize(("args", "code", "says"), [
+    (["report", "{db}", "--top", "-5"], 2, "--top: expected 0 or more locations, got -5"),
+    (["report", "{db}", "--top", "0"], 0, "calls to allocation functions"),
+    (["query", "{db}", ""], 2, "query: no SQL given"),
+    (["query", "{db}", "select 1 where false"], 0, "(0 rows)"),
+    (["query", "{db}", "select now() as t"], 0, "+00:00"),
+    (["query", "{db}", "select now() as t", "--format", "json"], 0, '"t": "'),
+    (["query", "{db}", "select 1 as a, 2 as a"], 0, "1  2"),
+    (["query", "{db}", "select * from read_text('/etc/hostname')"], 2,
+     "file system operations are disabled"),
+    (["query", "{db}", "copy (select 1) to '{dir}/copied.csv'"], 2,
+     "file system operations are disabled"),
+    (["query", "{db}", "select count(*) as n from read_text('/etc/hostname')",
+      "--allow-files"], 0, "1"),
+])
+def test_run_database_commands(run_db: Path, tmp_path: Path, args: list[str], code: int,
+                               says: str) -> None:
+    argv = [a.format(db=run_db, dir=tmp_path) for a in args]
+    r = subprocess.run([sys.executable, "-m", "memtrack.cli", *argv], capture_output=True,
+                       text=True, cwd=ROOT)
+    out = check(r, [], " ".join(args[:1]))
+    assert r.returncode == code and says in out, out
+    assert not (tmp_path / "copied.csv").exists()
+
+
+@pytest.mark.parametrize("table", ["frames", "events", "stacks"])
+def test_run_database_with_a_table_dropped(run_db: Path, tmp_path: Path, table: str) -> None:
+    db = tmp_path / "run.duckdb"
+    shutil.copyfile(run_db, db)
+    con = duckdb.connect(str(db))
+    con.execute(f"DROP TABLE {table} CASCADE")
+    con.close()
+    for cmd in (["report", str(db)], ["query", str(db), "select 1"]):
+        r = subprocess.run([sys.executable, "-m", "memtrack.cli", *cmd], capture_output=True,
+                           text=True, cwd=ROOT)
+        check(r, [], cmd[0])
+        assert r.returncode == 2 and f"a damaged run database: no {table}" in r.stderr, r.stderr

@@ -16,6 +16,8 @@ def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
 
     if fmt not in ("text", "json"):
         raise CommandError(f"--format: expected text or json, got {fmt!r}")
+    if top < 0:
+        raise CommandError(f"--top: expected 0 or more locations, got {top}")
     con = open_run_db(run_db)
     if pid is not None and not RunReader(con, pid).has_process():
         raise CommandError(f"{run_db}: no process {pid} in this run")
