@@ -15,7 +15,9 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from support.hostile import Case, cases, libc_dir, module_info
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.hostile import Case, cases, libc_dir, module_info, reseal
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "support" / "hostile_run.py"
@@ -78,6 +80,8 @@ def make(capture: Path, tmp_path: Path, case: Case) -> tuple[Path, Path, list[st
     shutil.copyfile(art / "manifest.json", outside / "manifest.json")
     before = sorted(str(p) for p in outside.rglob("*"))
     case.damage(art, outside)
+    if case.reseal:
+        reseal(art)
     return art, outside, before
 
 
@@ -158,3 +162,86 @@ def test_run_database_with_a_table_dropped(run_db: Path, tmp_path: Path, table: 
                            text=True, cwd=ROOT)
         check(r, [], cmd[0])
         assert r.returncode == 2 and f"a damaged run database: no {table}" in r.stderr, r.stderr
+
+
+def frames_by_method(db: Path) -> list[tuple]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return con.execute("SELECT method, count(*) FROM stack_frames GROUP BY ALL "
+                           "ORDER BY ALL").fetchall()
+    finally:
+        con.close()
+
+
+def process(art: Path, db: Path, *cache: str, env_home: Path) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "memtrack.cli", "process", str(art), "-o",
+                        str(db), "--no-host-modules", *cache], capture_output=True, text=True,
+                       cwd=ROOT, env={"PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(env_home),
+                                      "HOME": str(env_home)})
+    check(r, [], "process")
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_cfi_cache_is_not_poisoned_by_a_corrupt_module(capture: Path, tmp_path: Path) -> None:
+    """A libc copy whose .eh_frame is half zeros, under libc's genuine build id, processed
+    with a cache first: a good run with that cache unwinds as one with no cache."""
+    from elftools.elf.elffile import ELFFile
+
+    bad = tmp_path / "bad.memtrack"
+    shutil.copytree(capture, bad)
+    elf = libc_dir(bad) / module_info(libc_dir(bad))["file"]
+    with open(elf, "rb") as f:
+        sec = ELFFile(f).get_section_by_name(".eh_frame")
+        off, size = sec["sh_offset"], sec["sh_size"]
+    data = bytearray(elf.read_bytes())
+    data[off + size // 4:off + 3 * size // 4] = bytes(size // 2)
+    elf.write_bytes(bytes(data))
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    process(bad, tmp_path / "bad.duckdb", "--cache-dir", str(cache), env_home=home)
+    process(capture, tmp_path / "good.duckdb", "--cache-dir", str(cache), env_home=home)
+    process(capture, tmp_path / "fresh.duckdb", "--no-cache", env_home=home)
+    good = frames_by_method(tmp_path / "good.duckdb")
+    assert good == frames_by_method(tmp_path / "fresh.duckdb")
+    assert frames_by_method(tmp_path / "bad.duckdb") != good  # the corruption mattered
+    libc = libc_dir(capture).name  # one entry for each libc: the corrupt one is its own
+    assert len(list((cache / "cfi").glob(f"{libc}-*.npz"))) == 2
+    assert not home.exists()  # --cache-dir and --no-cache: nothing under XDG_CACHE_HOME
+
+
+def test_unwritable_cache_is_a_warning(capture: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    home = tmp_path / "home"
+    r = process(capture, tmp_path / "a.duckdb", "--cache-dir", str(blocker / "cache"),
+                env_home=home)
+    assert "cannot write the unwind cache" in r.stdout + r.stderr
+    process(capture, tmp_path / "b.duckdb", "--no-cache", env_home=home)
+    assert frames_by_method(tmp_path / "a.duckdb") == frames_by_method(tmp_path / "b.duckdb")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(table=st.sampled_from(["events", "stacks", "mappings", "rss", "processes"]),
+       where=st.floats(0.0, 0.999), byte=st.integers(1, 255), sealed=st.booleans())
+def test_random_byte_changes(capture: Path, tmp_path_factory: pytest.TempPathFactory,
+                             table: str, where: float, byte: int, sealed: bool) -> None:
+    """One byte of a table changed anywhere (checksums resealed or not): the contract
+    holds; unsealed, a change that still parses is named as damage."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+
+    def damage(art: Path, _outside: Path) -> None:
+        p = art / f"{table}.arrow"
+        data = bytearray(p.read_bytes())
+        data[int(len(data) * where)] ^= byte
+        p.write_bytes(bytes(data))
+
+    case = Case(f"byte-{table}", damage, reseal=sealed)
+    art, _, _ = make(capture, tmp, case)
+    out = tmp / "out"
+    out.mkdir()
+    r, bad = memtrack(tmp, "process", str(art), "-o", str(out / "run.duckdb"),
+                      "--no-host-modules", "--no-cache", read=[art, out], write=[out])
+    said = check(r, bad, "process")
+    if not sealed and r.returncode == 0:
+        assert "truncated" in said  # what parsed whole was not what capture wrote

@@ -11,6 +11,7 @@ that reads as "cut short", never as damaged.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -272,8 +273,16 @@ class ArtifactWriter:
     def close(self) -> None:
         for t in self.tables.values():
             t.close()
+        self.manifest.checksums = {t.path.name: file_checksum(t.path)
+                                   for t in self.tables.values()}
         self.manifest.complete = True
         self.write_manifest()
+
+
+def file_checksum(path: Path) -> str:
+    """The checksum the manifest keeps of a finished table file."""
+    with open(path, "rb") as f:
+        return "blake2b:" + hashlib.file_digest(f, "blake2b").hexdigest()
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -370,6 +379,11 @@ class Artifact:
                 batch = pa.RecordBatch.from_arrays(
                     [batch.column(n) for n in schema.names], schema=schema)
             batches.append(batch)
+        want = self.manifest.checksums.get(table_file(name))
+        if not truncated and want is not None and file_checksum(fpath) != want:
+            # it parses, but its values are not those capture wrote (a flipped byte)
+            raise ArtifactError(shown, "damaged: its bytes differ from the checksum capture "
+                                       "wrote in the manifest")
         if truncated:
             self.truncated.add(name)
             self.warnings.append(f"{shown}: {problem}; reading the whole batches before it")

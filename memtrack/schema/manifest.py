@@ -108,6 +108,9 @@ class Manifest:
     # "cpu_ns", "backlog_peak_bytes" (read, not written yet)}.
     drain: dict[str, Count] = field(default_factory=dict)
     complete: bool = False  # set when capture finished writing every file
+    # Per finished table file ("events.arrow"): "blake2b:HEX" of its bytes, written with
+    # `complete`; a reader that finds a file whose bytes differ names it as damaged.
+    checksums: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.options.get("extra", {}), dict):
