@@ -44,18 +44,35 @@ def limit() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
-def memtrack(work: Path, *args: str, read: list[Path], write: list[Path]
-             ) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """Run `memtrack ARGS` under watch; its result and the files it opened outside."""
+def memtrack(work: Path, *cmds: list[str], read: list[Path], write: list[Path]
+             ) -> tuple[list[subprocess.CompletedProcess | None], list[str]]:
+    """Run memtrack command lines under watch in one interpreter (a command given as
+    ["?", ARGS...] only if the one before it exited 0): each one's result (None: not
+    run) and the files they opened outside."""
     log = work / "violations.txt"
     log.unlink(missing_ok=True)
+    outdir = work / "results"
+    shutil.rmtree(outdir, ignore_errors=True)
+    outdir.mkdir()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "XDG_CACHE_HOME": str(work / "xdg"),
            "COLUMNS": "200", "PYTHONDONTWRITEBYTECODE": "1", "HOSTILE_VIOLATIONS": str(log),
            "HOSTILE_READ": ":".join([*READ_ROOTS, *map(str, read)]),
            "HOSTILE_WRITE": ":".join(["/dev/null", *map(str, write)])}
-    r = subprocess.run([sys.executable, str(RUNNER), "memtrack", *args], capture_output=True,
+    argv: list[str] = []
+    for i, c in enumerate(cmds):
+        if i:
+            argv.append("::?" if c[0] == "?" else "::")
+        argv += ["memtrack", *(c[1:] if c[0] == "?" else c)]
+    r = subprocess.run([sys.executable, str(RUNNER), str(outdir), *argv], capture_output=True,
                        text=True, cwd=work, env=env, timeout=TIME_LIMIT, preexec_fn=limit)
-    return r, log.read_text().splitlines() if log.exists() else []
+    assert r.returncode == 0, f"the runner died ({r.returncode}): {r.stderr[-3000:]}"
+    results: list[subprocess.CompletedProcess | None] = []
+    for i, c in enumerate(cmds):
+        code = outdir / f"{i}.code"
+        results.append(subprocess.CompletedProcess(
+            c, int(code.read_text()), (outdir / f"{i}.out").read_text(),
+            (outdir / f"{i}.err").read_text()) if code.exists() else None)
+    return results, log.read_text().splitlines() if log.exists() else []
 
 
 def check(r: subprocess.CompletedProcess, bad: list[str], what: str) -> str:
@@ -85,27 +102,33 @@ def make(capture: Path, tmp_path: Path, case: Case) -> tuple[Path, Path, list[st
     return art, outside, before
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One symbol and CFI cache for every hostile case: none may poison it (checked by
+    test_cfi_cache_is_not_poisoned_by_a_corrupt_module, which runs after them)."""
+    return tmp_path_factory.mktemp("hostile-cache")
+
+
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=pytest.mark.xfail(reason=c.known, strict=False)) if c.known else c
     for c in cases()], ids=lambda c: c.name)
-def test_hostile_artifact(capture: Path, tmp_path: Path, case: Case) -> None:
+def test_hostile_artifact(capture: Path, shared_cache: Path, tmp_path: Path,
+                          case: Case) -> None:
     art, outside, before = make(capture, tmp_path, case)
-    out, cache = tmp_path / "out", tmp_path / "cache"
+    out = tmp_path / "out"
     out.mkdir()
-    said = []
-    r, bad = memtrack(tmp_path, "info", str(art), read=[art], write=[])
-    said.append(check(r, bad, "info"))
-    codes = [r.returncode]
     db = out / "run.duckdb"
-    r, bad = memtrack(tmp_path, "process", str(art), "-o", str(db), "--no-host-modules",
-                      "--cache-dir", str(cache), "--quiet", read=[art, cache, out],
-                      write=[cache, out])
-    said.append(check(r, bad, "process"))
-    codes.append(r.returncode)
-    if r.returncode == 0:
-        r, bad = memtrack(tmp_path, "report", str(db), read=[out], write=[])
-        said.append(check(r, bad, "report"))
-        assert r.returncode == 0, r.stderr
+    results, bad = memtrack(
+        tmp_path, ["info", str(art)],
+        ["process", str(art), "-o", str(db), "--no-host-modules", "--cache-dir",
+         str(shared_cache), "--quiet"],
+        ["?", "report", str(db)], read=[art, shared_cache, out], write=[shared_cache, out])
+    info, proc, report = results
+    said = [check(r, bad, what) for r, what in zip(results, ("info", "process", "report"),
+                                                  strict=True) if r is not None]
+    codes = [info.returncode, proc.returncode]
+    if proc.returncode == 0:
+        assert report is not None and report.returncode == 0, report
     assert sorted(str(p) for p in outside.rglob("*")) == before, "written outside"
     assert not [p for p in tmp_path.parent.rglob("ESCAPED*")], "a build id escaped"
     if case.expect == "ok":
@@ -183,9 +206,11 @@ def process(art: Path, db: Path, *cache: str, env_home: Path) -> subprocess.Comp
     return r
 
 
-def test_cfi_cache_is_not_poisoned_by_a_corrupt_module(capture: Path, tmp_path: Path) -> None:
+def test_cfi_cache_is_not_poisoned_by_a_corrupt_module(capture: Path, shared_cache: Path,
+                                                       tmp_path: Path) -> None:
     """A libc copy whose .eh_frame is half zeros, under libc's genuine build id, processed
-    with a cache first: a good run with that cache unwinds as one with no cache."""
+    with a cache first: a good run with that cache unwinds as one with no cache; so does
+    one with the cache every hostile case above used."""
     from elftools.elf.elffile import ELFFile
 
     bad = tmp_path / "bad.memtrack"
@@ -201,8 +226,11 @@ def test_cfi_cache_is_not_poisoned_by_a_corrupt_module(capture: Path, tmp_path: 
     process(bad, tmp_path / "bad.duckdb", "--cache-dir", str(cache), env_home=home)
     process(capture, tmp_path / "good.duckdb", "--cache-dir", str(cache), env_home=home)
     process(capture, tmp_path / "fresh.duckdb", "--no-cache", env_home=home)
+    process(capture, tmp_path / "shared.duckdb", "--cache-dir", str(shared_cache),
+            env_home=home)
     good = frames_by_method(tmp_path / "good.duckdb")
     assert good == frames_by_method(tmp_path / "fresh.duckdb")
+    assert good == frames_by_method(tmp_path / "shared.duckdb")
     assert frames_by_method(tmp_path / "bad.duckdb") != good  # the corruption mattered
     libc = libc_dir(capture).name  # one entry for each libc: the corrupt one is its own
     assert len(list((cache / "cfi").glob(f"{libc}-*.npz"))) == 2
@@ -240,8 +268,8 @@ def test_random_byte_changes(capture: Path, tmp_path_factory: pytest.TempPathFac
     art, _, _ = make(capture, tmp, case)
     out = tmp / "out"
     out.mkdir()
-    r, bad = memtrack(tmp, "process", str(art), "-o", str(out / "run.duckdb"),
-                      "--no-host-modules", "--no-cache", read=[art, out], write=[out])
+    (r,), bad = memtrack(tmp, ["process", str(art), "-o", str(out / "run.duckdb"),
+                               "--no-host-modules", "--no-cache"], read=[art, out], write=[out])
     said = check(r, bad, "process")
     if not sealed and r.returncode == 0:
         assert "truncated" in said  # what parsed whole was not what capture wrote
