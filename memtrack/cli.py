@@ -265,11 +265,15 @@ def query(
     dataset: Annotated[Path | None, typer.Option(
         "--dataset", help="Query every run of this dataset (a view per table, with its run "
                           "column, and runs).")] = None,
+    allow_files: Annotated[bool, typer.Option(
+        "--allow-files", help="Let the SQL read and write files (read_csv, COPY ... TO).")
+    ] = False,
 ) -> None:
-    """Run SQL against a processed run (or a dataset of runs) and print the result."""
+    """Run SQL against a processed run (or a dataset of runs; read-only, no file access)
+    and print the result."""
     from memtrack.commands import query as cmd
 
-    call(cmd.run, args, fmt, sys.stdout, dataset)
+    call(cmd.run, args, fmt, sys.stdout, dataset, allow_files)
 
 
 @app.command()

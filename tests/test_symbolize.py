@@ -3,6 +3,7 @@ the per-build-id cache, demangling, the output table and the `symbolize` command
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -216,13 +217,19 @@ def test_truncated_dwarf_falls_back_to_symbols(tmp_path: Path) -> None:
     assert any("unreadable" in p for p in s.problems)
 
 
+def cache_entry(cache: Path, elf: Path, *, debug: bool) -> Path:
+    """The symbolization cache's directory of a module file (named by its cache key)."""
+    key = ModuleStore(None).add_file(elf).cache_key
+    assert key and key.startswith(f"{read_build_id(elf)}-")
+    return cache / "symbolize" / "v1" / (key if debug else f"{key}.nodebug")
+
+
 def test_cache_second_run_parses_no_dwarf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exe = inl()
     addrs = _text_sample(exe, 300)
     cache = tmp_path / "cache"
     first, _ = run(exe, addrs, cache_dir=cache)
-    bid = read_build_id(exe)
-    mdir = cache / "symbolize" / "v1" / f"{bid}.nodebug"  # -g in the module: no debug file
+    mdir = cache_entry(cache, exe, debug=False)  # -g in the module: no debug file
     files = sorted(p.name.split("-")[0] for p in mdir.iterdir())
     assert files == ["files", "lines", "meta.json", "nodes", "ranges", "symbols.parquet",
                      "symbols_debug.parquet", "units.parquet"]
@@ -278,12 +285,16 @@ def test_cache_kept_apart_without_debug_file_and_without_build_id(tmp_path: Path
     addrs = _text_sample(exe, 50)
     cache = tmp_path / "cache"
     without, _ = run(stripped, addrs, cache_dir=cache)
+    stripped_before = tmp_path / "stripped.before"
+    shutil.copyfile(stripped, stripped_before)
     subprocess.run(["objcopy", f"--add-gnu-debuglink={dbg}", str(stripped)], check=True)
     with_dbg, _ = run(stripped, addrs, cache_dir=cache)
     assert sum(map(len, with_dbg)) > sum(map(len, without))  # inline frames appeared
     bid = read_build_id(exe)
-    assert sorted(p.name for p in (cache / "symbolize" / "v1").iterdir()) == [
-        str(bid), f"{bid}.nodebug"]
+    names = {p.name for p in (cache / "symbolize" / "v1").iterdir()}
+    assert sorted(re.sub(r"-[0-9a-f]{32}", "", n) for n in names) == [str(bid),
+                                                                       f"{bid}.nodebug"]
+    assert cache_entry(cache, stripped_before, debug=False).name in names
     nobid = tmp_path / "nobid"
     build_nobid = build(["symbolize/syms.S"], name="syms-nobid", shared=True,
                         flags=("-nostdlib", "-Wl,--build-id=none"))
@@ -302,7 +313,7 @@ def test_cache_adds_units_in_parts_and_compacts_them(tmp_path: Path,
                 name="units", shared=True, flags=("-O2", "-g"))
     fns = [nm(lib, f"unit{i}_{j}") for i in (1, 2, 3) for j in (1, 2, 3, 4)]
     cache = tmp_path / "cache"
-    mdir = cache / "symbolize" / "v1" / f"{read_build_id(lib)}.nodebug"
+    mdir = cache_entry(cache, lib, debug=False)
 
     def parts() -> int:
         return len(list(mdir.glob("lines-*.parquet")))

@@ -17,16 +17,21 @@ from memtrack.schema.artifact import Artifact, ArtifactError
 
 
 def collect_info(path: Path) -> dict[str, Any]:
-    """Everything `info` prints, as plain data (also the --json output)."""
+    """Everything `info` prints, as plain data (also the --json output). The tables are
+    read as `process` reads them (memtrack.process.read: bad rows counted and skipped)."""
+    from memtrack.process.read import read_artifact
+
     art = Artifact.open(path)
     m = art.manifest
     tables: dict[str, Any] = {}
-    reads = {}
+    read = read_artifact(art)
     for name in TABLES:
-        r = art.read(name, required=name == "events")
-        reads[name] = r
-        tables[name] = {"rows": r.table.num_rows, "truncated": r.truncated}
-    ev = reads["events"].table
+        t = getattr(read, name, None)  # stack_copies: a debug table process never reads
+        bad = read.bad_rows.get(name, 0)
+        rows = (t if t is not None else art.read(name, required=False).table).num_rows
+        tables[name] = {"rows": rows + bad, "truncated": name in art.truncated,
+                        "bad_rows": bad}
+    ev = read.events
     kinds: dict[str, int] = {}
     if ev.num_rows:
         counts = pc.value_counts(ev["kind"]).to_pylist()
@@ -42,8 +47,8 @@ def collect_info(path: Path) -> dict[str, Any]:
         "event_kinds": kinds,
         "losses": m.losses,
         "modules": art.modules(),
-        "peak_rss": peak_rss(art, reads["rss"].table, ev, reads["processes"].table),
-        "stack_records": stack_records(reads["stacks"].table, ev, reads["py_stacks"].table),
+        "peak_rss": peak_rss(art, read.rss, ev, read.processes),
+        "stack_records": stack_records(read.stacks, ev, read.py_stacks),
         "warnings": art.warnings,
     }
 
@@ -150,7 +155,9 @@ def show_info(path: Path, *, as_json: bool = False) -> None:
     t.add_column("rows", justify="right")
     t.add_column("note")
     for name, d in data["tables"].items():
-        t.add_row(name, f"{d['rows']:,}", "truncated" if d["truncated"] else "")
+        note = ["truncated"] * d["truncated"] + [f"{d['bad_rows']:,} bad rows skipped"] * bool(
+            d["bad_rows"])
+        t.add_row(name, f"{d['rows']:,}", ", ".join(note))
     out.print(t)
     if data["event_kinds"]:
         t = Table(title="events by kind", show_edge=False)

@@ -17,13 +17,18 @@ from memtrack.commands import CommandError, open_run_db
 FORMATS = ("table", "csv", "json")
 
 
-def run(args: Sequence[str], fmt: str, out: TextIO, dataset: Path | None = None) -> int:
+def run(args: Sequence[str], fmt: str, out: TextIO, dataset: Path | None = None,
+        allow_files: bool = False) -> int:
     """args: RUN.duckdb and the SQL, or with a dataset the SQL alone."""
     if fmt not in FORMATS:
         raise CommandError(f"--format: expected table, csv or json, got {fmt!r}")
     if len(args) != (1 if dataset is not None else 2):
         raise CommandError("expected --dataset DIR SQL" if dataset is not None
                            else "expected RUN.duckdb SQL (or --dataset DIR SQL)")
+    sql = args[-1]
+    if not sql.strip():
+        raise CommandError("query: no SQL given")
+    readable: list[str] = []  # what the SQL may read with file access off
     if dataset is not None:
         from memtrack.schema.dataset import DatasetError, open_dataset
 
@@ -31,21 +36,27 @@ def run(args: Sequence[str], fmt: str, out: TextIO, dataset: Path | None = None)
             con = open_dataset(dataset)
         except DatasetError as e:
             raise CommandError(str(e)) from None
+        readable.append(str(dataset.resolve()) + "/")  # the views read its Parquet files
     else:
         con = open_run_db(Path(args[0]))
-    sql = args[-1]
     try:
+        if not allow_files:  # read_text('/etc/shadow'), COPY ... TO: not from a query
+            con.execute("SET allowed_directories = ?", [readable])
+            con.execute("SET enable_external_access = false")
         cur = con.execute(sql)
+        names = [d[0] for d in cur.description or []]
+        # through Arrow: TIMESTAMPTZ values need no pytz
+        res = cur.arrow() if cur.description else None
+        table = res.read_all() if hasattr(res, "read_all") else res
     except duckdb.Error as e:
         raise CommandError(f"query: {' '.join(str(e).split())}") from None
-    print_query(cur, fmt, out)
+    rows = list(zip(*(c.to_pylist() for c in table.columns), strict=True)) if table else []
+    print_query(names, rows, fmt, out)
     return 0
 
 
-def print_query(cur: duckdb.DuckDBPyConnection, fmt: str, out: TextIO) -> None:
+def print_query(names: list[str], rows: list[tuple], fmt: str, out: TextIO) -> None:
     """Print a query result as an aligned table, CSV or JSON (a list of objects)."""
-    names = [d[0] for d in cur.description or []]
-    rows = cur.fetchall()
     if fmt == "csv":
         w = csv.writer(out, lineterminator="\n")
         w.writerow(names)

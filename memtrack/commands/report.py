@@ -17,6 +17,9 @@ def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
 
     if fmt not in ("text", "json"):
         raise CommandError(f"--format: expected text or json, got {fmt!r}")
+    if top < 0:
+        raise CommandError(f"--top: expected 0 or more locations, got {top}")
+
     if html is not None:
         check_output(html, force)
     con = open_run_db(run_db)

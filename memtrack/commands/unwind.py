@@ -14,7 +14,7 @@ from memtrack.process.addrspace import artifact_mappings
 from memtrack.process.decode import decode_chunks
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact, ArtifactError
-from memtrack.symbolize import symbolize_frames
+from memtrack.symbolize import default_cache_dir, symbolize_frames
 from memtrack.symbolize.modules import ModuleStore
 
 
@@ -58,7 +58,8 @@ def show_record(artifact_path: Path, record: str, out: TextIO, *,
     if rows is None:
         raise ValueError(f"no stack record with hash {want:#x} in {artifact_path}")
     store = ModuleStore(artifact_path, host_modules=host_modules)
-    res = unwind(rows, artifact_mappings(art, rows.column("pid").to_numpy()), store)
+    res = unwind(rows, artifact_mappings(art, rows.column("pid").to_numpy()), store,
+                 cache_dir=default_cache_dir())
     frames = res.stack_frames
     sym = symbolize_frames(store, frames)
     levels: dict[int, list[dict[str, Any]]] = {}

@@ -80,6 +80,8 @@ class CFITable:
     def lookup(self, vaddrs: np.ndarray) -> np.ndarray:
         """Row index of each address (int64), -1 where no CFI covers it."""
         v = np.asarray(vaddrs, dtype=np.uint64)
+        if not len(self.pc):  # a module without CFI (or whose CFI did not read)
+            return np.full(len(v), -1, np.int64)
         i = np.searchsorted(self.pc, v, side="right").astype(np.int64) - 1
         ok = i >= 0
         i[ok & (self.cfa_reg[np.maximum(i, 0)] == CFA_NONE)] = -1

@@ -38,6 +38,8 @@ def find_debug_file(path: str | Path, build_id: str | None = None,
     if link is None:
         return None
     name, crc = link
+    if "/" in name or name in ("", ".", ".."):
+        return None  # the link names a file beside the module, never a path
     d = path.resolve().parent
     cands = [d / name, d / ".debug" / name]
     cands += [root / str(d).lstrip("/") / name for root in debug_roots]

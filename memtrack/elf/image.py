@@ -214,6 +214,10 @@ class ElfImage:
         sec = self.sections.get(name)
         if sec is None or sec["sh_type"] == "SHT_NOBITS":
             return None
+        size = self._f.seek(0, io.SEEK_END)
+        if sec["sh_offset"] + sec["sh_size"] > size:  # read no more than the file holds
+            raise ElfReadError(f"{self.path}: section {name} ends beyond the file "
+                               f"({sec['sh_size']:,} bytes at {sec['sh_offset']:#x})")
         try:
             return bytes(sec.data()), int(sec["sh_addr"])
         except ELF_ERRORS as e:

@@ -96,9 +96,11 @@ Piece = tuple[pa.Table, pa.Table, dict[str, int], list[str]]
 _unwinder: Unwinder | None = None  # a worker's
 
 
-def _start_worker(mappings: pa.Table, artifact: Path, host_modules: bool) -> None:
+def _start_worker(mappings: pa.Table, artifact: Path, host_modules: bool,
+                  cache_dir: Path | None) -> None:
     global _unwinder
-    _unwinder = Unwinder(mappings, ModuleStore(artifact, host_modules=host_modules))
+    _unwinder = Unwinder(mappings, ModuleStore(artifact, host_modules=host_modules),
+                         cache_dir=cache_dir)
 
 
 def _piece(records: pa.Table, unwinder: Unwinder | None = None,
@@ -121,9 +123,11 @@ def _piece(records: pa.Table, unwinder: Unwinder | None = None,
 
 def unwind_records(records: pa.Table, mappings: pa.Table, artifact: Path, host_modules: bool,
                    store: ModuleStore, chunk_bytes: int, jobs: int,
-                   stage: Callable[[str], AbstractContextManager[None]]) -> StackWork:
+                   stage: Callable[[str], AbstractContextManager[None]],
+                   cache_dir: Path | None = None) -> StackWork:
     """Stacks and stack frames of every stack hash of `records` (the artifact's STACKS
-    table), on `jobs` processes (1: in this one). `stage(name)` times "decode" (choosing
+    table), on `jobs` processes (1: in this one), with the CFI cache under `cache_dir`
+    (None: none). `stage(name)` times "decode" (choosing
     records) and "unwind" (with several jobs the pieces' decoding too)."""
     counters: dict[str, int] = {"stack_records": records.num_rows}
     if records.num_rows == 0:
@@ -136,14 +140,14 @@ def unwind_records(records: pa.Table, mappings: pa.Table, artifact: Path, host_m
     del chosen
     results: list[Piece] = []
     if jobs <= 1 or len(parts) == 1:
-        unwinder = Unwinder(mappings, store)
+        unwinder = Unwinder(mappings, store, cache_dir=cache_dir)
         while parts:
             results.append(_piece(parts.pop(0), unwinder, stage))
     else:
         with stage("unwind"), ProcessPoolExecutor(
                 max_workers=min(jobs, len(parts)), mp_context=multiprocessing.get_context(
                     "spawn"), initializer=_start_worker,
-                initargs=(mappings, artifact, host_modules)) as pool:
+                initargs=(mappings, artifact, host_modules, cache_dir)) as pool:
             results = list(pool.map(_piece, parts))
     problems: set[str] = set()
     for _, _, c, p in results:

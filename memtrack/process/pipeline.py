@@ -80,7 +80,8 @@ class Summary:
             out.append(f"frames by method: {methods}; unknown frames: {self.unknown_frames}")
         out.append("stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         out.extend(loss_lines(self.losses))
-        noted = {k: v for k, v in self.counters.items() if v and k in NOTABLE}
+        noted = {k: v for k, v in self.counters.items()
+                 if v and (k in NOTABLE or k.endswith("_bad_rows"))}
         if noted:
             out.append("process: " + ", ".join(f"{k} {v}" for k, v in noted.items()))
         if self.counters.get("frees_at_thread_exit"):
@@ -158,7 +159,8 @@ def process(
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
     host_modules: where the artifact lacks a module, use the host file at its mapped path
-    when its build id matches. cache_dir: the symbolization cache (per build id).
+    when its build id matches. cache_dir: the symbol and CFI caches (per module), None
+    for none.
     progress: a progress bar per stage; None = only when stderr is a terminal.
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
@@ -185,6 +187,7 @@ def process(
         tables = st.run("read", lambda: read_artifact(art))
         events = tables.events
         summary.counters["events_bad_kind"] = tables.events_bad_kind
+        summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
         summary.events = events.num_rows
         end_ns = m.end_ns or (int(events.column("ts")[-1].as_py()) if events.num_rows else 0)
         res = st.run("rss", lambda: resident(tables, m))
@@ -195,10 +198,11 @@ def process(
         summary.add(spans.counters)
 
         store = ModuleStore(artifact_path, host_modules=host_modules)
+        cache = Path(cache_dir) if cache_dir else None
         spaces = inherited_mappings(tables.mappings, res.life.forks,
                                     tables.stacks.column("pid").to_numpy())
         work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
-                              store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage)
+                              store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
         summary.add(work.counters)
         summary.warn(work.problems)
         unwound = work.unwound
@@ -211,7 +215,6 @@ def process(
         summary.stacks = unwound.stacks.num_rows
         summary.counters["events_stack_missing"] = missing_stacks(events, unwound.stacks)
         modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
-        cache = Path(cache_dir) if cache_dir else None
 
         def meta(loaded: Loaded) -> dict[str, str]:
             summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows

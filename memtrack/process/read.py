@@ -1,16 +1,29 @@
-"""The read stage: an artifact's files as Arrow tables, its events validated and put in
-time order (event_id = that order)."""
+"""The read stage: an artifact's files as Arrow tables, every row whose values could
+index or size anything range-checked (a bad row is counted and skipped, never a crash
+later), its events put in time order (event_id = that order)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.schema.artifact import Artifact
-from memtrack.schema.enums import EventKind
+from memtrack.schema.artifact import BUILD_ID, Artifact
+from memtrack.schema.enums import Allocator, EventKind, RssMember
+from memtrack.schema.stackrecord import MAX_BUDGET
+
+# What a value of a hostile artifact may be before it sizes an allocation or indexes an
+# array. Byte counts stay below 2^48 (256 TiB, beyond any address space in use), so
+# that sums of them cannot overflow an int64.
+MAX_BYTES = 1 << 48
+MAX_PAYLOAD_BYTES = MAX_BUDGET + MAX_BUDGET // 64 + 64  # every word kept, its bitmap
+MAX_FP_CHAIN = 1024  # the kernel's frame-pointer walk: 127 entries
+MAX_RET_FIXUPS = MAX_BUDGET // 8
+MAX_PY_DEPTH = 128  # Python frames per record (bpf/pyframes.h MT_PY_DEPTH)
+MAX_PY_TEXT = 1 << 16  # bytes of a code object's name, file name or line table
 
 
 @dataclass
@@ -26,28 +39,135 @@ class ArtifactTables:
     py_codes: pa.Table
 
     events_bad_kind: int = 0  # events dropped for a kind this reader does not know
+    bad_rows: dict[str, int] = field(default_factory=dict)  # per table: rows skipped
+
+
+def _no_nulls(t: pa.Table, *names: str) -> pa.ChunkedArray:
+    ok = pc.is_valid(t.column(names[0]))
+    for n in names[1:]:
+        ok = pc.and_(ok, pc.is_valid(t.column(n)))
+    return ok
+
+
+def _at_most(t: pa.Table, name: str, hi: int) -> pa.ChunkedArray:
+    col = t.column(name)
+    return pc.less_equal(col, pa.scalar(hi, col.type))  # an int scalar would cast to int64
+
+
+def _events_ok(t: pa.Table) -> pa.ChunkedArray:
+    return pc.and_(_no_nulls(t, *t.column_names),
+                   pc.and_(_at_most(t, "allocator", max(Allocator)),
+                           _at_most(t, "size", MAX_BYTES)))
+
+
+def _stacks_ok(t: pa.Table) -> pa.ChunkedArray:
+    fp = pc.fill_null(pc.list_value_length(t.column("fp_chain")), 0)
+    fixups = pc.fill_null(pc.list_value_length(t.column("ret_fixups")), 0)
+    ok = pc.and_(_no_nulls(t, "hash", "ts", "pid", "tid", "sp", "copy_len", "truncated",
+                           "regs", "payload"),
+                 _at_most(t, "copy_len", MAX_BUDGET))
+    ok = pc.and_(ok, pc.less_equal(pc.binary_length(t.column("payload")), MAX_PAYLOAD_BYTES))
+    ok = pc.and_(ok, pc.less_equal(fp, MAX_FP_CHAIN))
+    ok = pc.and_(ok, pc.less_equal(fixups, MAX_RET_FIXUPS))
+    # a null inside the registers or the frame-pointer chain would be read as a value
+    ok = pc.and_(ok, _lists_without_nulls(t.column("regs")))
+    return pc.and_(ok, _lists_without_nulls(t.column("fp_chain")))
+
+
+def _lists_without_nulls(col: pa.ChunkedArray) -> pa.Array:
+    """Per list row: no value of it is null."""
+    col = col.combine_chunks()
+    ok = np.ones(len(col), dtype=bool)
+    flat = pc.list_flatten(col)
+    if flat.null_count:
+        parents = pc.list_parent_indices(col).to_numpy()
+        ok[parents[pc.is_null(flat).to_numpy(zero_copy_only=False)]] = False
+    return pa.array(ok)
+
+
+def _rss_ok(t: pa.Table) -> pa.ChunkedArray:
+    return pc.and_(_no_nulls(t, *t.column_names),
+                   pc.and_(_at_most(t, "member", max(RssMember)),
+                           pc.and_(pc.greater_equal(t.column("bytes"), 0),
+                                   _at_most(t, "bytes", MAX_BYTES))))
+
+
+def _mappings_ok(t: pa.Table) -> pa.ChunkedArray:
+    ok = pc.and_(_no_nulls(t, "ts", "pid", "start", "end", "offset", "inode", "path"),
+                 pc.less(t.column("start"), t.column("end")))
+    return pc.and_(ok, _at_most(t, "offset", MAX_BYTES))
+
+
+def _py_stacks_ok(t: pa.Table) -> pa.ChunkedArray:
+    """A Python stack record's three per-frame lists are one frame each, bounded."""
+    n = pc.list_value_length(t.column("code_key"))
+    ok = pc.and_(_all_valid(t), pc.less_equal(n, MAX_PY_DEPTH))
+    for name in ("instr", "entry"):
+        ok = pc.and_(ok, pc.equal(pc.list_value_length(t.column(name)), n))
+        ok = pc.and_(ok, _lists_without_nulls(t.column(name)))
+    return pc.and_(ok, _lists_without_nulls(t.column("code_key")))
+
+
+def _py_codes_ok(t: pa.Table) -> pa.ChunkedArray:
+    ok = _all_valid(t)
+    for name in ("qualname", "filename"):
+        ok = pc.and_(ok, pc.less_equal(pc.binary_length(t.column(name)), MAX_PY_TEXT))
+    return pc.and_(ok, pc.less_equal(pc.binary_length(t.column("linetable")), MAX_PY_TEXT))
+
+
+def _all_valid(t: pa.Table) -> pa.ChunkedArray:
+    return _no_nulls(t, *(f.name for f in t.schema if pa.types.is_integer(f.type)
+                          or pa.types.is_boolean(f.type)))
+
+
+# table -> which of its rows may be used
+ROW_RULES: dict[str, Callable[[pa.Table], pa.ChunkedArray]] = {
+    "events": _events_ok, "stacks": _stacks_ok, "rss": _rss_ok, "mappings": _mappings_ok,
+    "processes": _all_valid, "faults": _all_valid, "region_names": _all_valid,
+    "py_stacks": _py_stacks_ok, "py_codes": _py_codes_ok,
+}
+
+
+def checked(name: str, table: pa.Table) -> tuple[pa.Table, int]:
+    """The rows of an artifact's `name` table that ROW_RULES allows, and how many not."""
+    if table.num_rows == 0:
+        return table, 0
+    ok = pc.fill_null(ROW_RULES[name](table), False)
+    bad = table.num_rows - (pc.sum(ok).as_py() or 0)
+    return (table.filter(ok) if bad else table), bad
+
+
+def _mapping_build_ids(t: pa.Table) -> tuple[pa.Table, int]:
+    """Mappings whose build id is not hex have none (a build id names cache files)."""
+    bid = t.column("build_id")
+    bad = pc.and_(pc.is_valid(bid), pc.invert(pc.match_substring_regex(
+        bid, f"^{BUILD_ID.pattern}$")))
+    n = pc.sum(bad).as_py() or 0
+    if not n:
+        return t, 0
+    i = t.schema.get_field_index("build_id")
+    return t.set_column(i, "build_id", pc.if_else(bad, pa.scalar(None, pa.string()), bid)), n
 
 
 def read_artifact(art: Artifact) -> ArtifactTables:
     """Every file of `art` (events required, the others empty where missing)."""
-    events = art.read("events").table
+    bad_rows: dict[str, int] = {}
+    out: dict[str, pa.Table] = {}
+    for name in ROW_RULES:
+        out[name], bad_rows[name] = checked(
+            name, art.read(name, required=name == "events").table)
+    out["mappings"], bad_rows["mappings_build_id"] = _mapping_build_ids(out["mappings"])
+    events = out["events"]
     kind = events.column("kind")
     ok = pc.and_(pc.greater_equal(kind, min(EventKind)), pc.less_equal(kind, max(EventKind)))
     bad = events.num_rows - pc.sum(ok).as_py() if events.num_rows else 0
     if bad:
         events = events.filter(ok)
     return ArtifactTables(
-        events=sort_events(events),
-        mappings=art.read("mappings", required=False).table,
-        processes=art.read("processes", required=False).table,
-        rss=art.read("rss", required=False).table,
-        faults=art.read("faults", required=False).table,
-        stacks=art.read("stacks", required=False).table,
-        region_names=art.read("region_names", required=False).table,
-        py_stacks=art.read("py_stacks", required=False).table,
-        py_codes=art.read("py_codes", required=False).table,
-
-        events_bad_kind=bad,
+        events=sort_events(events), mappings=out["mappings"], processes=out["processes"],
+        rss=out["rss"], faults=out["faults"], stacks=out["stacks"],
+        region_names=out["region_names"], py_stacks=out["py_stacks"], py_codes=out["py_codes"],
+        events_bad_kind=bad, bad_rows={k: v for k, v in bad_rows.items() if v},
     )
 
 

@@ -11,9 +11,12 @@ that reads as "cut short", never as damaged.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -23,14 +26,13 @@ from typing import Any
 import pyarrow as pa
 
 from memtrack.schema import (
-    FORMAT_MAJOR,
     MANIFEST,
     MODULE_INFO,
     MODULES_DIR,
     TABLES,
     table_file,
 )
-from memtrack.schema.manifest import Manifest
+from memtrack.schema.manifest import Manifest, ManifestError
 
 
 class ArtifactError(Exception):
@@ -40,6 +42,133 @@ class ArtifactError(Exception):
         super().__init__(f"{path}: {problem}")
         self.path = Path(path)
         self.problem = problem
+
+
+# An artifact is untrusted input (uploaded from a runner nobody here controls): every
+# file of it is reached through artifact_file, and read no larger than these.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_MODULE_INFO_BYTES = 64 << 10
+BUILD_ID = re.compile(r"[0-9a-f]{2,128}")  # a build id names files: hex only
+
+
+def _resolve(root: Path, names: tuple[str, ...]) -> tuple[Path, str]:
+    """(the path as shown, the real path) of `names` under `root`, or ArtifactError when
+    a name is not a plain one or the real path leaves the artifact."""
+    shown = root.joinpath(*(n if isinstance(n, str) else "?" for n in names))
+    for n in names:
+        if not isinstance(n, str) or n in ("", ".", "..") or "/" in n or "\0" in n:
+            raise ArtifactError(shown, f"not a file name inside the artifact: {n!r}")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(root.joinpath(*names))
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise ArtifactError(shown, "a symlink that leaves the artifact")
+    return shown, real
+
+
+def artifact_file(root: Path, *names: str, max_bytes: int | None = None) -> Path:
+    """The one way to a file of the artifact at `root`: `names` are plain names (no
+    `/`, `..`, `.` or NUL: nothing absolute or leading up), the file they name does not
+    leave the artifact through a symlink, is a regular file (not a FIFO, a device or a
+    directory) and holds at most `max_bytes`. The resolved path, or ArtifactError
+    (FileNotFoundError when it does not exist)."""
+    shown, real = _resolve(root, names)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ArtifactError(shown, e.strerror or str(e)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ArtifactError(shown, "not a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise ArtifactError(shown, f"{st.st_size:,} bytes, more than the {max_bytes:,} "
+                                   "such a file may hold")
+    return Path(real)
+
+
+def artifact_dir(root: Path, name: str) -> Path | None:
+    """A directory of the artifact (artifact_file's rules), None when there is none."""
+    shown, real = _resolve(root, (name,))
+    if not os.path.lexists(real):
+        return None
+    if not os.path.isdir(real):
+        raise ArtifactError(shown, "not a directory")
+    return Path(real)
+
+
+def artifact_bytes(root: Path, *names: str, max_bytes: int) -> bytes:
+    """The bytes of a small file of the artifact (artifact_file's rules), at most
+    `max_bytes` read whatever the file grew to since."""
+    with open(artifact_file(root, *names, max_bytes=max_bytes), "rb") as f:
+        return f.read(max_bytes + 1)[:max_bytes]
+
+
+@dataclass(frozen=True)
+class ModuleCopy:
+    """A module copied into the artifact, as its validated module.json names it."""
+
+    build_id: str  # hex, the name of its directory
+    path: str  # where it was mapped on the traced host
+    elf_path: Path  # resolved inside the artifact
+    debug_path: Path | None  # its separate debug file, resolved inside the artifact
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"build_id": self.build_id, "path": self.path, "file": self.elf_path.name,
+                "debug_file": self.debug_path.name if self.debug_path else None}
+
+
+def module_copies(root: Path) -> tuple[list[ModuleCopy], list[str]]:
+    """Every module of `root`/modules/ whose module.json is valid (a JSON object whose
+    build_id is hex and names its directory, whose file and debug_file are plain names of
+    regular files in that directory), and one line per module skipped. Whether the ELF's
+    own build-id note agrees is checked where the ELF is read (memtrack.symbolize)."""
+    out: list[ModuleCopy] = []
+    problems: list[str] = []
+    try:
+        mdir = artifact_dir(root, MODULES_DIR)
+    except ArtifactError as e:
+        return out, [str(e)]
+    if mdir is None:
+        return out, problems
+    for d in sorted(os.listdir(mdir)):
+        try:
+            out.append(_module_copy(root, d))
+        except FileNotFoundError:
+            continue  # a directory without module.json: a copy never finished
+        except ArtifactError as e:
+            problems.append(f"{e}; module skipped")
+    return out, problems
+
+
+def _module_copy(root: Path, d: str) -> ModuleCopy:
+    shown = root / MODULES_DIR / d / MODULE_INFO
+    if not BUILD_ID.fullmatch(d):
+        raise ArtifactError(root / MODULES_DIR / d, "not a build id (hex)")
+    data = artifact_bytes(root, MODULES_DIR, d, MODULE_INFO, max_bytes=MAX_MODULE_INFO_BYTES)
+    try:
+        info = json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ArtifactError(shown, f"not valid JSON ({e})") from None
+    if not isinstance(info, dict):
+        raise ArtifactError(shown, "not a JSON object")
+    bid, path, file, debug = (info.get(k) for k in ("build_id", "path", "file", "debug_file"))
+    if bid != d:
+        raise ArtifactError(shown, f"build_id {bid!r} is not its directory's name")
+    if not isinstance(path, str) or not isinstance(file, str) or not (
+            debug is None or isinstance(debug, str)):
+        raise ArtifactError(shown, "path and file must be strings, debug_file a string or null")
+    try:
+        elf = artifact_file(root, MODULES_DIR, d, file)
+    except FileNotFoundError:
+        raise ArtifactError(shown, f"its file {file!r} is missing") from None
+    dbg = None
+    if debug:
+        try:
+            dbg = artifact_file(root, MODULES_DIR, d, debug)
+        except FileNotFoundError:
+            raise ArtifactError(shown, f"its debug file {debug!r} is missing") from None
+    return ModuleCopy(d, path, elf, dbg)
+
 
 
 _WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
@@ -144,8 +273,16 @@ class ArtifactWriter:
     def close(self) -> None:
         for t in self.tables.values():
             t.close()
+        self.manifest.checksums = {t.path.name: file_checksum(t.path)
+                                   for t in self.tables.values()}
         self.manifest.complete = True
         self.write_manifest()
+
+
+def file_checksum(path: Path) -> str:
+    """The checksum the manifest keeps of a finished table file."""
+    with open(path, "rb") as f:
+        return "blake2b:" + hashlib.file_digest(f, "blake2b").hexdigest()
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -169,6 +306,7 @@ class Artifact:
     path: Path
     manifest: Manifest
     warnings: list[str] = field(default_factory=list)
+    truncated: set[str] = field(default_factory=set)  # tables read up to a cut batch
 
     @classmethod
     def open(cls, path: Path | str) -> Artifact:
@@ -178,103 +316,105 @@ class Artifact:
         if not path.is_dir():
             raise ArtifactError(path, "not an artifact directory")
         mpath = path / MANIFEST
-        if not mpath.exists():
-            raise ArtifactError(mpath, "missing (not an artifact, or capture never started)")
         try:
-            raw = json.loads(mpath.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ArtifactError(mpath, f"not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ArtifactError(mpath, "not a JSON object")
-        version = str(raw.get("format_version", ""))
+            data = artifact_bytes(path, MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise ArtifactError(mpath, "missing (not an artifact, or capture never started)"
+                                ) from None
         try:
-            major = int(version.split(".")[0])
-        except ValueError:
-            raise ArtifactError(mpath, f"bad format_version {version!r}") from None
-        if major > FORMAT_MAJOR:
-            raise ArtifactError(
-                mpath,
-                f"format {version} is newer than this memtrack reads ({FORMAT_MAJOR}.x); "
-                "upgrade memtrack",
-            )
-        if major < FORMAT_MAJOR:
-            raise ArtifactError(
-                mpath,
-                f"format {version} is older than this memtrack reads ({FORMAT_MAJOR}.x: "
-                "stack records are skeletons since 2.0); capture again",
-            )
-        try:
-            manifest = Manifest.from_dict(raw)
-        except (TypeError, ValueError) as e:
-            raise ArtifactError(mpath, f"malformed manifest ({e})") from None
+            manifest = Manifest.decode(data)
+        except ManifestError as e:
+            raise ArtifactError(mpath, str(e)) from None
         art = cls(path=path, manifest=manifest)
         if not manifest.complete:
             art.warnings.append(f"{path}: the capture was cut short (memtrack killed?): "
                                 "tables hold what was written up to their last whole batch")
         return art
 
+    def file(self, *names: str, max_bytes: int | None = None) -> Path:
+        """A file of this artifact, through artifact_file's rules."""
+        return artifact_file(self.path, *names, max_bytes=max_bytes)
+
     def read(self, name: str, *, required: bool = True) -> TableRead:
-        """Read one table, validating its schema; a truncated stream yields its whole batches."""
+        """Read one table, validating its schema (columns a newer minor format added are
+        left out); a truncated stream yields its whole batches."""
         schema = TABLES[name]
-        fpath = self.path / table_file(name)
-        if not fpath.exists():
+        shown = self.path / table_file(name)
+        try:
+            fpath = self.file(table_file(name))
+        except FileNotFoundError:
             if required:
-                raise ArtifactError(fpath, "missing")
+                raise ArtifactError(shown, "missing") from None
             return TableRead(schema.empty_table())
         batches: list[pa.RecordBatch] = []
         truncated = False
         problem = ""
         if fpath.stat().st_size == 0 and not self.manifest.complete:
             # a capture killed before this table's first batch (older memtrack)
-            self.warnings.append(f"{fpath}: empty; read as no rows")
+            self.warnings.append(f"{shown}: empty; read as no rows")
             return TableRead(schema.empty_table(), True, "empty")
         try:
             reader = pa.ipc.open_stream(pa.memory_map(str(fpath)))
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError) as e:
             if fpath.stat().st_size == 0:
-                raise ArtifactError(fpath, "empty (capture killed before it started?)") from None
-            raise ArtifactError(fpath, f"not an Arrow IPC stream ({e})") from None
-        if not reader.schema.equals(schema):
-            diff = _schema_diff(reader.schema, schema)
-            raise ArtifactError(fpath, f"wrong schema for {name!r}: {diff}")
+                raise ArtifactError(shown, "empty (capture killed before it started?)") from None
+            raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})") from None
+        diff = _schema_diff(reader.schema, schema)
+        if diff:
+            raise ArtifactError(shown, f"wrong schema for {name!r}: {diff}")
         while True:
             try:
-                batches.append(reader.read_next_batch())
+                batch = reader.read_next_batch()
+                # a damaged offset or length is read beyond its buffer (a crash) unless
+                # every batch is validated in full before use
+                batch.validate(full=True)
             except StopIteration:
                 break
-            except (pa.ArrowInvalid, OSError) as e:
+            except (pa.ArrowException, OSError, MemoryError) as e:
                 truncated = True
-                problem = f"truncated after {sum(b.num_rows for b in batches)} rows ({e})"
+                problem = (f"truncated after {sum(b.num_rows for b in batches)} rows "
+                           f"({_one_line(e)})")
                 break
+            if not batch.schema.equals(schema):
+                batch = pa.RecordBatch.from_arrays(
+                    [batch.column(n) for n in schema.names], schema=schema)
+            batches.append(batch)
+        want = self.manifest.checksums.get(table_file(name))
+        if not truncated and want is not None and file_checksum(fpath) != want:
+            # it parses, but its values are not those capture wrote (a flipped byte)
+            raise ArtifactError(shown, "damaged: its bytes differ from the checksum capture "
+                                       "wrote in the manifest")
         if truncated:
-            self.warnings.append(f"{fpath}: {problem}; reading the whole batches before it")
+            self.truncated.add(name)
+            self.warnings.append(f"{shown}: {problem}; reading the whole batches before it")
         return TableRead(pa.Table.from_batches(batches, schema=schema), truncated, problem)
 
+    def module_copies(self) -> list[ModuleCopy]:
+        """The modules copied into the artifact whose module.json is valid (the others
+        are named in `warnings`)."""
+        copies, problems = module_copies(self.path)
+        self.warnings.extend(p for p in problems if p not in self.warnings)
+        return copies
+
     def modules(self) -> list[dict[str, Any]]:
-        """module.json of every module copied into the artifact."""
-        out = []
-        mdir = self.path / MODULES_DIR
-        if mdir.is_dir():
-            for d in sorted(mdir.iterdir()):
-                info = d / MODULE_INFO
-                if info.exists():
-                    try:
-                        out.append(json.loads(info.read_text()))
-                    except json.JSONDecodeError:
-                        self.warnings.append(f"{info}: not valid JSON; module skipped")
-        return out
+        """module.json of every valid module copied into the artifact."""
+        return [c.to_dict() for c in self.module_copies()]
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 def _schema_diff(got: pa.Schema, want: pa.Schema) -> str:
     gn = {f.name: f.type for f in got}
     wn = {f.name: f.type for f in want}
     missing = [n for n in wn if n not in gn]
-    extra = [n for n in gn if n not in wn]
     typed = [f"{n} is {gn[n]}, expected {wn[n]}" for n in wn if n in gn and gn[n] != wn[n]]
+    dup = sorted({n for n in got.names if got.names.count(n) > 1} & set(wn))
     parts = []
     if missing:
         parts.append("missing " + ", ".join(missing))
-    if extra:
-        parts.append("unexpected " + ", ".join(extra))
+    if dup:
+        parts.append("repeated " + ", ".join(dup))
     parts.extend(typed)
-    return "; ".join(parts) or "field order differs"
+    return "; ".join(parts)

@@ -7,6 +7,7 @@ SCHEMA_VERSION; `open_run` refuses a database written with another version in on
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import duckdb
@@ -375,6 +376,10 @@ def derive(con: duckdb.DuckDBPyConnection, *tables: str) -> None:
         con.execute(DERIVED[name])
 
 
+# every table and view a run database has (open_run refuses one that lacks any)
+RELATIONS = tuple(re.findall(r"CREATE (?:TABLE|VIEW) (\w+)", TABLES + VIEWS))
+
+
 def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConnection:
     """Open a run database, refusing (RunError, one line) anything but this format."""
     path = Path(path)
@@ -390,6 +395,15 @@ def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConn
         con.close()
         raise RunError(f"{path}: not a memtrack run database (no meta table)") from None
     version = row[0] if row else "?"
+    if version == str(SCHEMA_VERSION):
+        have = {r[0] for r in con.execute(
+            "SELECT table_name FROM duckdb_tables() UNION SELECT view_name FROM duckdb_views()"
+        ).fetchall()}
+        missing = [n for n in RELATIONS if n not in have]
+        if missing:
+            con.close()
+            raise RunError(f"{path}: a damaged run database: no {', '.join(missing)} "
+                           "(re-run `memtrack process` on its artifact)")
     if version != str(SCHEMA_VERSION):
         con.close()
         older = version.isdigit() and int(version) < SCHEMA_VERSION

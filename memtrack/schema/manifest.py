@@ -7,9 +7,23 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from memtrack.schema import FORMAT_VERSION, LOSS_COUNTERS, is_loss
+import msgspec
+
+from memtrack.schema import FORMAT_MAJOR, FORMAT_VERSION, LOSS_COUNTERS, is_loss
+
+# The manifest's types are its schema: Manifest.decode checks every field of an
+# untrusted manifest.json against them (msgspec: strict types, bounds, no coercion of
+# "yesterday" into a time), so that no reader meets a list where it expects an int.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # a counter or a ns time
+Pid = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Code = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]  # an exit code or signal
+PageSize = Annotated[int, msgspec.Meta(ge=512, le=2**30)]
+
+
+class ManifestError(ValueError):
+    """manifest.json does not match the manifest's schema (worded for one line)."""
 
 
 def _memtrack_version() -> str:
@@ -33,7 +47,7 @@ def _boot_id() -> str:
 class Host:
     kernel: str = ""
     arch: str = ""
-    page_size: int = 4096
+    page_size: PageSize = 4096
     boot_id: str = ""
     hostname: str = ""
 
@@ -54,7 +68,7 @@ class Clock:
     """Event timestamps are CLOCK_MONOTONIC ns; wall = ts + wall_offset_ns."""
 
     source: str = "CLOCK_MONOTONIC"
-    wall_offset_ns: int = 0
+    wall_offset_ns: Annotated[int, msgspec.Meta(ge=-(2**62), le=2**62)] = 0
 
     @classmethod
     def current(cls) -> Clock:
@@ -63,8 +77,8 @@ class Clock:
 
 @dataclass
 class ExitStatus:
-    code: int | None = None  # exit(code)
-    signal: int | None = None  # killed by this signal
+    code: Code | None = None  # exit(code)
+    signal: Code | None = None  # killed by this signal
 
 
 @dataclass
@@ -74,12 +88,12 @@ class Manifest:
     host: Host = field(default_factory=Host)
     clock: Clock = field(default_factory=Clock)
     command: list[str] = field(default_factory=list)
-    root_pid: int = 0
+    root_pid: Pid = 0
     exit_status: ExitStatus = field(default_factory=ExitStatus)
-    start_ns: int = 0  # CLOCK_MONOTONIC
-    end_ns: int = 0
+    start_ns: Count = 0  # CLOCK_MONOTONIC
+    end_ns: Count = 0
     options: dict[str, Any] = field(default_factory=dict)
-    losses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOSS_COUNTERS, 0))
+    losses: dict[str, Count] = field(default_factory=lambda: dict.fromkeys(LOSS_COUNTERS, 0))
     # Per probed function: where the probe went and why (see capture placement).
     probes: list[dict[str, Any]] = field(default_factory=list)
     # Per module copied into modules/: {"build_id", "path", "file", "debug_file"}.
@@ -92,33 +106,59 @@ class Manifest:
     backpressure: dict[str, Any] = field(default_factory=dict)
     # The drain thread: {"rounds", "bytes" read, "worst_gap_ns" between two reads,
     # "cpu_ns", "backlog_peak_bytes" (read, not written yet)}.
-    drain: dict[str, int] = field(default_factory=dict)
+    drain: dict[str, Count] = field(default_factory=dict)
     complete: bool = False  # set when capture finished writing every file
+    # Per finished table file ("events.arrow"): "blake2b:HEX" of its bytes, written with
+    # `complete`; a reader that finds a file whose bytes differ names it as damaged.
+    checksums: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options.get("extra", {}), dict):
+            raise ValueError("options.extra is not an object")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
-        """Build from parsed JSON; unknown keys (from a newer minor version) are kept out."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        if isinstance(kw.get("host"), dict):
-            kw["host"] = Host(**_known(Host, kw["host"]))
-        if isinstance(kw.get("clock"), dict):
-            kw["clock"] = Clock(**_known(Clock, kw["clock"]))
-        if isinstance(kw.get("exit_status"), dict):
-            kw["exit_status"] = ExitStatus(**_known(ExitStatus, kw["exit_status"]))
-        m = cls(**kw)
+        """Build from parsed JSON, every field checked against its type (ManifestError);
+        unknown keys (from a newer minor version) are left out."""
+        try:
+            m = msgspec.convert(d, cls, strict=True)
+        except msgspec.ValidationError as e:
+            raise ManifestError(f"malformed manifest ({e})") from None
         for k in LOSS_COUNTERS:
             m.losses.setdefault(k, 0)
         return m
+
+    @classmethod
+    def decode(cls, data: bytes) -> Manifest:
+        """manifest.json's bytes -> Manifest (ManifestError: not JSON, a format this
+        memtrack does not read, or not this schema)."""
+        try:
+            raw = msgspec.json.decode(data, type=dict[str, Any])
+        except msgspec.ValidationError:
+            raise ManifestError("not a JSON object") from None
+        except msgspec.DecodeError as e:
+            raise ManifestError(f"not valid JSON ({e})") from None
+        except RecursionError:
+            raise ManifestError("not valid JSON (nested too deeply)") from None
+        version = raw.get("format_version", "")
+        try:
+            major = int(str(version).split(".")[0])
+        except ValueError:
+            raise ManifestError(f"bad format_version {version!r}") from None
+        if major > FORMAT_MAJOR:
+            raise ManifestError(
+                f"format {version} is newer than this memtrack reads ({FORMAT_MAJOR}.x); "
+                "upgrade memtrack")
+        if major < FORMAT_MAJOR:
+            raise ManifestError(
+                f"format {version} is older than this memtrack reads ({FORMAT_MAJOR}.x: "
+                "stack records are skeletons since 2.0); capture again")
+        return cls.from_dict(raw)
 
     def nonzero_losses(self) -> dict[str, int]:
         """Counters of lost data that are not zero (fidelity counters left out)."""
         return {k: v for k, v in self.losses.items() if v and is_loss(k)}
 
-
-def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in d.items() if k in names}

@@ -1,11 +1,13 @@
 """The per-build-id symbolization cache: flat tables as Parquet files.
 
-CACHE_DIR/symbolize/v1/BUILD_ID/ (BUILD_ID.nodebug/ when no debug file was found)
+CACHE_DIR/symbolize/v1/KEY/ (KEY.nodebug/ when no debug file was found; KEY is
+Module.cache_key, the build id and a hash of the module's files)
 holds the module's symbol tables (symbols.parquet, symbols_debug.parquet), its unit
 index (units.parquet) and, in part files written by each run that parsed new
 compilation units, those units' line rows, frame ranges, frame nodes and file names
-(lines-ID.parquet, ranges-ID.parquet, nodes-ID.parquet, files-ID.parquet). A build id
-names the exact bytes of a module, so entries never go stale; a second run over the
+(lines-ID.parquet, ranges-ID.parquet, nodes-ID.parquet, files-ID.parquet). The key
+names the exact bytes of a module (a corrupt copy under a genuine build id has a key of
+its own), so entries never go stale; a second run over the
 same modules reads these files and parses no DWARF. Files are written under a
 temporary name and renamed, so concurrent runs never read half a file.
 """
@@ -56,10 +58,10 @@ def _symtab_of(t: pa.Table) -> SymbolTable:
 
 
 class ModuleCache:
-    def __init__(self, cache_dir: Path, build_id: str, with_debug_file: bool) -> None:
+    def __init__(self, cache_dir: Path, key: str, with_debug_file: bool) -> None:
         # what a module yields depends on whether its debug file was found: the two
         # are cached apart, so a debug file installed later is not hidden by the cache
-        name = build_id if with_debug_file else f"{build_id}.nodebug"
+        name = key if with_debug_file else f"{key}.nodebug"
         self.dir = Path(cache_dir) / "symbolize" / CACHE_VERSION / name
         self.symtab = SymbolTable.empty()
         self.symtab_debug = SymbolTable.empty()
@@ -79,7 +81,7 @@ class ModuleCache:
             sym_debug = pq.read_table(self.dir / "symbols_debug.parquet")
             units = pq.read_table(self.dir / "units.parquet")
             self._load_units()
-        except (OSError, ValueError, KeyError, pa.ArrowException):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, pa.ArrowException):
             return False
         self.has_dwarf = bool(info["has_dwarf"])
         self.symtab = _symtab_of(sym)

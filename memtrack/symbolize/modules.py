@@ -13,7 +13,7 @@ PT_LOAD segment holding it (`Module.file_offset_to_vaddr`, memtrack.elf.Segments
 
 from __future__ import annotations
 
-import json
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +27,8 @@ from memtrack.elf import (
     find_debug_file,
     read_build_id,
 )
-from memtrack.schema import MODULE_INFO, MODULES_DIR, VDSO_PATH
+from memtrack.schema import VDSO_PATH
+from memtrack.schema.artifact import BUILD_ID, module_copies
 
 
 class ModuleError(Exception):
@@ -44,6 +45,7 @@ class Module:
     debug_path: Path | None = None  # separate debug file, if any
     _segments: Segments | None = field(default=None, repr=False)
     _dwarf_path: Path | None | bool = field(default=False, repr=False)  # False: not asked
+    _digest: str = field(default="", repr=False)
 
     @property
     def is_vdso(self) -> bool:
@@ -63,6 +65,27 @@ class Module:
             except ElfReadError as e:
                 raise ModuleError(str(e)) from None
         return self._segments
+
+    @property
+    def cache_key(self) -> str | None:
+        """What names this module's entries in the symbol and CFI caches: its build id
+        and a hash of the bytes of its files (an artifact's copy can be corrupt or forged
+        under a genuine build id: its rows must never serve, or be served by, another
+        file's), or None where the build id is not hex (`path:` keys) or a file cannot
+        be read."""
+        if not BUILD_ID.fullmatch(self.build_id):
+            return None
+        if not self._digest:
+            h = hashlib.blake2b(digest_size=16)
+            try:
+                for p in (self.elf_path, self.debug_path):
+                    if p is not None:
+                        with open(p, "rb") as f:
+                            h.update(hashlib.file_digest(f, "blake2b").digest())
+            except OSError:
+                return None
+            self._digest = h.hexdigest()
+        return f"{self.build_id}-{self._digest}"
 
     @property
     def dwarf_path(self) -> Path | None:
@@ -113,36 +136,31 @@ class ModuleStore:
         self._missing: set[tuple[str, str | None]] = set()
         self.problems: list[str] = []  # one line per module that could not be used
         if self.artifact_path is not None:
-            self._scan_artifact(self.artifact_path / MODULES_DIR)
+            self._scan_artifact(self.artifact_path)
 
-    def _scan_artifact(self, mdir: Path) -> None:
-        if not mdir.is_dir():
-            return
-        for d in sorted(mdir.iterdir()):
-            info_path = d / MODULE_INFO
-            if not info_path.is_file():
-                continue
+    def _scan_artifact(self, root: Path) -> None:
+        """The artifact's module copies (memtrack.schema.artifact validates their
+        module.json and paths), each used only if its ELF's own build-id note is the
+        build id it is filed under: a copy that is not what it claims gives wrong frames."""
+        copies, problems = module_copies(root)
+        self.problems.extend(problems)
+        for c in copies:
             try:
-                info = json.loads(info_path.read_text())
-                build_id = str(info["build_id"]).lower()
-                elf_path = d / str(info["file"])
-                debug = info.get("debug_file")
-                path = str(info.get("path") or elf_path)
-            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-                self.problems.append(f"{info_path}: unreadable module.json ({e})")
+                with ElfImage(c.elf_path) as img:
+                    own = img.build_id
+            except ElfReadError:
+                own = c.build_id  # unreadable: every frame in it says corrupt-elf
+            if own != c.build_id:
+                self.problems.append(f"{c.elf_path}: its build id is {own}, not the "
+                                     f"{c.build_id} it is filed under; module skipped")
                 continue
-            if not elf_path.is_file():
-                self.problems.append(f"{info_path}: its file {elf_path.name} is missing")
-                continue
-            debug_path = d / str(debug) if debug else None
-            if debug_path is not None and not debug_path.is_file():
-                self.problems.append(f"{info_path}: its debug file {debug_path.name} is missing")
-                debug_path = None
-            if debug_path is None:
-                debug_path = self._host_debug(elf_path, build_id)
-            self._modules[build_id] = Module(build_id, path, elf_path, debug_path)
+            debug_path = c.debug_path or self._host_debug(c.elf_path, c.build_id)
+            self._modules[c.build_id] = Module(c.build_id, c.path or str(c.elf_path),
+                                               c.elf_path, debug_path)
 
     def _host_debug(self, elf_path: Path, build_id: str | None) -> Path | None:
+        if build_id is not None and not BUILD_ID.fullmatch(build_id):
+            build_id = None  # a build id names a file under the debug roots: hex only
         found = find_debug_file(elf_path, build_id, self.debug_roots)
         if found is None or found.resolve() == elf_path.resolve():
             return None

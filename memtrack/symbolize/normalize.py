@@ -142,6 +142,8 @@ class AddressSpaces:
 
     def file_offset(self, row: np.ndarray, addr: np.ndarray) -> np.ndarray:
         """File offset (uint64) of each address in its mapping row (row >= 0)."""
+        if not len(self.start):  # no mapping at all: every row is -1
+            return np.zeros(len(row), dtype=np.uint64)
         r = np.maximum(row, 0)
         return np.asarray(addr, dtype=np.uint64) - self.start[r] + self.offset[r]
 
@@ -181,7 +183,9 @@ class Normalizer:
         self.spaces = AddressSpaces(mappings)
         self.store = store
         self.modules: list[Module | None] = []  # by module index; None: unusable
-        self._index = np.full(len(self.spaces.bid_values), -2, dtype=np.int64)  # -2: unseen
+        # -2: unseen; one more entry, so that an index of no build id (-1, read as 0
+        # before it is masked) is in bounds when there is none
+        self._index = np.full(len(self.spaces.bid_values) + 1, -2, dtype=np.int64)
         self._why: list[int] = []  # per module index: NO_MODULE / CORRUPT_ELF / RESOLVED
         self.problems: list[str] = []  # one line per module that could not be used
 

@@ -11,7 +11,6 @@ answered becomes `[unknown] (module+0xVADDR)` with a reason, never an exception.
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,6 @@ CORRUPT_ELF = names(Unresolved)[Unresolved.CORRUPT_ELF]
 STRIPPED = names(Unresolved)[Unresolved.STRIPPED]
 NO_SYMBOL = names(Unresolved)[Unresolved.NO_SYMBOL]
 
-_BUILD_ID = re.compile(r"[0-9a-f]{2,}")
 _DWARF_ERRORS = (DwarfError, ElfReadError, IndexError, KeyError, ValueError, struct.error,
                  UnicodeDecodeError, OverflowError)
 
@@ -330,8 +328,9 @@ class Symbolizer:
         ms = None
         if mod is not None:
             cache = None
-            if self.cache_dir and _BUILD_ID.fullmatch(mod.build_id):  # not `path:` keys
-                cache = ModuleCache(self.cache_dir, mod.build_id, mod.debug_path is not None)
+            key = mod.cache_key if self.cache_dir else None  # None for `path:` keys
+            if key is not None:
+                cache = ModuleCache(self.cache_dir, key, mod.debug_path is not None)
             try:
                 ms = ModuleSymbolizer(mod, cache, self.counters)
             except ModuleError as e:

@@ -13,6 +13,7 @@ after the in-kernel dedupe forgot them, unwind the same.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -53,9 +54,11 @@ class Unwinder:
     stack hash once, in the first batch that holds it, and the module rows extracted
     for one batch serve the next (`memtrack process` goes run by run)."""
 
-    def __init__(self, mappings: pa.Table, store: ModuleStore, max_depth: int = 512) -> None:
+    def __init__(self, mappings: pa.Table, store: ModuleStore, max_depth: int = 512,
+                 cache_dir: Path | None = None) -> None:
         self.normalizer = Normalizer(mappings, store)
         self.max_depth = max_depth
+        self.cache_dir = cache_dir / "cfi" if cache_dir is not None else None
         self.rows: dict[int, ModuleRows | None] = {}
         self.seen = np.zeros(0, np.uint64)  # sorted stack hashes unwound so far
 
@@ -64,7 +67,7 @@ class Unwinder:
         for m in np.unique(modules[modules >= 0]).tolist():
             if m not in self.rows:
                 mod = self.normalizer.modules[m]
-                self.rows[m] = extract(mod) if mod is not None else None
+                self.rows[m] = extract(mod, self.cache_dir) if mod is not None else None
 
     @property
     def problems(self) -> list[str]:
@@ -88,8 +91,9 @@ class Unwinder:
 
 
 def unwind(records: pa.Table, mappings: pa.Table, store: ModuleStore,
-           max_depth: int = 512) -> UnwoundStacks:
+           max_depth: int = 512, cache_dir: Path | None = None) -> UnwoundStacks:
     """Unwind every distinct stack hash of a decoded stack-record table
     (DECODED_RECORDS: stack_hash, pid, ts, sp, regs in DWARF order, the stack bytes from
-    sp upward, fp_chain) against the artifact's mapping snapshots."""
-    return Unwinder(mappings, store, max_depth).unwind(records)
+    sp upward, fp_chain) against the artifact's mapping snapshots. cache_dir: where the
+    CFI rows are cached (its cfi/), None for no disk cache."""
+    return Unwinder(mappings, store, max_depth, cache_dir).unwind(records)

@@ -7,13 +7,17 @@ frame of a process's first thread, where the stack is complete.
 
 Extraction reads the module's files; it happens the first time a frame lands in the
 module, between two depths of the walk, never inside a step. The rows are cached per
-build id under $XDG_CACHE_HOME/memtrack/cfi/ (one .npz per module).
+module under CACHE_DIR/cfi/ (one .npz per module, named by Module.cache_key: its build
+id and a hash of its files' bytes), with `process --cache-dir`'s directory, none with
+`--cache off`. An entry that does not load is rebuilt; one that cannot be written is a
+warning, and the rows are still used.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +25,9 @@ import numpy as np
 
 from memtrack.dwarf.cfi import CFITable, build_table
 from memtrack.elf import ElfImage, ElfReadError
-from memtrack.symbolize.cache import default_cache_dir
 from memtrack.symbolize.modules import Module
 
-CACHE_VERSION = 4  # bump when the rows extracted from the same files change
+CACHE_VERSION = 5  # bump when the rows extracted from the same files change
 SIGRETURN_CODE = bytes.fromhex("48c7c00f0000000f05")  # mov $15, %rax; syscall
 
 
@@ -79,42 +82,39 @@ def entry_code(elf_path: Path, cfi: CFITable) -> tuple[np.ndarray, list[str]]:
     return np.array([entry, end], np.uint64), []
 
 
-def cache_dir() -> Path:
-    """cfi/ under the symbolizer's cache directory ($XDG_CACHE_HOME/memtrack)."""
-    return default_cache_dir() / "cfi"
-
-
-_memo: dict[str, ModuleRows] = {}
+_memo: dict[str, ModuleRows] = {}  # by Module.cache_key
 
 
 def extract(module: Module, cache: Path | None = None) -> ModuleRows:
-    """The rows of a module, from memory, the on-disk cache (by build id) or its files."""
-    bid = module.build_id
-    if bid in _memo:
-        return _memo[bid]
-    cdir = cache or cache_dir()
-    cfile = cdir / f"{bid}.v{CACHE_VERSION}.npz" if bid else None
+    """The rows of a module, from memory, the on-disk cache under `cache` (None: no disk
+    cache) or its files."""
+    key = module.cache_key
+    if key is not None and key in _memo:
+        return _memo[key]
+    cfile = cache / f"{key}.v{CACHE_VERSION}.npz" if cache is not None and key else None
     if cfile is not None and cfile.is_file():
         try:
             with np.load(cfile, allow_pickle=False) as z:
                 rows = ModuleRows(CFITable.from_arrays(z), z["signal_pcs"], z["entry"])
-            _memo[bid] = rows
+            _memo[key] = rows  # type: ignore[index]
             return rows
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             cfile.unlink(missing_ok=True)
     table = build_table(module.elf_path, module.debug_path)
     pcs, problems = signal_pcs(module.elf_path)
     entry, more = entry_code(module.elf_path, table)
     table.problems += problems + [p for p in more if p not in problems]
     rows = ModuleRows(table, pcs, entry)
+    if key is not None:
+        _memo[key] = rows
     if cfile is not None:
-        _memo[bid] = rows
         try:
-            cdir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cdir, prefix=".cfi.", suffix=".npz")
+            cache.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
+            fd, tmp = tempfile.mkstemp(dir=cache, prefix=".cfi.", suffix=".npz")
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, signal_pcs=pcs, entry=entry, **table.arrays())
             os.replace(tmp, cfile)
         except OSError as e:
-            table.problems.append(f"{cdir}: cannot write the unwind cache ({e.strerror or e})")
+            table.problems.append(f"{cache}: cannot write the unwind cache "
+                                  f"({e.strerror or e}); unwinding goes on without it")
     return rows
