@@ -45,9 +45,10 @@ def test_every_switch_takes_on_or_off() -> None:
                 switches.append(f"{name} {p.opts[0]}")
                 assert p.default in ("on", "off") and not p.is_flag
     assert sorted(switches) == [
-        "capture --modules", "capture --rss", "capture --stack-copies",
-        "capture --stacks", "capture --track-faults", "process --cache",
-        "process --host-modules", "symbolize --cache", "unwind --host-modules"]
+        "capture --modules", "capture --python-frames", "capture --rss",
+        "capture --stack-copies", "capture --stacks", "capture --track-faults",
+        "process --cache", "process --host-modules", "process --python-frames",
+        "symbolize --cache", "unwind --host-modules"]
 
 
 def test_capture_switch_values_are_not_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
