@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import TextIO
 
@@ -63,7 +64,7 @@ def print_query(names: list[str], rows: list[tuple], fmt: str, out: TextIO) -> N
         w.writerows(rows)
     elif fmt == "json":
         out.write(json.dumps([dict(zip(names, r, strict=True)) for r in rows], indent=1,
-                             default=str) + "\n")
+                             default=_json_value) + "\n")
     else:
         cells = [names] + [["NULL" if v is None else str(v) for v in r] for r in rows]
         widths = [max(len(c[i]) for c in cells) for i in range(len(names))]
@@ -73,3 +74,11 @@ def print_query(names: list[str], rows: list[tuple], fmt: str, out: TextIO) -> N
             if k == 0:
                 out.write("  ".join("-" * w for w in widths) + "\n")
         out.write(f"({len(rows)} row{'s' if len(rows) != 1 else ''})\n")
+
+
+def _json_value(v: object) -> object:
+    """A value JSON has no type for: a DECIMAL or HUGEINT (a sum in DuckDB) as a number,
+    anything else (times, intervals) as its text."""
+    if isinstance(v, Decimal):
+        return int(v) if v == v.to_integral_value() else float(v)
+    return str(v)
