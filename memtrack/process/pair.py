@@ -167,7 +167,7 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairin
         "allocations_not_freed": int((reason[~inherited] >= END_EXEC).sum()),
         "failed_allocations": failed,
     }
-    del inherited, reason, free_eid
+    del inherited, reason, free_eid, col, kind, addr, old, pid  # the timeline needs ts
     timeline = _heap_timeline(b_pid, b_ev, end_eid, size.to_numpy().astype(np.int64), ts)
     return Pairing(table, timeline, counters)
 
@@ -472,7 +472,9 @@ def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,
     # one int64 key per change, (pid, event): the arrays below are the changes' few
     # columns, each freed once the next is made
     stride = int(e.max()) + 1
-    key = np.concatenate([a_pid, a_pid[ended]]).astype(np.int64) * stride + e
+    key = np.concatenate([a_pid, a_pid[ended]]).astype(np.int64, copy=False)
+    key *= stride
+    key += e
     del e
     d = np.concatenate([size, -size[ended]])
     order = np.argsort(key, kind="stable")
@@ -493,7 +495,8 @@ def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,
     del new_pid
     heap = run - np.where(pid_start > 0, run[np.maximum(pid_start - 1, 0)], 0)
     del run, pid_start
-    by_event = np.argsort(ge, kind="stable")
+    # in event order (already so with one process)
+    by_event = np.argsort(ge, kind="stable") if gp[0] != gp[-1] else slice(None)
     return pa.table({
         "pid": pa.array(gp[by_event].astype(np.uint32)),
         "event_id": pa.array(ge[by_event].astype(np.uint64)),
