@@ -1,6 +1,7 @@
 """`memtrack process` at scale, through the command line: time and peak RSS against the
 number of events (synthetic artifacts of bench/synth_artifact.py, 100 k distinct stacks),
-jobs 1 against jobs 2 (speed-up, and a checksum of every table each wrote), and the
+jobs 1 against jobs 2 (speed-up, and a checksum of every table each wrote, printed as one
+digest to compare with a run of another source tree), and the
 issue's targets side by side; with --captures, also the captures the issue names (the
 demo's Python workload, the C++ std::map program, sqlite3 with 300 k inserts).
 
@@ -20,6 +21,7 @@ the same stacks). The machine's load average is printed before and after.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -114,6 +116,12 @@ def checksums(db: Path) -> dict[str, tuple]:
     return out
 
 
+def digest(sums: dict[str, tuple]) -> str:
+    """One short digest of every table's checksum: equal digests from two runs (another
+    source tree, before and after a change) mean the same tables."""
+    return hashlib.sha256(repr(sorted(sums.items())).encode()).hexdigest()[:16]
+
+
 def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -178,12 +186,12 @@ def main() -> None:
             except Capped as e:
                 print(f"{n:,} events, jobs {jobs}: killed, {e}")
                 break
-            same = checksums(tmp / f"synth-{n}-j1.duckdb") == checksums(
-                tmp / f"synth-{n}-j2.duckdb")
+            sums = checksums(tmp / f"synth-{n}-j1.duckdb")
+            same = sums == checksums(tmp / f"synth-{n}-j2.duckdb")
             for jobs in (1, 2):
                 (tmp / f"synth-{n}-j{jobs}.duckdb").unlink()
             rows.append((n, base, results))
-            speed.append((n, results[1][0] / results[2][0], same))
+            speed.append((n, results[1][0] / results[2][0], same, digest(sums)))
             if not args.keep:
                 shutil.rmtree(art)
         caps = {}
@@ -203,9 +211,9 @@ def main() -> None:
             st = ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
             print(f"{n:>11,} {jobs:>4} {sec:>8.1f} {sec / base:>7.0f} {sec / n * 1e6:>8.2f} "
                   f"{mib:>9.0f} {mib * 2**20 / n:>8.0f}  {st}")
-    print(f"\n{'events':>11} {'jobs 1 / jobs 2':>16}  tables (checksums)")
-    for n, ratio, same in speed:
-        print(f"{n:>11,} {ratio:>15.2f}x  {'identical' if same else 'DIFFERENT'}")
+    print(f"\n{'events':>11} {'jobs 1 / jobs 2':>16}  tables (checksums), their digest")
+    for n, ratio, same, dig in speed:
+        print(f"{n:>11,} {ratio:>15.2f}x  {'identical' if same else 'DIFFERENT'}  {dig}")
     if caps:
         print(f"\n{'capture':<12} {'events base s':>13} {'seconds':>8} {'peak MiB':>9}  stages")
         for name, (base, (sec, mib, stages)) in caps.items():
