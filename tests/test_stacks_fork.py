@@ -48,21 +48,27 @@ def fixture_exe() -> Path:
                  libs=(str(lib), f"-Wl,-rpath,{lib.parent}"))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[duckdb.DuckDBPyConnection,
-                                                           tuple[int, int, int]]:
-    d = tmp_path_factory.mktemp("forktree")
-    exe = fixture_exe()
+def capture_forks(cmd: list[str], d: Path, env: dict[str, str] | None = None
+                  ) -> tuple[duckdb.DuckDBPyConnection, int, int]:
+    """`cmd` (which prints `parent PID CHILD`) captured and processed through the CLI in
+    `d`: the run database, the parent's and the child's pid."""
     art, db = d / "f.memtrack", d / "f.duckdb"
-    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", str(exe)],
-                         capture_output=True, text=True, timeout=300)
+    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", *cmd],
+                         capture_output=True, text=True, timeout=300, env=env)
     assert cap.returncode == 0, cap.stderr
     (parent, child), = [(int(a), int(b)) for a, b in
                         re.findall(r"^parent (\d+) (\d+)$", cap.stdout, re.M)]
     proc = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    con = open_run(db)
+    return open_run(db), parent, child
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[duckdb.DuckDBPyConnection,
+                                                           tuple[int, int, int]]:
+    d = tmp_path_factory.mktemp("forktree")
+    con, parent, child = capture_forks([str(fixture_exe())], d)
     (grandchild,), = con.execute("SELECT pid FROM processes WHERE ppid = ?",
                                  [child]).fetchall()
     yield con, (parent, child, grandchild)
@@ -231,17 +237,8 @@ def test_python_child_frees_its_inherited_objects(tmp_path: Path) -> None:
     drops them: every free of the child ends a copy of its parent's block (none is
     unmatched), the strings' copies among them, and its own allocations' stacks are
     complete, as the parent's."""
-    art, db = tmp_path / "p.memtrack", tmp_path / "p.duckdb"
-    env = {**os.environ, "PYTHONMALLOC": "malloc"}
-    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", "/usr/bin/python3",
-                          "-c", PY_FORK], capture_output=True, text=True, timeout=300, env=env)
-    assert cap.returncode == 0, cap.stderr
-    (parent, child), = [(int(a), int(b)) for a, b in
-                        re.findall(r"^parent (\d+) (\d+)$", cap.stdout, re.M)]
-    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    con = open_run(db)
+    con, parent, child = capture_forks(["/usr/bin/python3", "-c", PY_FORK], tmp_path,
+                                       env={**os.environ, "PYTHONMALLOC": "malloc"})
     unmatched = con.execute("""
         SELECT count(*) FROM events e WHERE e.kind = 'free' AND e.addr != 0 AND e.pid = ?
           AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.free_event_id = e.event_id)
