@@ -219,7 +219,8 @@ class BatchWriter:
     def _run(self) -> None:
         while True:
             stopping = self._stop.is_set()
-            for src, data, nbytes in self.backlog.take(BATCH_SECONDS / 2):
+            # once stopping, the drain has stopped: what is left is taken without waiting
+            for src, data, nbytes in self.backlog.take(0 if stopping else BATCH_SECONDS / 2):
                 self._add(src, data, nbytes)
             self._flush(everything=stopping)
             if self.idle is not None and self.error is None:

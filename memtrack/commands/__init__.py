@@ -8,8 +8,10 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import duckdb
+if TYPE_CHECKING:  # capture never opens a database: it does not pay duckdb's import
+    import duckdb
 
 
 class CommandError(Exception):
