@@ -121,19 +121,18 @@ class Interpreter:
 def find_interpreter(path: str) -> Interpreter | None:
     """The CPython interpreter a module file is, or None (not one, or unreadable)."""
     from memtrack.elf.image import ElfImage, ElfReadError
+    from memtrack.elf.symtab import STT_NOTYPE, STT_OBJECT, defined_symbols
 
     try:
         with ElfImage(path) as img:
-            dynsym = img.sections.get(".dynsym")
-            if dynsym is None:
+            found = defined_symbols(img, {"_PyRuntime", "Py_Version"},
+                                    (STT_OBJECT, STT_NOTYPE), sections=(".dynsym",))
+            if "_PyRuntime" not in found:  # not an interpreter (an extension imports it)
                 return None
-            runtime = _defined(dynsym, "_PyRuntime")
-            if runtime is None:  # not an interpreter (an extension module imports it)
-                return None
+            runtime = found["_PyRuntime"][0]
             version = None
-            pv = _defined(dynsym, "Py_Version")
-            if pv is not None:
-                raw = img.code(pv, 4)
+            if "Py_Version" in found:
+                raw = img.code(found["Py_Version"][0], 4)
                 if len(raw) == 4:
                     hexv = int.from_bytes(raw, "little")
                     version = (hexv >> 24, (hexv >> 16) & 0xFF, (hexv >> 8) & 0xFF)
@@ -142,14 +141,6 @@ def find_interpreter(path: str) -> Interpreter | None:
     except (ElfReadError, OSError, ValueError, KeyError):
         return None
     return Interpreter(path, runtime, first, version)
-
-
-def _defined(dynsym: Any, name: str) -> int | None:
-    """The value of a symbol the module defines (not one it imports), or None."""
-    for sym in dynsym.get_symbol_by_name(name) or ():
-        if sym["st_shndx"] != "SHN_UNDEF":
-            return int(sym["st_value"])
-    return None
 
 
 def fork_child_offset(tracefs: Path = TRACEFS) -> int:

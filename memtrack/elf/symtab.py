@@ -26,7 +26,7 @@ SYM_DTYPE = np.dtype(
     [("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"),
      ("size", "<u8")]
 )
-STT_NOTYPE, STT_FUNC, STT_FILE, STT_GNU_IFUNC = 0, 2, 4, 10
+STT_NOTYPE, STT_OBJECT, STT_FUNC, STT_FILE, STT_GNU_IFUNC = 0, 1, 2, 4, 10
 STB_LOCAL = 0
 SHN_LORESERVE = 0xFF00
 
@@ -115,11 +115,19 @@ def _name_at(strtab: bytes, off: int) -> str:
 def defined_functions(image: ElfImage, names: set[str], *, ifunc: bool = False
                       ) -> dict[str, tuple[int, int]]:
     """ElfImage.functions: defined FUNC (and with `ifunc` IFUNC) symbols named in `names`,
-    -> (vaddr, size), from .dynsym then .symtab; the first definition wins. The names are
-    found in the string tables first, so only their symbols are decoded."""
+    -> (vaddr, size), from .dynsym then .symtab; the first definition wins."""
+    return defined_symbols(image, names, (STT_FUNC, STT_GNU_IFUNC) if ifunc else (STT_FUNC,))
+
+
+def defined_symbols(image: ElfImage, names: set[str], types: tuple[int, ...],
+                    sections: tuple[str, ...] = (".dynsym", ".symtab")
+                    ) -> dict[str, tuple[int, int]]:
+    """Symbols of these types (STT_*) that the module defines (not imports), named in
+    `names`, -> (vaddr, size), from `sections` in order; the first definition wins. The
+    names are found in the string tables first, so only their symbols are decoded
+    (pyelftools decodes every symbol of a section to find one: ~75 ms for libc's)."""
     out: dict[str, tuple[int, int]] = {}
-    types = (STT_FUNC, STT_GNU_IFUNC) if ifunc else (STT_FUNC,)
-    for sec_name in (".dynsym", ".symtab"):
+    for sec_name in sections:
         sec = image.sections.get(sec_name)
         if sec is None or sec["sh_type"] == "SHT_NOBITS" or not sec["sh_size"]:
             continue
