@@ -6,6 +6,7 @@ the gate's edges, the markdown cut, one-line errors."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import duckdb
@@ -85,6 +86,26 @@ def test_dataset_run_reads_as_its_database(dbs: dict[str, Path], tmp_path: Path)
     for pid in (100, 200):
         assert RunReader(open_dataset_run(ds, "base"), pid).totals() == \
             RunReader(open_run(dbs["base"]), pid).totals()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files away")
+def test_a_dataset_run_under_sudo_is_the_users(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under sudo the run's files in the dataset belong to the invoking user."""
+    import pwd
+
+    pw = pwd.getpwnam("nobody")
+    monkeypatch.setenv("SUDO_UID", str(pw.pw_uid))
+    monkeypatch.setenv("SUDO_GID", str(pw.pw_gid))
+    art = write_artifact(tmp_path / "a.memtrack")
+    ds = tmp_path / "ds"
+    code, _, err = invoke("process", str(art), "--dataset", str(ds), "--run-id", "r1", "-q")
+    assert code == 0, err
+    parts = sorted(ds.glob("*/run=r1"))
+    assert {p.parent.name for p in parts} >= {"runs", "events", "allocations"}
+    for p in [*parts, *(f for d in parts for f in d.rglob("*"))]:
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (pw.pw_uid, pw.pw_gid), p
 
 
 def test_process_into_a_dataset(tmp_path: Path) -> None:

@@ -93,6 +93,8 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
             raise CommandError(str(e)) from None
         except OSError as e:
             raise CommandError(f"{e.filename or dataset}: {e.strerror or e}") from None
+        for part in sorted(dataset.glob(f"*/run={run_id}")):  # this run's files only
+            give_to_invoking_user(part)
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
