@@ -36,30 +36,20 @@ from pathlib import Path
 from memtrack.schema import is_loss
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from support.load import cpu_hogs  # noqa: E402
+
 LOOP = ROOT / "fixtures" / "lossless" / "dictloop.py"
 MEMTRACK = [sys.executable, "-m", "memtrack.cli", "capture"]
 SMALL = ["--events-ring-pages", "64", "--stacks-ring-pages", "64"]
 
 
-def hogs(n: int = 2) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-
-def stop(load: list[subprocess.Popen[bytes]]) -> None:
-    for h in load:
-        h.kill()
-        h.wait()
-
-
 def bare(loops: int) -> float:
-    load = hogs()
-    try:
+    with cpu_hogs(2):
         t0 = time.perf_counter()
         subprocess.run(["/usr/bin/python3", str(LOOP), str(loops)], check=True,
                        capture_output=True, env={**os.environ, "PYTHONMALLOC": "malloc"})
         return time.perf_counter() - t0
-    finally:
-        stop(load)
 
 
 def captured(loops: int, mode: str, rings: list[str], out: Path) -> dict:
@@ -73,11 +63,8 @@ def captured(loops: int, mode: str, rings: list[str], out: Path) -> dict:
         if p.poll() is not None:
             sys.exit(f"bench_lossless: capture failed: {p.communicate()[1]}")
         time.sleep(0.05)
-    load = hogs()
-    try:
+    with cpu_hogs(2):
         _, err = p.communicate()
-    finally:
-        stop(load)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         sys.exit(f"bench_lossless: capture failed: {err}")

@@ -31,8 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_overhead import Quiet  # noqa: E402
 from conftest import build  # noqa: E402
+from support.load import cpu_hogs  # noqa: E402
 
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 TRUE = "/bin/true"
@@ -56,18 +56,6 @@ def wall(cmd: list[str], env: dict[str, str] | None = None) -> float:
         raise RuntimeError(f"{' '.join(cmd[:6])} exited with {proc.returncode}: "
                            f"{proc.stderr.strip()[-300:]}")
     return elapsed
-
-
-@contextmanager
-def busy(n: int) -> Iterator[None]:
-    """`n` CPU-bound processes beside whatever runs in the block."""
-    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
 
 
 class Runs:
@@ -183,7 +171,7 @@ def main() -> None:
         report("1. `memtrack capture -o X -- /bin/true` from the shell, quiet machine",
                measure_round(runs, tmp, heaptrack))
         if not args.no_busy:
-            with busy(2):
+            with cpu_hogs(2):
                 report("2. The same beside two CPU-bound processes (a runner; the aims are "
                        "for a quiet machine)", measure_round(runs, tmp, heaptrack), aims=False)
         phases(tmp)

@@ -14,13 +14,12 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import FIXTURES, ROOT, build
+from support.load import cpu_hogs
 
 from memtrack.capture.cmdenv import command_environment, own_environment
 from memtrack.capture.stops import ATTACH, PAUSE, StopRegistry
@@ -37,18 +36,6 @@ def capture(args: list[str], env: dict[str, str] | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MEMTRACK, "capture", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
-
-
-@contextmanager
-def cpu_hogs(n: int = 2) -> Iterator[None]:
-    """n CPU-bound processes (they never allocate, so they take no uprobe trap)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
 
 
 def state(pid: int) -> str | None:
