@@ -116,6 +116,21 @@ REGION_SCOPE = """
         SELECT pid, tid, end_event_id, min(end_ts), arg_min(coalesce(parent_id, 0), depth)
         FROM regions WHERE end_event_id IS NOT NULL GROUP BY pid, tid, end_event_id)"""
 
+
+def _region_attribution(table: str, tid: str, event_id: str) -> str:
+    """INSERT INTO `table` (region_id, alloc_id): each allocation whose `event_id` (an
+    allocation or its free) its thread `tid` made inside a region, for that region and
+    every one enclosing it."""
+    return f"""
+        INSERT INTO {table}
+        {REGION_SCOPE},
+        innermost AS (
+            SELECT a.alloc_id, b.region_id FROM allocations a ASOF JOIN bounds b
+            ON a.pid = b.pid AND a.{tid} = b.tid AND a.{event_id} > b.event_id
+            WHERE b.region_id <> 0)
+        SELECT s.ancestor_id, i.alloc_id FROM innermost i JOIN ancestors s USING (region_id)
+        ORDER BY 1, 2"""
+
 # heap_timeline comes from the pairing stage (memtrack.process.pair); heap_peak and
 # backtraces are derived once loaded (as views every report would redo them). A
 # backtrace is a stack's frames from its site outward; stacks whose frames from the
@@ -139,27 +154,9 @@ DERIVED = {
             FROM backtrace_frames sf JOIN frames f USING (frame_id) GROUP BY sf.stack_id)
         SELECT stack_id, min(stack_id) OVER (PARTITION BY key, n) FROM k ORDER BY stack_id""",
     # allocations made by a region's thread inside it (or inside a region nested in it)
-    "region_allocations": f"""
-        INSERT INTO region_allocations
-        {REGION_SCOPE},
-        innermost AS (
-            SELECT a.alloc_id, b.region_id FROM allocations a ASOF JOIN bounds b
-            ON a.pid = b.pid AND a.tid = b.tid AND a.event_id > b.event_id
-            WHERE b.region_id <> 0)
-        SELECT s.ancestor_id, i.alloc_id FROM innermost i JOIN ancestors s USING (region_id)
-        ORDER BY 1, 2""",
+    "region_allocations": _region_attribution("region_allocations", "tid", "event_id"),
     # blocks (allocated anywhere in the process) freed by a region's thread inside it
-    "region_frees": f"""
-        INSERT INTO region_frees
-        {REGION_SCOPE},
-        freed AS (SELECT alloc_id, pid, free_tid, free_event_id FROM allocations
-                  WHERE free_event_id IS NOT NULL),
-        innermost AS (
-            SELECT f.alloc_id, b.region_id FROM freed f ASOF JOIN bounds b
-            ON f.pid = b.pid AND f.free_tid = b.tid AND f.free_event_id > b.event_id
-            WHERE b.region_id <> 0)
-        SELECT s.ancestor_id, i.alloc_id FROM innermost i JOIN ancestors s USING (region_id)
-        ORDER BY 1, 2""",
+    "region_frees": _region_attribution("region_frees", "free_tid", "free_event_id"),
     # the heap above the region's begin after each change its thread made inside it
     "region_heap_timeline": """
         INSERT INTO region_heap_timeline
