@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from memtrack.capture.parts import RING_PYFRAMES, CaptureOptions, Ring
 from memtrack.capture.procfs import MapLine
+from memtrack.capture.tables import percpu_counts
 from memtrack.schema import PY_CODES, PY_STACKS
 from memtrack.schema.artifact import ArtifactWriter
 
@@ -314,8 +315,7 @@ class PyFramesPart:
         return self.write(bpf, writer, self.rings()[0], self._reader.read_records())
 
     def kernel_stats(self, bpf: Any) -> dict[str, int]:
-        table = bpf["mt_py_stats"]
-        return {name: int(sum(table[ct.c_int(i)])) for i, name in enumerate(KERNEL_STATS)}
+        return percpu_counts(bpf["mt_py_stats"], KERNEL_STATS)
 
     def losses(self, bpf: Any) -> dict[str, int]:
         stats = self.kernel_stats(bpf)

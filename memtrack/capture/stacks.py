@@ -23,6 +23,7 @@ import pyarrow as pa
 from memtrack.capture.parts import RING_STACKS, CaptureOptions, Ring
 from memtrack.capture.procfs import MapLine
 from memtrack.capture.stackring import records_to_batches
+from memtrack.capture.tables import percpu_counts
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.stackrecord import (
     GROUP_WORDS,
@@ -217,11 +218,7 @@ class StacksPart:
         return out.stacks, out.copies
 
     def kernel_stats(self, bpf: Any) -> dict[str, int]:
-        table = bpf["mt_stack_stats"]
-        out = {}
-        for i, name in enumerate(KERNEL_STATS):
-            out[name] = int(sum(table[ct.c_int(i)]))
-        return out
+        return percpu_counts(bpf["mt_stack_stats"], KERNEL_STATS)
 
     def losses(self, bpf: Any) -> dict[str, int]:
         stats = self.kernel_stats(bpf)

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+from memtrack.capture.tables import percpu_counts
+
 ATTACH = "attach"
 PAUSE = "pause"
 SCAN_SECONDS = 0.25  # mt_paused is read at least this often (and after any high ring)
@@ -156,5 +158,4 @@ class Pauses:
         """Pauses per ring (bpf mt_pauses, summed over CPUs), by RING_NAMES."""
         from memtrack.capture.parts import RING_NAMES
 
-        table = self.bpf["mt_pauses"]
-        return {name: int(sum(table[ct.c_int(i)])) for i, name in enumerate(RING_NAMES)}
+        return percpu_counts(self.bpf["mt_pauses"], RING_NAMES)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import os
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,11 @@ class Table(MutableMapping[Any, Any]):
                 del self[k]
             except KeyError:  # gone meanwhile (the program deletes too)
                 pass
+
+
+def percpu_counts(table: Any, names: Sequence[str]) -> dict[str, int]:
+    """A per-CPU array of counters (index i counts names[i]), each summed over CPUs."""
+    return {name: int(sum(table[ct.c_int(i)])) for i, name in enumerate(names)}
 
 
 def attach_tracepoint(prog_fd: int, category: str, event: str,
