@@ -16,21 +16,41 @@ Rules (docs/DESIGN.md, Process):
 - a free that ends nothing is unmatched (the block was allocated before tracking, by an
   untracked allocator, or inherited across fork), except glibc's own frees at thread
   exit (thread_exit_frees), counted apart.
+
+How: the heap operations come in buckets by address (memtrack.process.spill), and each
+bucket is matched on its own with numpy (an address's blocks, frees and inherited copies
+all fall in one); its rows go to DuckDB, which makes what crosses buckets: the ids of the
+copies, a realloc's link to the block it freed, the heap timeline.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 
 from memtrack.process.lifecycle import Lifecycle
+from memtrack.process.spill import EventSpill, buckets_for
 from memtrack.schema.enums import CLONE_VM, EndReason, EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
 END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
-BUCKET_OPS = 1 << 20  # blocks and frees matched at a time (by address)
+BUCKET_OPS = 1 << 20  # blocks and frees sorted at a time within a bucket (by address)
+
+# A bucket's rows (-> temp table pair_blocks): ALLOCATIONS without what crosses buckets;
+# an inherited copy has no alloc_id yet but the key it is made from: the fork that made
+# it (its index among the forks whose children inherit, in event order), its generation
+# (1: a copy of the parent's own allocation) and the allocation it copies (origin); a
+# copy of a copy names the fork that made the copy it copies (src_fork).
+BLOCK_ROWS = pa.schema([
+    ("alloc_id", pa.uint64()), *[f for f in ALLOCATIONS if f.name not in (
+        "alloc_id", "realloc_of", "inherited_from")],
+    ("fork", pa.int64()), ("gen", pa.int32()), ("origin", pa.uint64()),
+    ("src_fork", pa.int64()),
+])  # fmt: skip
+
 
 @dataclass
 class Pairing:
@@ -39,137 +59,262 @@ class Pairing:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None) -> Pairing:
-    """Pair the allocations and frees of `events` (time-ordered, memtrack.process.read) within
-    the process lives of `life` (memtrack.process.lifecycle of the same events).
+def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
+         buckets: int | None = None) -> Pairing:
+    """Pair the allocations and frees of `events` (time-ordered, with event_id their
+    position: memtrack.process.read) within the process lives of `life`
+    (memtrack.process.lifecycle of the same events), in memory; `buckets`: how many
+    (None: by the number of events); the tables do not depend on it.
 
     `end_ts` is the capture's end (CLOCK_MONOTONIC ns); the last event's time if None.
     """
-    n = events.num_rows
-    # Columns read at every event as numpy; the others are only taken at the blocks.
-    col = {name: events.column(name).to_numpy() for name in (
-        "ts", "pid", "tid", "kind", "addr", "old_addr")}  # fmt: skip
-    kind = col["kind"]
-    addr = col["addr"]
-    old = col["old_addr"]
-    pid = col["pid"].astype(np.int64)
-    if end_ts is None or (n and end_ts < int(col["ts"][-1])):
-        end_ts = int(col["ts"][-1]) if n else 0
+    spill = EventSpill(None, buckets or buckets_for(events.num_rows))
+    for batch in events.drop_columns(["event_id"]).to_batches():
+        spill.add(batch)
+    con = duckdb.connect()
+    counters = pair_spilled(con, spill, life, end_ts)
+    return Pairing(con.execute("SELECT * FROM pair_allocations").to_arrow_table().cast(ALLOCATIONS),
+                   con.execute("SELECT * FROM pair_heap_timeline").to_arrow_table()
+                   .cast(HEAP_TIMELINE), counters)
 
-    is_alloc_kind = (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC)
-    a_eid = np.flatnonzero(is_alloc_kind & (addr != 0))
-    f_eid = np.flatnonzero((kind == EventKind.FREE) & (addr != 0))
-    r_eid = np.flatnonzero((kind == EventKind.REALLOC) & (old != 0))
-    n_alloc, n_free = len(a_eid), len(f_eid)
-    failed = int((is_alloc_kind & (addr == 0)).sum())
-    del is_alloc_kind
-    m = _Matcher(life, n, pid)
-    m.frees(np.concatenate([f_eid, r_eid]), np.concatenate([addr[f_eid], old[r_eid]]),
-            np.concatenate([np.zeros(n_free, bool), np.ones(len(r_eid), bool)]))
-    del f_eid, r_eid
-    m.allocations(a_eid, pid[a_eid], addr[a_eid])
-    m.inherit(life.forks)
-    lone = ~m.f_matched & ~m.f_rf
-    at_exit = int(thread_exit_frees(m.f_ev[lone], m.f_after_free[lone], col["pid"],
-                                    col["tid"], kind, addr, life).sum())
-    frees_unmatched = int((~m.f_matched).sum()) - at_exit
+
+def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecycle,
+                 end_ts: int | None = None) -> dict[str, int]:
+    """Pair the events of `spill`, bucket by bucket, into the temp tables
+    pair_allocations (ALLOCATIONS, by alloc_id) and pair_heap_timeline (HEAP_TIMELINE, in
+    event order) of `con`; returns the counters."""
+    if end_ts is None or end_ts < spill.last_ts:
+        end_ts = spill.last_ts
+    bounds = _Bounds(life, spill.n)
+    fv = life.forks
+    fv = fv.filter(pa.array(((fv["flags"].to_numpy() & CLONE_VM) == 0)
+                            & np.isin(fv["event_id"].to_numpy().astype(np.int64),
+                                      np.array(sorted(spill.busy), np.int64))))
+    forks = _Forks(fv["event_id"].to_numpy().astype(np.int64),
+                   fv["ts"].to_numpy(), fv["parent"].to_numpy().astype(np.int64),
+                   fv["child"].to_numpy().astype(np.int64))
+    exits = spill.exits()
+    con.register("pair_empty", BLOCK_ROWS.empty_table())
+    con.execute("CREATE OR REPLACE TEMP TABLE pair_blocks AS SELECT * FROM pair_empty")
+    con.unregister("pair_empty")
+    counters = {"allocations": spill.allocations, "allocations_inherited": 0,
+                "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
+                "frees_at_thread_exit": 0, "allocations_reused_without_free": 0,
+                "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
+    for stream in spill.ops:
+        ops = stream.table()
+        if not ops.num_rows:
+            continue
+        rows, got = _match_bucket(ops, bounds, forks, exits, end_ts)
+        del ops
+        for k, v in got.items():
+            counters[k] += v
+        con.register("pair_rows", rows)
+        con.execute("INSERT INTO pair_blocks SELECT * FROM pair_rows")
+        con.unregister("pair_rows")
+        del rows
+    counters["frees_unmatched"] -= counters["frees_at_thread_exit"]
+    con.execute(_FINISH_SQL.format(allocations=spill.allocations, realloc=int(END_REALLOC),
+                                   realloc_kind=int(EventKind.REALLOC)))
+    return counters
+
+
+# The copies' ids (after the allocations: by fork, then generation, then the allocation
+# copied), a copy's inherited_from (a first copy: the parent's allocation; a copy of a
+# copy: that copy), realloc_of, then the heap timeline from the finished rows.
+_FINISH_SQL = """
+    CREATE OR REPLACE TEMP TABLE pair_copy_ids AS
+    SELECT fork, origin, ({allocations} + row_number() OVER (ORDER BY fork, gen, origin) - 1)
+        ::UBIGINT AS alloc_id
+    FROM pair_blocks WHERE alloc_id IS NULL;
+    CREATE OR REPLACE TEMP TABLE pair_ids AS
+    SELECT coalesce(b.alloc_id, c.alloc_id) AS id,
+        CASE WHEN b.gen = 1 THEN b.origin WHEN b.gen > 1 THEN s.alloc_id END AS inherited_from,
+        b.*
+    FROM pair_blocks b
+    LEFT JOIN pair_copy_ids c ON b.alloc_id IS NULL AND c.fork = b.fork AND c.origin = b.origin
+    LEFT JOIN pair_copy_ids s ON b.gen > 1 AND s.fork = b.src_fork AND s.origin = b.origin;
+    DROP TABLE pair_blocks;
+    DROP TABLE pair_copy_ids;
+    CREATE OR REPLACE TEMP TABLE pair_allocations AS
+    SELECT b.id AS alloc_id, b.event_id, b.pid, b.tid, b.ts, b.kind, b.allocator, b.addr,
+        b.size, b.stack_hash, b.free_ts, b.free_event_id, b.free_tid, b.end_ts,
+        b.end_event_id, b.end_reason, b.lifetime_ns, r.id AS realloc_of, b.temporary,
+        b.inherited_from
+    FROM pair_ids b
+    LEFT JOIN (SELECT free_event_id, id FROM pair_ids WHERE end_reason = {realloc}) r
+        ON b.kind = {realloc_kind} AND b.inherited_from IS NULL
+        AND r.free_event_id = b.event_id
+    ORDER BY b.id;
+    DROP TABLE pair_ids;
+    CREATE OR REPLACE TEMP TABLE pair_heap_timeline AS
+    WITH d AS (
+        SELECT pid, event_id, any_value(ts) AS ts, sum(d)::BIGINT AS delta FROM (
+            SELECT pid, event_id, ts, size::BIGINT AS d FROM pair_allocations
+            UNION ALL
+            SELECT pid, end_event_id, end_ts, -(size::BIGINT) FROM pair_allocations
+            WHERE end_event_id IS NOT NULL)
+        GROUP BY pid, event_id)
+    SELECT pid, event_id, ts, delta,
+        (sum(delta) OVER (PARTITION BY pid ORDER BY event_id ROWS UNBOUNDED PRECEDING))::BIGINT
+        AS heap_bytes
+    FROM d ORDER BY event_id, pid;
+"""
+
+
+@dataclass
+class _Forks:
+    """The forks whose children inherit their parent's blocks, in event order."""
+
+    ev: np.ndarray
+    ts: np.ndarray
+    parent: np.ndarray
+    child: np.ndarray
+
+
+class _Bounds:
+    """Where each process instance ends: a fork of its pid (a child starts), an exec or
+    an exit, in event order per pid."""
+
+    def __init__(self, life: Lifecycle, n: int) -> None:
+        forks, execs, exits = life.forks, life.execs, life.process_exits
+        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
+                                exits["pid"].to_numpy()]).astype(np.int64)
+        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
+                                exits["event_id"].to_numpy()]).astype(np.int64)
+        b_ts = np.concatenate([forks["ts"].to_numpy(), execs["ts"].to_numpy(),
+                               exits["ts"].to_numpy()]).astype(np.uint64)
+        b_reason = np.concatenate([
+            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
+            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
+        self.stride = n + 1
+        key = b_pid * self.stride + b_eid
+        order = np.argsort(key, kind="stable")
+        self.key, self.pid = key[order], b_pid[order]
+        self.eid, self.ts, self.reason = b_eid[order], b_ts[order], b_reason[order]
+        self.groups = len(key) + 1  # instances of a process are fewer: (pid, instance) key
+
+    def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """How many boundaries of process p came at or before event e."""
+        return np.searchsorted(self.key, p * self.stride + e, side="right") - \
+            np.searchsorted(self.key, p * self.stride, side="left")
+
+    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Index into the boundaries of process p's first one after event e, -1: none."""
+        if not len(self.key):
+            return np.full(len(p), -1, np.int64)
+        j = np.searchsorted(self.key, p * self.stride + e, side="right")
+        jc = np.minimum(j, len(self.key) - 1)
+        return np.where((j < len(self.key)) & (self.pid[jc] == p), jc, -1)
+
+
+def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
+                  end_ts: int) -> tuple[pa.Table, dict[str, int]]:
+    """The BLOCK_ROWS of one bucket's operations (memtrack.process.spill.OPS), and its
+    counters."""
+    col = {c: ops.column(c).to_numpy() for c in (
+        "event_id", "pid", "tid", "ts", "kind", "addr", "alloc_id", "prev")}  # fmt: skip
+    ev, is_block = col["event_id"], col["alloc_id"] >= 0
+    bi = np.flatnonzero(is_block)
+    bi = bi[np.argsort(ev[bi], kind="stable")]
+    fi = np.flatnonzero(~is_block)
+    fi = fi[np.argsort(ev[fi], kind="stable")]
+    f_ev, f_rf = ev[fi], col["kind"][fi] == EventKind.REALLOC
+    m = _Matcher(bounds, f_ev, col["pid"][fi], col["addr"][fi], f_rf)
+    m.allocations(ev[bi], col["pid"][bi], col["addr"][bi])
+    m.inherit(forks)
+    lone = ~m.f_matched & ~f_rf
+    at_exit = int(_thread_exit_frees(f_ev[lone], m.f_after_free[lone], col["tid"][fi][lone],
+                                     col["pid"][fi][lone], exits).sum())
+    counters = {"frees_unmatched": int((~m.f_matched).sum()), "frees_at_thread_exit": at_exit}
     del lone
-
-    # The allocations in event order, then the copies forked children inherited (in
-    # fork order): the rows and their alloc_id.
-    b = m.gathered()
+    b, fork = m.gathered()
     del m
-    nb = len(b.ev)
-    b_ev, b_pid, end_eid, free_eid, reason = b.ev, b.pid, b.end, b.free, b.reason
-    src = b.src  # the block each copies, -1 for an allocation
-    inherited = src >= 0
-    n_inherited = int(inherited.sum())
-    # the allocation each block is or copies (index into a_eid)
-    o_eid = a_eid[b.origin] if n_inherited else a_eid
-    del b
+    nr = len(bi)
+    inherited = b.src >= 0
+    o = bi[b.origin]  # each block's allocation, as a row of ops
+    # an event's time: the frees', the allocations', the boundaries' and the forks'
+    t_key = np.concatenate([f_ev, ev[bi], bounds.eid, forks.ev])
+    t_val = np.concatenate([col["ts"][fi], col["ts"][bi], bounds.ts, forks.ts])
+    t_key, first = np.unique(t_key, return_index=True)
+    t_val = t_val[first]
 
-    ts = col["ts"]
-    b_ts = ts[b_ev]
-    has_free = free_eid >= 0
-    has_end = end_eid >= 0
-    free_ts = np.where(has_free, ts[np.where(has_free, free_eid, 0)], 0)
-    end_ts_a = np.where(has_end, ts[np.where(has_end, end_eid, 0)], np.uint64(end_ts))
-    free_tid = np.where(has_free, col["tid"][np.where(has_free, free_eid, 0)], 0)
+    def ts_of(e: np.ndarray) -> np.ndarray:
+        return t_val[np.searchsorted(t_key, e)]
 
-    # realloc_of: the block a realloc event freed.
-    realloc_of = np.full(nb, -1, np.int64)
-    by_free_event = np.full(n, -1, np.int64)
-    rr = reason == END_REALLOC
-    by_free_event[free_eid[rr]] = np.flatnonzero(rr)
-    is_realloc_alloc = (kind[b_ev] == EventKind.REALLOC) & ~inherited
-    realloc_of[is_realloc_alloc] = by_free_event[b_ev[is_realloc_alloc]]
-    n_realloc = int(is_realloc_alloc.sum())
-    del by_free_event, rr, is_realloc_alloc
-
-    # temporary (heaptrack's definition, per thread): the thread's next allocator event
-    # after the allocation is the one that freed it.
-    h_eid = np.flatnonzero((kind <= EventKind.FREE) & ((addr != 0) | (old != 0)))
-    thread = pid[h_eid].astype(np.uint64) << np.uint64(32) | col["tid"][h_eid]
-    h_order = np.argsort(thread, kind="stable")  # by thread, each in event order
-    h_sorted = h_eid[h_order]
-    thread = thread[h_order]
-    same_thread = thread[1:] == thread[:-1]
-    del thread, h_order, h_eid
-    next_eid = np.full(n, -1, np.int64)
-    next_eid[h_sorted[:-1][same_thread]] = h_sorted[1:][same_thread]
-    del h_sorted, same_thread
-    temporary = has_free & ~inherited & (next_eid[b_ev] == free_eid)
-    del next_eid
+    b_ts = np.where(inherited, ts_of(b.ev), col["ts"][o])
+    has_free, has_end = b.free >= 0, b.end >= 0
+    free_ts = np.where(has_free, ts_of(np.where(has_free, b.free, t_key[0])), 0)
+    end_ts_a = np.where(has_end, ts_of(np.where(has_end, b.end, t_key[0])), np.uint64(end_ts))
+    at_free = np.searchsorted(f_ev, np.where(has_free, b.free, 0))
+    at_free = np.minimum(at_free, max(len(fi) - 1, 0))
+    free_tid = np.where(has_free, col["tid"][fi][at_free] if len(fi) else 0, 0)
+    temporary = has_free & ~inherited & (col["prev"][fi][at_free] == b.ev if len(fi)
+                                         else False)
+    counters.update({
+        "allocations_inherited": int(inherited.sum()),
+        "reallocs": int((col["kind"][bi] == EventKind.REALLOC).sum()),
+        "allocations_reused_without_free": int((b.reason == END_REUSED).sum()),
+        "allocations_not_freed": int((b.reason[:nr] >= END_EXEC).sum()),
+    })
 
     def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
-        dtype = np.uint32 if typ == pa.uint32() else np.uint64
-        return pa.array(values.astype(dtype), type=typ, mask=~valid)
+        dtype = {pa.uint64(): np.uint64, pa.uint32(): np.uint32, pa.int64(): np.int64,
+                 pa.int32(): np.int32}[typ]
+        return pa.array(np.asarray(values).astype(dtype), type=typ, mask=~valid)
 
-    at_block, at_origin = pa.array(b_ev), pa.array(o_eid)
-    size = events.column("size").take(at_origin)
-    table = pa.table(
-        {
-            "alloc_id": pa.array(np.arange(nb, dtype=np.uint64)),
-            "event_id": events.column("event_id").take(at_block),
-            "pid": pa.array(b_pid.astype(np.uint32)),
-            "tid": pa.array(np.where(inherited, b_pid, col["tid"][b_ev]).astype(np.uint32)),
-            "ts": pa.array(b_ts),
-            "kind": pa.array(kind[o_eid]),
-            "allocator": events.column("allocator").take(at_origin),
-            "addr": pa.array(addr[o_eid]),
-            "size": size,
-            "stack_hash": events.column("stack_hash").take(at_origin),
-            "free_ts": nullable(free_ts, has_free, pa.uint64()),
-            "free_event_id": nullable(free_eid, has_free, pa.uint64()),
-            "free_tid": nullable(free_tid, has_free, pa.uint32()),
-            "end_ts": pa.array(end_ts_a.astype(np.uint64)),
-            "end_event_id": nullable(end_eid, has_end, pa.uint64()),
-            "end_reason": pa.array(reason),
-            "lifetime_ns": nullable(
-                free_ts.astype(np.int64) - b_ts.astype(np.int64), has_free, pa.uint64()
-            ),
-            "realloc_of": nullable(realloc_of, realloc_of >= 0, pa.uint64()),
-            "temporary": pa.array(temporary),
-            "inherited_from": nullable(src, inherited, pa.uint64()),
-        },
-        schema=ALLOCATIONS,
-    )
-    del free_ts, end_ts_a, free_tid, realloc_of, temporary, has_free, has_end, b_ts
-    del at_block, at_origin, o_eid, src
-    counters = {
-        "allocations": n_alloc,
-        "allocations_inherited": n_inherited,
-        "frees": n_free,
-        "reallocs": n_realloc,
-        "frees_unmatched": frees_unmatched,
-        "frees_at_thread_exit": at_exit,
-        "allocations_reused_without_free": int((reason == END_REUSED).sum()),
-        "allocations_not_freed": int((reason[~inherited] >= END_EXEC).sum()),
-        "failed_allocations": failed,
-    }
-    del inherited, reason, free_eid, col, kind, addr, old, pid  # the timeline needs ts
-    timeline = _heap_timeline(b_pid, b_ev, end_eid, size.to_numpy().astype(np.int64), ts)
-    return Pairing(table, timeline, counters)
+    at_origin = pa.array(o)
+    rows = pa.table({
+        "alloc_id": nullable(col["alloc_id"][o], ~inherited, pa.uint64()),
+        "event_id": pa.array(b.ev.astype(np.uint64)),
+        "pid": pa.array(b.pid.astype(np.uint32)),
+        "tid": pa.array(np.where(inherited, b.pid, col["tid"][o]).astype(np.uint32)),
+        "ts": pa.array(b_ts.astype(np.uint64)),
+        "kind": pa.array(col["kind"][o]),
+        "allocator": ops.column("allocator").take(at_origin),
+        "addr": pa.array(col["addr"][o]),
+        "size": ops.column("size").take(at_origin),
+        "stack_hash": ops.column("stack_hash").take(at_origin),
+        "free_ts": nullable(free_ts, has_free, pa.uint64()),
+        "free_event_id": nullable(b.free, has_free, pa.uint64()),
+        "free_tid": nullable(free_tid, has_free, pa.uint32()),
+        "end_ts": pa.array(end_ts_a.astype(np.uint64)),
+        "end_event_id": nullable(b.end, has_end, pa.uint64()),
+        "end_reason": pa.array(b.reason),
+        "lifetime_ns": nullable(free_ts.astype(np.int64) - b_ts.astype(np.int64), has_free,
+                                pa.uint64()),
+        "temporary": pa.array(np.asarray(temporary, bool)),
+        "fork": nullable(fork, inherited, pa.int64()),
+        "gen": nullable(b.gen, inherited, pa.int32()),
+        "origin": nullable(col["alloc_id"][o], inherited, pa.uint64()),
+        "src_fork": nullable(b.src_fork, b.gen > 1, pa.int64()),
+    }, schema=BLOCK_ROWS)
+    return rows, counters
+
+
+def _thread_exit_frees(free_eid: np.ndarray, freed_before: np.ndarray, tid: np.ndarray,
+                       pid: np.ndarray, exits: np.ndarray) -> np.ndarray:
+    """Which unmatched frees (events `free_eid`; `freed_before`: the block's last
+    operation was a recorded free) are glibc's at thread exit.
+
+    A thread other than the main one ends in __libc_thread_freeres ->
+    tcache_thread_shutdown, which frees through the public `free` every chunk still in
+    the thread's tcache (blocks the program freed already: freed again) and then the
+    tcache itself (allocated inside malloc, never returned by a malloc call: never
+    seen). So: after the thread's last allocation and before its exit, a free of a
+    block freed before, or the thread's very last free of a block never seen.
+    `exits`: memtrack.process.spill.EventSpill.exits."""
+    if not len(free_eid) or not exits.shape[1]:
+        return np.zeros(len(free_eid), bool)
+    x_tid, x_eid, x_alloc, x_free = exits
+    stride = int(max(x_eid.max(), free_eid.max())) + 1
+    key = x_tid * stride + x_eid
+    at = tid.astype(np.int64) * stride + free_eid
+    j = np.searchsorted(key, at)  # the thread's next exit
+    jc = np.minimum(j, len(key) - 1)
+    hit = (j < len(key)) & (x_tid[jc] == tid)
+    in_tail = hit & (x_alloc[jc] < free_eid) & (tid != pid)
+    return in_tail & (freed_before | (x_free[jc] == free_eid))
 
 
 @dataclass
@@ -185,6 +330,9 @@ class _Blocks:
     src: np.ndarray  # index of the block copied, -1 for an allocation
     origin: np.ndarray  # index of the allocation copied (itself for an allocation)
     base: int
+    gen: np.ndarray  # 0 for an allocation, else its source's + 1
+    src_fork: np.ndarray  # the fork that made the block copied (-1: an allocation)
+    fork: int = -1  # the fork that made these copies (-1: allocations)
     end: np.ndarray = field(init=False)  # event index where the block's life ends, -1
     free: np.ndarray = field(init=False)  # event index of the free that ended it, -1
     reason: np.ndarray = field(init=False)  # EndReason
@@ -205,49 +353,21 @@ class _Matcher:
     was not recorded), else at the instance's next exec or exit (a leak), else at the
     capture's end. Events are indexed by their position."""
 
-    def __init__(self, life: Lifecycle, n: int, pid: np.ndarray) -> None:
-        forks, execs, exits = life.forks, life.execs, life.process_exits
-        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
-                                exits["pid"].to_numpy()]).astype(np.int64)
-        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
-                                exits["event_id"].to_numpy()]).astype(np.int64)
-        b_reason = np.concatenate([
-            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
-            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
-        self.stride = n + 1
-        key = b_pid * self.stride + b_eid
-        order = np.argsort(key, kind="stable")
-        self.bound_key, self.bound_pid = key[order], b_pid[order]
-        self.bound_eid, self.bound_reason = b_eid[order], b_reason[order]
-        self.n, self.pid = n, pid
-        self.groups = len(key) + 1  # instances of a process are fewer: (pid, instance) key
+    def __init__(self, bounds: _Bounds, f_ev: np.ndarray, f_pid: np.ndarray,
+                 f_addr: np.ndarray, by_realloc: np.ndarray) -> None:
+        self.bounds = bounds
         self.copies: dict[int, list[_Blocks]] = {}  # child pid -> its copies, by fork
         self.chunks: list[_Blocks] = []  # every copy, in the order made
-
-    def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """How many boundaries of process p came at or before event e."""
-        return np.searchsorted(self.bound_key, p * self.stride + e, side="right") - \
-            np.searchsorted(self.bound_key, p * self.stride, side="left")
-
-    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """Index into the boundaries of process p's first one after event e, -1: none."""
-        if not len(self.bound_key):
-            return np.full(len(p), -1, np.int64)
-        j = np.searchsorted(self.bound_key, p * self.stride + e, side="right")
-        jc = np.minimum(j, len(self.bound_key) - 1)
-        return np.where((j < len(self.bound_key)) & (self.bound_pid[jc] == p), jc, -1)
-
-    def frees(self, ev: np.ndarray, addr: np.ndarray, by_realloc: np.ndarray) -> None:
-        self.f_ev, self.f_addr, self.f_rf = ev, addr, by_realloc
-        self.f_pid = self.pid[ev]
-        self.f_inst = self.instance(self.f_pid, ev)
-        self.f_matched = np.zeros(len(ev), bool)
-        self.f_after_free = np.zeros(len(ev), bool)  # the address's last op was a free
+        self.f_ev, self.f_pid, self.f_addr, self.f_rf = f_ev, f_pid, f_addr, by_realloc
+        self.f_inst = bounds.instance(f_pid, f_ev)
+        self.f_matched = np.zeros(len(f_ev), bool)
+        self.f_after_free = np.zeros(len(f_ev), bool)  # the address's last op was a free
 
     def allocations(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray) -> None:
         n = len(ev)
-        self.real = _Blocks(ev, pid, addr, self.instance(pid, ev), np.full(n, -1, np.int64),
-                            np.arange(n, dtype=np.int64), 0)
+        self.real = _Blocks(ev, pid, addr, self.bounds.instance(pid, ev),
+                            np.full(n, -1, np.int64), np.arange(n, dtype=np.int64), 0,
+                            np.zeros(n, np.int32), np.full(n, -1, np.int64))
         self.size = n
         self.by_pid: np.ndarray | None = None  # made by of_pid, only for forks
         self.match([(self.real, None)], np.arange(len(self.f_ev)))
@@ -296,10 +416,10 @@ class _Matcher:
             del b_bucket, f_bucket
         # Never freed: bounded by the next exec/exit of the process instance, if any.
         open_ = np.flatnonzero(end < 0)
-        j = self.next_boundary(b_pid[open_], b_ev[open_])
+        j = self.bounds.next_boundary(b_pid[open_], b_ev[open_])
         hit = j >= 0
-        end[open_[hit]] = self.bound_eid[j[hit]]
-        reason[open_[hit]] = self.bound_reason[j[hit]]
+        end[open_[hit]] = self.bounds.eid[j[hit]]
+        reason[open_[hit]] = self.bounds.reason[j[hit]]
         del open_, j, hit
         o = 0
         for blk, i in parts:
@@ -325,8 +445,9 @@ class _Matcher:
         order = np.argsort(op_ev * 2 + op_sub, kind="stable")
         s_ev, s_sub = op_ev[order], op_sub[order]
         del op_ev, op_sub
-        group = np.concatenate([b_pid * self.groups + b_inst,
-                                self.f_pid[frees] * self.groups + self.f_inst[frees]])[order]
+        groups = self.bounds.groups
+        group = np.concatenate([b_pid * groups + b_inst,
+                                self.f_pid[frees] * groups + self.f_inst[frees]])[order]
         s_addr = np.concatenate([b_addr, self.f_addr[frees]])[order]
         if len(group) and (group == group[0]).all():
             by = np.argsort(s_addr, kind="stable")
@@ -364,30 +485,17 @@ class _Matcher:
                                      END_FREE)
         reason[b[u_rows]] = END_REUSED
 
-    def inherit(self, forks: pa.Table) -> None:
+    def inherit(self, forks: _Forks) -> None:
         """A forked child (not a vfork: CLONE_VM shares the parent's memory) gets a copy
         of every block alive in its parent at the fork, in its own heap: its frees end
         those copies, the parent's end the parent's blocks. Only a child that allocates
-        or frees before its exec or exit inherits (a fork + exec child's copy of its
-        parent's heap is never used: listing it would put the parent's heap in every
-        such child's peak and leaks). Forks go in event order, each child matched
-        again with its copies, so that a grandchild inherits its parent's copies as
-        they were at its own fork."""
-        if forks.num_rows == 0:
-            return
-        fv = forks.filter(pa.array((forks["flags"].to_numpy() & CLONE_VM) == 0))
-        f_ev = fv["event_id"].to_numpy().astype(np.int64)
-        parent = fv["parent"].to_numpy().astype(np.int64)
-        child = fv["child"].to_numpy().astype(np.int64)
-        # the child's heap events before its next boundary (exec, exit, a reused pid)
-        j = self.next_boundary(child, f_ev)
-        until = np.where(j >= 0, self.bound_eid[np.maximum(j, 0)], self.n)
-        h_key = np.sort(np.concatenate([self.real.pid * self.stride + self.real.ev,
-                                        self.f_pid * self.stride + self.f_ev]))
-        busy = np.searchsorted(h_key, child * self.stride + until, side="left") > \
-            np.searchsorted(h_key, child * self.stride + f_ev, side="right")
-        for e, p, c in zip(f_ev[busy].tolist(), parent[busy].tolist(), child[busy].tolist(),
-                           strict=True):
+        or frees before its exec or exit inherits (`forks` are those: a fork + exec
+        child's copy of its parent's heap is never used: listing it would put the
+        parent's heap in every such child's peak and leaks). Forks go in event order,
+        each child matched again with its copies, so that a grandchild inherits its
+        parent's copies as they were at its own fork."""
+        for no, (e, p, c) in enumerate(zip(forks.ev.tolist(), forks.parent.tolist(),
+                                           forks.child.tolist(), strict=True)):
             parts, _ = self.of_pid(p)
             alive = [(blk, i[(blk.ev[i] < e) & ((blk.end[i] < 0) | (blk.end[i] > e))])
                      for blk, i in parts]
@@ -397,110 +505,31 @@ class _Matcher:
             copy = _Blocks(
                 np.full(k, e, np.int64), np.full(k, c, np.int64),
                 np.concatenate([blk.addr[i] for blk, i in alive]),
-                self.instance(np.full(k, c, np.int64), np.full(k, e, np.int64)),
+                self.bounds.instance(np.full(k, c, np.int64), np.full(k, e, np.int64)),
                 np.concatenate([blk.base + i for blk, i in alive]),
-                np.concatenate([blk.origin[i] for blk, i in alive]), self.size)
+                np.concatenate([blk.origin[i] for blk, i in alive]), self.size,
+                np.concatenate([blk.gen[i] + 1 for blk, i in alive]),
+                np.concatenate([np.full(len(i), blk.fork, np.int64) for blk, i in alive]),
+                no)
             self.size += k
             self.chunks.append(copy)
             self.copies.setdefault(c, []).append(copy)
             self.match(*self.of_pid(c))
 
-    def gathered(self) -> _Blocks:
-        """Every block, the allocations first, then the copies in the order made."""
-        if not self.chunks:
-            return self.real
+    def gathered(self) -> tuple[_Blocks, np.ndarray]:
+        """Every block, the allocations first, then the copies in the order made, and
+        the fork that made each (-1: an allocation)."""
         every = [self.real, *self.chunks]
+        fork = np.concatenate([np.full(len(b.ev), b.fork, np.int64) for b in every])
+        if not self.chunks:
+            return self.real, fork
         out = _Blocks(*(np.concatenate([getattr(b, f) for b in every])
-                        for f in ("ev", "pid", "addr", "inst", "src", "origin")), 0)
+                        for f in ("ev", "pid", "addr", "inst", "src", "origin")), 0,
+                      *(np.concatenate([getattr(b, f) for b in every])
+                        for f in ("gen", "src_fork")))
         out.end = np.concatenate([b.end for b in every])
         out.free = np.concatenate([b.free for b in every])
         out.reason = np.concatenate([b.reason for b in every])
-        return out
+        return out, fork
 
 
-def thread_exit_frees(free_eid: np.ndarray, freed_before: np.ndarray, pid: np.ndarray,
-                      tid: np.ndarray, kind: np.ndarray, addr: np.ndarray,
-                      life: Lifecycle) -> np.ndarray:
-    """Which unmatched frees (events `free_eid`; `freed_before`: the block's last
-    operation was a recorded free) are glibc's at thread exit.
-
-    A thread other than the main one ends in __libc_thread_freeres ->
-    tcache_thread_shutdown, which frees through the public `free` every chunk still in
-    the thread's tcache (blocks the program freed already: freed again) and then the
-    tcache itself (allocated inside malloc, never returned by a malloc call: never
-    seen). So: after the thread's last allocation and before its exit, a free of a
-    block freed before, or the thread's very last free of a block never seen."""
-    n = len(kind)
-    stride = n + 1
-    at = free_eid.astype(np.int64)
-    if not len(at):
-        return np.zeros(0, bool)
-    at_key = tid[at].astype(np.int64) * stride + at
-
-    def following(mask: np.ndarray, side: str) -> np.ndarray:
-        """For each event `at`, the next event of its thread in `mask` (n if none)."""
-        idx = np.flatnonzero(mask)
-        keys = tid[idx].astype(np.int64) * stride + idx
-        keys.sort(kind="stable")
-        del idx
-        if not len(keys):
-            return np.full(len(at), n, np.int64)
-        j = np.searchsorted(keys, at_key, side=side)
-        jc = np.minimum(j, len(keys) - 1)
-        hit = (j < len(keys)) & (keys[jc] // stride == at_key // stride)
-        return np.where(hit, keys[jc] % stride, n)
-
-    is_exit = np.zeros(n, bool)
-    is_exit[life.exits["event_id"].to_numpy().astype(np.int64)] = True
-    exit_at = following(is_exit, "left")
-    del is_exit
-    in_tail = (exit_at < n) & (following(
-        (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC), "right") > exit_at) & (
-        tid[at] != pid[at])
-    last_free = following((kind == EventKind.FREE) & (addr != 0), "right") > exit_at
-    return in_tail & (freed_before | last_free)
-
-
-def _heap_timeline(a_pid: np.ndarray, a_eid: np.ndarray, end_eid: np.ndarray,
-                   size: np.ndarray, ts: np.ndarray) -> pa.Table:
-    """Heap bytes in use per process after each event that changed them: +size at the
-    allocation, -size where its lifetime ended (free, realloc, exec, exit, reuse)."""
-    ended = end_eid >= 0
-    e = np.concatenate([a_eid, end_eid[ended]])
-    if len(e) == 0:
-        return HEAP_TIMELINE.empty_table()
-    # one int64 key per change, (pid, event): the arrays below are the changes' few
-    # columns, each freed once the next is made
-    stride = int(e.max()) + 1
-    key = np.concatenate([a_pid, a_pid[ended]]).astype(np.int64, copy=False)
-    key *= stride
-    key += e
-    del e
-    d = np.concatenate([size, -size[ended]])
-    order = np.argsort(key, kind="stable")
-    key, d = key[order], d[order]
-    del order
-    first = np.ones(len(key), bool)
-    first[1:] = key[1:] != key[:-1]
-    starts = np.flatnonzero(first)
-    del first
-    gkey, gd = key[starts], np.add.reduceat(d, starts)
-    del key, d, starts
-    gp, ge = gkey // stride, gkey % stride
-    del gkey
-    run = np.cumsum(gd)
-    new_pid = np.ones(len(gp), bool)
-    new_pid[1:] = gp[1:] != gp[:-1]
-    pid_start = np.maximum.accumulate(np.where(new_pid, np.arange(len(gp)), 0))
-    del new_pid
-    heap = run - np.where(pid_start > 0, run[np.maximum(pid_start - 1, 0)], 0)
-    del run, pid_start
-    # in event order (already so with one process)
-    by_event = np.argsort(ge, kind="stable") if gp[0] != gp[-1] else slice(None)
-    return pa.table({
-        "pid": pa.array(gp[by_event].astype(np.uint32)),
-        "event_id": pa.array(ge[by_event].astype(np.uint64)),
-        "ts": pa.array(ts[ge[by_event]]),
-        "delta": pa.array(gd[by_event]),
-        "heap_bytes": pa.array(heap[by_event]),
-    }, schema=HEAP_TIMELINE)

@@ -1,0 +1,318 @@
+"""The events of a run on their way from read to pair and load, never held whole.
+
+Read hands the events over a batch at a time, in time order; the spill numbers them
+(event_id, and alloc_id: an allocation's rank among the allocations) and writes:
+- every event to one staged stream (load copies it into the run database);
+- every heap operation (an allocation's block, a free's or a realloc's freed address)
+  to one of `buckets` streams chosen by a hash of its address, with what pairing needs
+  of it: every operation of an address falls in one bucket, so that pair matches the
+  buckets one at a time (memtrack.process.pair);
+- and keeps what is small: the other events (lifecycle, address space, regions: a few
+  per process), each pid's first time, counts, and which forked children touched their
+  heap before their next exec or exit (`busy`: only those inherit their parent's blocks).
+
+For each free it also records the previous heap event of its thread (`prev`): a block
+is temporary (heaptrack's definition) when the free that ends it comes straight after it
+in its thread. The streams are uncompressed Arrow IPC files in a scratch directory next
+to the run database (deleted with it), or lists in memory for a table already in memory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from memtrack.schema import EVENTS
+from memtrack.schema.enums import CLONE_THREAD, CLONE_VM, EXIT_PROCESS, EventKind
+
+# What the run database's events table is made of (the artifact's columns, event_id first).
+STAGED_EVENTS = pa.schema([("event_id", pa.uint64()), *EVENTS])
+# A heap operation: a block (alloc_id >= 0, addr its address) or a free (alloc_id -1, addr
+# the address it frees, prev the previous heap event of its thread or -1).
+OPS = pa.schema([
+    ("event_id", pa.int64()), ("pid", pa.int64()), ("tid", pa.uint32()), ("ts", pa.uint64()),
+    ("kind", pa.uint8()), ("allocator", pa.uint8()), ("addr", pa.uint64()),
+    ("size", pa.uint64()), ("stack_hash", pa.uint64()), ("alloc_id", pa.int64()),
+    ("prev", pa.int64()),
+])  # fmt: skip
+OPS_PER_BUCKET = 1 << 20  # the heap operations pair holds at a time, about
+MAX_BUCKETS = 1024
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_LIFECYCLE = (EventKind.FORK, EventKind.EXEC, EventKind.EXIT)
+
+
+class OutOfOrder(Exception):
+    """The events are not in time order (read sorts them and starts again)."""
+
+
+def buckets_for(ops: int) -> int:
+    """A power of two near ops / OPS_PER_BUCKET, at most MAX_BUCKETS."""
+    want = max(1, min(MAX_BUCKETS, -(-ops // OPS_PER_BUCKET)))
+    return 1 << (want - 1).bit_length()
+
+
+def bucket_of(addr: np.ndarray, buckets: int) -> np.ndarray:
+    """Each address's bucket: a multiplicative hash of addr >> 4 (blocks are 16-byte
+    aligned), its top bits."""
+    if buckets == 1:
+        return np.zeros(len(addr), np.int64)
+    shift = np.uint64(64 - (buckets.bit_length() - 1))
+    return ((addr >> np.uint64(4)) * _GOLDEN >> shift).astype(np.int64)
+
+
+class _Stream:
+    """Record batches of one schema, in a file (uncompressed IPC, read back with plain
+    reads, so that nothing of it stays mapped) or in memory."""
+
+    def __init__(self, schema: pa.Schema, path: Path | None) -> None:
+        self.schema, self.path, self.rows = schema, path, 0
+        self.parts: list[pa.RecordBatch] = []
+        self.writer: pa.ipc.RecordBatchStreamWriter | None = None
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if not batch.num_rows:
+            return
+        self.rows += batch.num_rows
+        if self.path is None:
+            self.parts.append(batch)
+            return
+        if self.writer is None:
+            self.writer = pa.ipc.new_stream(pa.OSFile(str(self.path), "wb"), self.schema)
+        self.writer.write_batch(batch)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        self.close()
+        if self.path is None:
+            yield from self.parts
+        elif self.rows:
+            with pa.OSFile(str(self.path)) as f:
+                yield from pa.ipc.open_stream(f)
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_batches(list(self.batches()), schema=self.schema)
+
+
+@dataclass
+class _Threads:
+    """Each thread's last heap event so far (thread key pid << 32 | tid, sorted)."""
+
+    keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def previous(self, key: np.ndarray, eid: np.ndarray) -> np.ndarray:
+        """For heap events (thread keys, event ids, in event order): each one's previous
+        heap event in its thread, -1 for none; remembers the last of each thread."""
+        order = np.argsort(key, kind="stable")
+        k, e = key[order], eid[order]
+        prev = np.full(len(k), -1, np.int64)
+        same = np.zeros(len(k), bool)
+        same[1:] = k[1:] == k[:-1]
+        prev[1:][same[1:]] = e[:-1][same[1:]]
+        first = np.flatnonzero(~same)
+        if len(self.keys) and len(first):
+            j = np.minimum(np.searchsorted(self.keys, k[first]), len(self.keys) - 1)
+            hit = self.keys[j] == k[first]
+            prev[first[hit]] = self.last[j[hit]]
+        last = np.flatnonzero(np.append(k[1:] != k[:-1], True)) if len(k) else first
+        keys = np.concatenate([k[last], self.keys])
+        vals = np.concatenate([e[last], self.last])
+        uk, at = np.unique(keys, return_index=True)  # the batch's first: the newest
+        self.keys, self.last = uk, vals[at]
+        out = np.empty(len(k), np.int64)
+        out[order] = prev
+        return out
+
+
+class _LastOf:
+    """Per thread id, the last event of some kind so far (tids sorted)."""
+
+    def __init__(self) -> None:
+        self.tids = np.zeros(0, np.int64)
+        self.last = np.zeros(0, np.int64)
+
+    def before(self, tid: np.ndarray, eid: np.ndarray, at_tid: np.ndarray,
+               at_eid: np.ndarray) -> np.ndarray:
+        """Events (tid, eid in event order) of this batch; for each (at_tid, at_eid): the
+        last of its thread's events before it, this batch's or an earlier one's, -1 for
+        none. Then remembers the batch's."""
+        base = int(eid[0]) if len(eid) else 0
+        low = np.uint64(0xFFFFFFFF)
+        key = np.sort(tid.astype(np.uint64) << np.uint64(32) | (eid - base).astype(np.uint64))
+        at = at_tid.astype(np.uint64) << np.uint64(32) | (at_eid - base).astype(np.uint64)
+        out = np.full(len(at), -1, np.int64)
+        if len(key):
+            j = np.searchsorted(key, at) - 1
+            jc = np.maximum(j, 0)
+            hit = (j >= 0) & (key[jc] >> np.uint64(32) == at_tid)
+            out[hit] = (key[jc][hit] & low).astype(np.int64) + base
+        if len(self.tids):
+            miss = np.flatnonzero(out < 0)
+            k = np.minimum(np.searchsorted(self.tids, at_tid[miss]), len(self.tids) - 1)
+            found = self.tids[k] == at_tid[miss]
+            out[miss[found]] = self.last[k[found]]
+        if len(key):
+            t = key >> np.uint64(32)
+            last = np.flatnonzero(np.append(t[1:] != t[:-1], True))
+            tids = np.concatenate([t[last].astype(np.int64), self.tids])
+            vals = np.concatenate([(key[last] & low).astype(np.int64) + base, self.last])
+            self.tids, at_first = np.unique(tids, return_index=True)
+            self.last = vals[at_first]
+        return out
+
+
+class EventSpill:
+    """Events handed over in time order (`add`), staged for pair and load."""
+
+    def __init__(self, directory: Path | None, buckets: int) -> None:
+        self.directory = directory
+        if directory is not None:
+            directory.mkdir()
+        self.buckets = buckets
+        self.staged = _Stream(STAGED_EVENTS, directory / "events.arrow" if directory else None)
+        self.ops = [_Stream(OPS, directory / f"ops-{k}.arrow" if directory else None)
+                    for k in range(buckets)]
+        self.others: list[pa.Table] = []  # events of the other kinds
+        self.n = 0
+        self.allocations = 0
+        self.frees = 0
+        self.failed_allocations = 0
+        self.last_ts = 0
+        self.first_seen: dict[int, int] = {}  # pid -> its first event's time
+        self._threads = _Threads()
+        self._last_alloc, self._last_free = _LastOf(), _LastOf()
+        # per EXIT: tid, event_id, the thread's last allocation and last free before it
+        self.exit_tails: list[np.ndarray] = []
+        self._pending: dict[int, int] = {}  # forked child -> its fork's event, until it
+        self.busy: set[int] = set()  # touches its heap (-> busy) or meets a boundary
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        """The next events in time order (OutOfOrder if they are not)."""
+        n = batch.num_rows
+        if not n:
+            return
+        col = {c: batch.column(c).to_numpy() for c in (
+            "ts", "pid", "tid", "kind", "flags", "addr", "old_addr")}  # fmt: skip
+        ts, kind, addr, old = col["ts"], col["kind"], col["addr"], col["old_addr"]
+        if ts[0] < self.last_ts or (n > 1 and not bool((ts[1:] >= ts[:-1]).all())):
+            raise OutOfOrder
+        eid = np.arange(self.n, self.n + n, dtype=np.int64)
+        self.staged.write(pa.RecordBatch.from_arrays(
+            [pa.array(eid.astype(np.uint64)), *batch.columns], schema=STAGED_EVENTS))
+        pids, first = np.unique(col["pid"], return_index=True)
+        for p, t in zip(pids.tolist(), ts[first].tolist(), strict=True):
+            self.first_seen.setdefault(p, t)
+
+        is_alloc_kind = (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC)
+        a = np.flatnonzero(is_alloc_kind & (addr != 0))
+        self.failed_allocations += int((is_alloc_kind & (addr == 0)).sum())
+        f = np.flatnonzero(((kind == EventKind.FREE) & (addr != 0))
+                           | ((kind == EventKind.REALLOC) & (old != 0)))
+        heap = np.flatnonzero((kind <= EventKind.FREE) & ((addr != 0) | (old != 0)))
+        thread = col["pid"][heap].astype(np.uint64) << np.uint64(32) | col["tid"][heap]
+        prev_h = self._threads.previous(thread, eid[heap])
+        prev = np.full(n, -1, np.int64)
+        prev[heap] = prev_h
+        self._busy(col, eid, np.sort(np.concatenate([a, f])))
+        x = np.flatnonzero(kind == EventKind.EXIT)
+        tid = col["tid"]
+        ak = np.flatnonzero(is_alloc_kind)
+        fk = np.flatnonzero((kind == EventKind.FREE) & (addr != 0))
+        self.frees += len(fk)
+        la = self._last_alloc.before(tid[ak], eid[ak], tid[x], eid[x])
+        lf = self._last_free.before(tid[fk], eid[fk], tid[x], eid[x])
+        if len(x):
+            self.exit_tails.append(np.stack([tid[x].astype(np.int64), eid[x], la, lf]))
+
+        alloc_id = np.arange(self.allocations, self.allocations + len(a), dtype=np.int64)
+        self.allocations += len(a)
+        at = np.concatenate([a, f])
+        op_addr = np.concatenate([addr[a], np.where(kind[f] == EventKind.FREE, addr[f], old[f])])
+        ops = pa.RecordBatch.from_arrays([
+            pa.array(eid[at]), pa.array(col["pid"][at].astype(np.int64)),
+            pa.array(col["tid"][at]), pa.array(ts[at]), pa.array(kind[at]),
+            batch.column("allocator").take(pa.array(at)), pa.array(op_addr),
+            batch.column("size").take(pa.array(at)),
+            batch.column("stack_hash").take(pa.array(at)),
+            pa.array(np.concatenate([alloc_id, np.full(len(f), -1, np.int64)])),
+            pa.array(np.concatenate([np.full(len(a), -1, np.int64), prev[f]])),
+        ], schema=OPS)
+        if self.buckets == 1:
+            self.ops[0].write(ops)
+        else:
+            b = bucket_of(op_addr, self.buckets)
+            order = np.argsort(b, kind="stable")
+            bounds = np.searchsorted(b[order], np.arange(self.buckets + 1))
+            ops = ops.take(pa.array(order))
+            for k in range(self.buckets):
+                if bounds[k + 1] > bounds[k]:
+                    self.ops[k].write(ops.slice(bounds[k], bounds[k + 1] - bounds[k]))
+        other = np.flatnonzero(kind >= EventKind.MMAP)
+        if len(other):
+            self.others.append(pa.Table.from_batches([batch]).take(pa.array(other))
+                               .add_column(0, "event_id", pa.array(eid[other].astype(np.uint64))))
+        self.n += n
+        self.last_ts = int(ts[-1])
+
+    def _busy(self, col: dict[str, np.ndarray], eid: np.ndarray, heap_ops: np.ndarray) -> None:
+        """Follow which forked children touch their heap (an allocation or a free)
+        between their fork and their next boundary (fork of the pid, exec, exit)."""
+        kind = col["kind"]
+        lc = np.flatnonzero(np.isin(kind, _LIFECYCLE))
+        if not len(lc) and not self._pending:
+            return
+        op_pid = col["pid"][heap_ops]
+        flags = col["flags"]
+        start = 0
+        for pos in [*lc.tolist(), len(kind)]:
+            if self._pending:
+                seg = slice(np.searchsorted(heap_ops, start), np.searchsorted(heap_ops, pos))
+                for p in np.intersect1d(op_pid[seg], list(self._pending)).tolist():
+                    self.busy.add(self._pending.pop(p))
+            if pos == len(kind):
+                break
+            start = pos + 1
+            k = kind[pos]
+            if k == EventKind.FORK:
+                fl = int(flags[pos])
+                if fl & CLONE_THREAD:
+                    continue
+                child = int(col["addr"][pos])
+                self._pending.pop(child, None)
+                if not fl & CLONE_VM:
+                    self._pending[child] = int(eid[pos])
+            elif k == EventKind.EXEC or (k == EventKind.EXIT and int(flags[pos]) & EXIT_PROCESS):
+                self._pending.pop(int(col["pid"][pos]), None)
+
+    def exits(self) -> np.ndarray:
+        """Every EXIT as (tid, event_id, the thread's last allocation before it, its
+        last free before it; -1: none), rows sorted by (tid, event_id)."""
+        t = np.concatenate(self.exit_tails, axis=1) if self.exit_tails \
+            else np.zeros((4, 0), np.int64)
+        return t[:, np.lexsort((t[1], t[0]))]
+
+    def other_events(self) -> pa.Table:
+        """The events of kinds other than the heap's, with event_id, in event order."""
+        schema = STAGED_EVENTS
+        return pa.concat_tables(self.others).cast(schema) if self.others \
+            else schema.empty_table()
+
+    def close(self) -> None:
+        self.staged.close()
+        for s in self.ops:
+            s.close()
+
+    def remove(self) -> None:
+        """Delete the scratch files."""
+        self.close()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
