@@ -119,10 +119,11 @@ PROCESS_ROWS = pa.schema([
 
 
 def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: int = 0,
-              start_ns: int = 0) -> Lifecycle:
+              start_ns: int = 0, first_seen: dict[int, int] | None = None) -> Lifecycle:
     """The lifecycle of a capture from its events (any order; `event_id` when they have
     one, else their position) and processes rows; `root_pid` and `start_ns` (the
-    manifest's) give the root a life even when nothing else names it."""
+    manifest's) give the root a life even when nothing else names it. `first_seen`:
+    each pid's first event's time, when `events` are not all of them (a spill's)."""
     n = events.num_rows
     ts = events["ts"].to_numpy()
     in_order = n < 2 or bool((ts[1:] >= ts[:-1]).all())
@@ -156,12 +157,12 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
         "pid": pa.array(col["pid"][xt], pa.uint32()), "tid": pa.array(col["tid"][xt], pa.uint32()),
         "status": pa.array(col["size"][xt].astype(np.int64).astype(np.int32), pa.int32()),
         "process": pa.array((flags[xt] & EXIT_PROCESS) != 0)})  # fmt: skip
-    first_seen: dict[int, int] = {}
-    if n:  # each pid's earliest event (the first in file order among equal times)
+    if first_seen is None and n:  # each pid's earliest event
         pid = events["pid"].to_numpy()
         pids, first = np.unique(pid if order is None else pid[order], return_index=True)
         first_seen = dict(zip(pids.tolist(), (ts if order is None else ts[order])[first]
                               .tolist(), strict=True))
+    first_seen = first_seen or {}
     lc = Lifecycle(clones, execs, exits, [])
     lc.lives = _lives(lc, processes, first_seen, root_pid, start_ns)
     return lc

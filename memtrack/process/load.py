@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from memtrack.process.dataset import write_parquet
 from memtrack.process.lifecycle import Lifecycle
+from memtrack.process.pair import Pairing
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
@@ -44,7 +45,7 @@ class StageTables:
     """What the stages produced, in their own layouts (memtrack.schema.stages)."""
 
     events: pa.Table  # artifact events, time-ordered, with event_id first
-    allocations: pa.Table  # ALLOCATIONS
+    allocations: pa.Table  # ALLOCATIONS (memtrack.process.pair)
     heap_timeline: pa.Table  # HEAP_TIMELINE
     life: Lifecycle
     mappings: pa.Table  # artifact mappings
@@ -83,7 +84,7 @@ ALLOCATOR_SQL = (
 MEMBER_SQL = f"CAST(list_extract({_names(RSS_MEMBERS)}, member::INTEGER + 1) AS rss_member)"
 CAUSE_SQL = f"CAST(list_extract({_names(RSS_CAUSES)}, cause::INTEGER + 1) AS rss_cause)"
 END_SQL = f"CAST(list_extract({_names(END_REASONS)}, end_reason::INTEGER + 1) AS end_reason)"
-HEAP_KINDS = ", ".join(str(int(k)) for k in (*ALLOC_KINDS, EventKind.FREE))
+HEAP_KINDS = ", ".join(f"'{EVENT_KINDS[k - 1]}'" for k in (*ALLOC_KINDS, EventKind.FREE))
 
 # One stack per stack hash (unwind gives each hash once); a location is (module, ELF
 # vaddr) where normalization succeeded, else (its reason, the runtime address).
@@ -144,12 +145,16 @@ INSERTS = {
         INSERT INTO events SELECT event_id, ts, pid, tid, {KIND_SQL}, {ALLOCATOR_SQL},
             flags, addr, old_addr, size, stack_hash, stack_id
         FROM src_events""",
+    # pair's tables (memtrack.process.pair), each allocation with its stack's id
     "allocations": f"""
-        INSERT INTO allocations SELECT alloc_id, event_id, pid, tid, ts, {KIND_SQL},
-            {ALLOCATOR_SQL}, addr, size, stack_id, free_ts, free_event_id, free_tid, end_ts,
-            end_event_id, {END_SQL}, lifetime_ns, realloc_of, temporary, inherited_from
-        FROM src_allocations""",
-    "heap_timeline": "INSERT INTO heap_timeline SELECT * FROM src_heap_timeline",
+        INSERT INTO allocations SELECT a.alloc_id, a.event_id, a.pid, a.tid, a.ts,
+            {KIND_SQL}, {ALLOCATOR_SQL}, a.addr, a.size, s.stack_id, a.free_ts,
+            a.free_event_id, a.free_tid, a.end_ts, a.end_event_id, {END_SQL},
+            a.lifetime_ns, a.realloc_of, a.temporary, a.inherited_from
+        FROM pair_allocations a
+        LEFT JOIN stacks s ON s.stack_hash = nullif(a.stack_hash, 0)
+        ORDER BY a.alloc_id""",
+    "heap_timeline": "INSERT INTO heap_timeline SELECT * FROM pair_heap_timeline",
     "modules": """
         INSERT INTO modules SELECT module_id, build_id, path, elf_path, has_debuginfo,
             in_artifact FROM src_modules ORDER BY module_id""",
@@ -170,7 +175,7 @@ INSERTS = {
         exits AS (SELECT tid, max(ts) AS ts FROM src_exits GROUP BY tid),
         seen AS (
             SELECT pid, tid, min(ts) AS ts, count(*) FILTER (WHERE kind IN ({HEAP_KINDS})) AS n
-            FROM src_events
+            FROM events
             WHERE event_id NOT IN (SELECT event_id FROM src_clones WHERE NOT thread)
             GROUP BY pid, tid)
         SELECT s.pid, s.tid, coalesce(st.ts, s.ts), x.ts, s.n
@@ -239,26 +244,37 @@ class RunDatabase:
             WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]  # type: ignore[index]
         return out
 
-    def events(self, events: pa.Table, allocations: pa.Table, heap_timeline: pa.Table) -> None:
-        """Load events, allocations (each with its stack_id) and the heap timeline."""
+    def events(self, chunks: Iterable[pa.Table]) -> None:
+        """Load the events (time-ordered, event_id first; after `stacks`: each with its
+        stack's id), a table at a time."""
         ids = self.con.execute("SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
-        for name, tbl in (("events", events), ("allocations", allocations)):
-            self.con.register(f"src_{name}", with_stack_ids(tbl, ids))
-            self.con.execute(INSERTS[name])
-            self.con.unregister(f"src_{name}")
-        self.con.register("src_heap_timeline", heap_timeline)
-        self.con.execute(INSERTS["heap_timeline"])
-        self.con.unregister("src_heap_timeline")
+        for chunk in chunks:
+            self.con.register("src_events", with_stack_ids(chunk, ids))
+            self.con.execute(INSERTS["events"])
+            self.con.unregister("src_events")
 
-    def lives(self, life: Lifecycle, events: pa.Table) -> None:
-        """Load processes (each pid's last life) and threads."""
+    def pairing(self, pairing: Pairing | None = None) -> None:
+        """Load allocations (each with its stack's id) and the heap timeline from pair's
+        temp tables of this session, or from `pairing`'s tables; the temp tables go."""
+        if pairing is not None:
+            self.copy_in("pair_allocations", pairing.allocations)
+            self.copy_in("pair_heap_timeline", pairing.heap_timeline)
+        self.con.execute(INSERTS["allocations"])
+        self.con.execute(INSERTS["heap_timeline"])
+        self.con.execute("DROP TABLE pair_allocations; DROP TABLE pair_heap_timeline")
+
+    def lives(self, life: Lifecycle) -> None:
+        """Load processes (each pid's last life) and threads (after `events`)."""
         for name, tbl in (("processes", life.processes_table()), ("clones", life.clones),
                           ("exits", life.exits)):
             self.copy_in(f"src_{name}", tbl)
         self.con.execute(INSERTS["processes"])
-        self.con.register("src_events", events.select(["event_id", "ts", "pid", "tid", "kind"]))
         self.con.execute(INSERTS["threads"])
-        self.con.unregister("src_events")
+
+    def missing_stacks(self) -> int:
+        """Events that name a stack hash with no stack (its record lost or undecodable)."""
+        return self.con.execute("SELECT count(*) FROM events WHERE stack_hash <> 0 "
+                                "AND stack_id IS NULL").fetchone()[0]  # type: ignore[index]
 
     def table(self, name: str, tbl: pa.Table) -> None:
         """Load mappings, rss or regions."""
@@ -307,8 +323,9 @@ def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, s
             symbolized = symbolize(known)
         with timed("load"):
             out = db.frames(known, symbolized, tables.python_locations)
-            db.events(tables.events, tables.allocations, tables.heap_timeline)
-            db.lives(tables.life, tables.events)
+            db.events([tables.events])
+            db.pairing(Pairing(tables.allocations, tables.heap_timeline))
+            db.lives(tables.life)
             db.table("mappings", tables.mappings)
             db.table("rss", tables.rss)
             db.table("regions", tables.regions)

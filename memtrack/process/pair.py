@@ -121,7 +121,8 @@ def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecy
 
 # The copies' ids (after the allocations: by fork, then generation, then the allocation
 # copied), a copy's inherited_from (a first copy: the parent's allocation; a copy of a
-# copy: that copy), realloc_of, then the heap timeline from the finished rows.
+# copy: that copy), realloc_of, then the heap timeline from the finished rows. Every
+# join is on keys alone (a condition on one side only makes DuckDB join by nested loop).
 _FINISH_SQL = """
     CREATE OR REPLACE TEMP TABLE pair_copy_ids AS
     SELECT fork, origin, ({allocations} + row_number() OVER (ORDER BY fork, gen, origin) - 1)
@@ -132,21 +133,22 @@ _FINISH_SQL = """
         CASE WHEN b.gen = 1 THEN b.origin WHEN b.gen > 1 THEN s.alloc_id END AS inherited_from,
         b.*
     FROM pair_blocks b
-    LEFT JOIN pair_copy_ids c ON b.alloc_id IS NULL AND c.fork = b.fork AND c.origin = b.origin
-    LEFT JOIN pair_copy_ids s ON b.gen > 1 AND s.fork = b.src_fork AND s.origin = b.origin;
+    LEFT JOIN pair_copy_ids c ON c.fork = b.fork AND c.origin = b.origin
+    LEFT JOIN pair_copy_ids s ON s.fork = b.src_fork AND s.origin = b.origin;
     DROP TABLE pair_blocks;
     DROP TABLE pair_copy_ids;
+    CREATE OR REPLACE TEMP TABLE pair_realloc AS
+    SELECT n.id, o.id AS realloc_of FROM pair_ids n JOIN pair_ids o ON o.free_event_id = n.event_id
+    WHERE n.kind = {realloc_kind} AND n.inherited_from IS NULL AND o.end_reason = {realloc};
     CREATE OR REPLACE TEMP TABLE pair_allocations AS
     SELECT b.id AS alloc_id, b.event_id, b.pid, b.tid, b.ts, b.kind, b.allocator, b.addr,
         b.size, b.stack_hash, b.free_ts, b.free_event_id, b.free_tid, b.end_ts,
-        b.end_event_id, b.end_reason, b.lifetime_ns, r.id AS realloc_of, b.temporary,
+        b.end_event_id, b.end_reason, b.lifetime_ns, r.realloc_of, b.temporary,
         b.inherited_from
-    FROM pair_ids b
-    LEFT JOIN (SELECT free_event_id, id FROM pair_ids WHERE end_reason = {realloc}) r
-        ON b.kind = {realloc_kind} AND b.inherited_from IS NULL
-        AND r.free_event_id = b.event_id
+    FROM pair_ids b LEFT JOIN pair_realloc r USING (id)
     ORDER BY b.id;
     DROP TABLE pair_ids;
+    DROP TABLE pair_realloc;
     CREATE OR REPLACE TEMP TABLE pair_heap_timeline AS
     WITH d AS (
         SELECT pid, event_id, any_value(ts) AS ts, sum(d)::BIGINT AS delta FROM (

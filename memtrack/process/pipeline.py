@@ -1,6 +1,9 @@
-"""`memtrack process`: read -> lifecycle, rss -> pair, regions -> decode + unwind (in the
-snapshots and the address spaces forked children inherit) -> load
-(symbolizing the code locations the stacks hold) -> RUN.memory_metadata.json.
+"""`memtrack process`: read (the events into a spill) -> lifecycle, rss -> regions ->
+decode + unwind (in the snapshots and the address spaces forked children inherit) ->
+load the stacks (symbolizing the code locations they hold) -> pair (the spill's buckets)
+-> load the rest -> RUN.memory_metadata.json, all in one DuckDB session on the database
+being written. No stage holds the events whole: their number sizes the disk used, not
+the memory (memtrack.process.spill).
 
 Each stage is its module's entry point; this module runs them in order, times them and
 gathers their counters. Decode and unwind go piece by piece, on `jobs` processes
@@ -20,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from rich.console import Console
@@ -29,16 +31,17 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from memtrack.process import metadata
 from memtrack.process.addrspace import inherited_mappings
 from memtrack.process.decode import DEFAULT_MAX_BYTES
-from memtrack.process.load import Loaded, StageTables, load, meta_rows
-from memtrack.process.pair import pair
+from memtrack.process.load import RunDatabase, meta_rows
+from memtrack.process.pair import pair_spilled
 from memtrack.process.parallel import default_jobs, unwind_records
 from memtrack.process.pyframes import merge as merge_python
 from memtrack.process.read import read_artifact
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
+from memtrack.process.spill import EventSpill, buckets_for
 from memtrack.process.unwind import UnwoundStacks
-from memtrack.schema import FORMAT_VERSION, loss_lines
-from memtrack.schema.artifact import Artifact
+from memtrack.schema import FORMAT_VERSION, loss_lines, table_file
+from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.schema.stages import (
     MODULES,
     SYMBOLIZED_FRAMES,
@@ -154,7 +157,6 @@ def process(
     labels: dict[str, str] | None = None,
     jobs: int | None = None,
     python_frames: bool = True,
-
 ) -> Summary:
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
@@ -168,7 +170,6 @@ def process(
     jobs: processes that decode and unwind stack records, and DuckDB's threads (None:
     the machine's cores); the output does not depend on it either.
     python_frames: False leaves the Python frames out (the native stacks only).
-
     """
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
@@ -182,79 +183,115 @@ def process(
     st = Stages(summary, sys.stderr.isatty() if progress is None else progress)
     with st.progress:
         art = Artifact.open(artifact_path)
-        m = art.manifest
-        summary.losses = dict(m.losses)
-        tables = st.run("read", lambda: read_artifact(art))
-        events = tables.events
-        summary.counters["events_bad_kind"] = tables.events_bad_kind
-        summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
-        summary.events = events.num_rows
-        end_ns = m.end_ns or (int(events.column("ts")[-1].as_py()) if events.num_rows else 0)
-        res = st.run("rss", lambda: resident(tables, m))
-        pairing = st.run("pair", lambda: pair(events, res.life, m.end_ns or None))
-        summary.add(pairing.counters)
-        summary.allocations = pairing.counters["allocations"]
-        spans = st.run("regions", lambda: regions(events, tables.region_names, end_ns))
-        summary.add(spans.counters)
-
-        store = ModuleStore(artifact_path, host_modules=host_modules)
-        cache = Path(cache_dir) if cache_dir else None
-        spaces = inherited_mappings(tables.mappings, res.life.forks,
-                                    tables.stacks.column("pid").to_numpy())
-        work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
-                              store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
-        summary.add(work.counters)
-        summary.warn(work.problems)
-        unwound = work.unwound
-        with st.stage("pyframes"):
-            merged = merge_python(tables.py_stacks, tables.py_codes, unwound.stacks,
-                                  unwound.stack_frames, store, python=python_frames)
-        summary.add(merged.counters)
-        unwound = UnwoundStacks(pa.concat_tables([unwound.stacks, merged.stacks]),
-                                pa.concat_tables([unwound.stack_frames, merged.stack_frames]))
-        summary.stacks = unwound.stacks.num_rows
-        summary.counters["events_stack_missing"] = missing_stacks(events, unwound.stacks)
-        modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
-
-        def meta(loaded: Loaded) -> dict[str, str]:
-            summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows
-            summary.warnings = [*art.warnings, *summary.warnings,
-                                *(p for p in store.problems if p not in summary.warnings)]
-            return meta_rows(
-                artifact=str(artifact_path.resolve()),
-                artifact_format=m.format_version,
-                reader_format=FORMAT_VERSION,
-                memtrack_version=m.memtrack_version,
-                command=m.command,
-                root_pid=m.root_pid,
-                start_ns=m.start_ns,
-                end_ns=end_ns,
-                wall_offset_ns=m.clock.wall_offset_ns,
-                exit_status=m.exit_status.__dict__,
-                host=m.host.__dict__,
-                losses=summary.losses,
-                counters=summary.counters,
-                options=m.options,
-                warnings=summary.warnings,
-                labels=labels or {},
-                allocator_functions=allocator_functions(m.probes),
-            )
-
-        loaded = load(out_db, StageTables(
-            events=events, allocations=pairing.allocations,
-            heap_timeline=pairing.heap_timeline, life=res.life, mappings=tables.mappings,
-            rss=res.rss, modules=modules, stacks=unwound.stacks,
-            stack_frames=unwound.stack_frames, regions=spans.regions,
-            python_locations=merged.locations,
-        ), meta, lambda known: symbolize_locations(store, known, cache),
-            Path(parquet_dir) if parquet_dir else None, st.stage, threads=jobs)
-        summary.rows = loaded.rows
-        summary.frames_by_method = loaded.frames_by_method
-        summary.unknown_frames = loaded.unknown_frames
-        summary.metadata = st.run("metadata", lambda: metadata.write(
-            metadata.build(art.path, m, res), metadata.path_for(out_db)))
+        db = RunDatabase(out_db, jobs)
+        spill = EventSpill(db.tmp.with_name(db.tmp.name + ".spill"),
+                           buckets_for(_events_estimate(art)))
+        try:
+            _process(art, db, spill, summary, st, host_modules=host_modules,
+                     cache=Path(cache_dir) if cache_dir else None, chunk_bytes=chunk_bytes,
+                     labels=labels, jobs=jobs, python_frames=python_frames,
+                     parquet_dir=Path(parquet_dir) if parquet_dir else None)
+        except BaseException:
+            db.abandon()
+            raise
+        finally:
+            spill.remove()
         st.done()
     return summary
+
+
+def _events_estimate(art: Artifact) -> int:
+    """About how many events the artifact holds, from the size of events.arrow
+    (compressed, 3-10 bytes an event): it only sizes pair's buckets."""
+    try:
+        return art.file(table_file("events")).stat().st_size // 3
+    except (FileNotFoundError, ArtifactError):
+        return 0
+
+
+def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary,
+             st: Stages, *, host_modules: bool, cache: Path | None, chunk_bytes: int | None,
+             labels: dict[str, str] | None, jobs: int, python_frames: bool,
+             parquet_dir: Path | None) -> None:
+    """The stages, in the order that holds the least at a time: the events go to the
+    spill as they are read; the stacks are unwound, symbolized and loaded before pair
+    (the workers never share the machine with pair's tables); pair reads the spill's
+    buckets; the events go from the spill into the database last."""
+    m = art.manifest
+    artifact_path = art.path
+    summary.losses = dict(m.losses)
+    tables = st.run("read", lambda: read_artifact(art, spill, db.con))
+    summary.counters["events_bad_kind"] = tables.events_bad_kind
+    summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
+    summary.events = spill.n
+    end_ns = m.end_ns or spill.last_ts
+    res = st.run("rss", lambda: resident(tables, m, first_seen=spill.first_seen))
+    spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns))
+    summary.add(spans.counters)
+
+    store = ModuleStore(artifact_path, host_modules=host_modules)
+    spaces = inherited_mappings(tables.mappings, res.life.forks,
+                                tables.stacks.column("pid").to_numpy())
+    work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
+                          store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
+    summary.add(work.counters)
+    summary.warn(work.problems)
+    unwound = work.unwound
+    with st.stage("pyframes"):
+        merged = merge_python(tables.py_stacks, tables.py_codes, unwound.stacks,
+                              unwound.stack_frames, store, python=python_frames)
+    summary.add(merged.counters)
+    unwound = UnwoundStacks(pa.concat_tables([unwound.stacks, merged.stacks]),
+                            pa.concat_tables([unwound.stack_frames, merged.stack_frames]))
+    summary.stacks = unwound.stacks.num_rows
+    modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
+    with st.stage("load"):
+        known = db.stacks(unwound.stacks, unwound.stack_frames, modules)
+    del unwound, work
+    with st.stage("symbolize"):
+        symbolized = symbolize_locations(store, known, cache)
+    with st.stage("load"):
+        loaded = db.frames(known, symbolized, merged.locations)
+    del known, symbolized, merged
+    counters = st.run("pair", lambda: pair_spilled(db.con, spill, res.life, m.end_ns or None))
+    summary.add(counters)
+    summary.allocations = counters["allocations"]
+    with st.stage("load"):
+        db.events(spill.staged.chunks())
+        spill.remove()
+        db.pairing()
+        db.lives(res.life)
+        db.table("mappings", tables.mappings)
+        db.table("rss", res.rss)
+        db.table("regions", spans.regions)
+        summary.counters["events_stack_missing"] = db.missing_stacks()
+        summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows
+        summary.warnings = [*art.warnings, *summary.warnings,
+                            *(p for p in store.problems if p not in summary.warnings)]
+        db.meta(meta_rows(
+            artifact=str(artifact_path.resolve()),
+            artifact_format=m.format_version,
+            reader_format=FORMAT_VERSION,
+            memtrack_version=m.memtrack_version,
+            command=m.command,
+            root_pid=m.root_pid,
+            start_ns=m.start_ns,
+            end_ns=end_ns,
+            wall_offset_ns=m.clock.wall_offset_ns,
+            exit_status=m.exit_status.__dict__,
+            host=m.host.__dict__,
+            losses=summary.losses,
+            counters=summary.counters,
+            options=m.options,
+            warnings=summary.warnings,
+            labels=labels or {},
+            allocator_functions=allocator_functions(m.probes),
+        ))
+        summary.rows = db.finish(parquet_dir)
+    summary.frames_by_method = loaded.frames_by_method
+    summary.unknown_frames = loaded.unknown_frames
+    summary.metadata = st.run("metadata", lambda: metadata.write(
+        metadata.build(art.path, m, res), metadata.path_for(summary.out_db)))
 
 
 def allocator_functions(probes: Any) -> list[str]:
@@ -301,14 +338,3 @@ def symbolize_locations(store: ModuleStore, known: pa.Table, cache_dir: Path | N
     return symbolize(store, known.column("build_id").combine_chunks(),
                      known.column("vaddr").to_numpy(),
                      paths=known.column("path").combine_chunks(), cache_dir=cache_dir)
-
-
-def missing_stacks(events: pa.Table, stacks: pa.Table) -> int:
-    """Events that name a stack hash with no stack (its record lost or undecodable)."""
-    h = events.column("stack_hash").to_numpy()
-    h = h[h != 0]
-    known = np.sort(stacks.column("stack_hash").to_numpy())
-    if len(known) == 0:
-        return int(len(h))
-    i = np.minimum(np.searchsorted(known, h), len(known) - 1)
-    return int((known[i] != h).sum())

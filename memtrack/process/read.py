@@ -4,13 +4,16 @@ later), its events put in time order (event_id = that order)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.process.spill import EventSpill, OutOfOrder
+from memtrack.schema import EVENTS
 from memtrack.schema.artifact import BUILD_ID, Artifact
 from memtrack.schema.enums import Allocator, EventKind, RssMember
 from memtrack.schema.stackrecord import MAX_BUDGET
@@ -28,7 +31,9 @@ MAX_PY_TEXT = 1 << 16  # bytes of a code object's name, file name or line table
 
 @dataclass
 class ArtifactTables:
-    events: pa.Table  # valid kinds only, time-ordered, with event_id first
+    # valid kinds only, time-ordered, with event_id first; read into a spill: the kinds
+    # other than the heap's only (the spill has every event)
+    events: pa.Table
     mappings: pa.Table
     processes: pa.Table
     rss: pa.Table
@@ -149,26 +154,80 @@ def _mapping_build_ids(t: pa.Table) -> tuple[pa.Table, int]:
     return t.set_column(i, "build_id", pc.if_else(bad, pa.scalar(None, pa.string()), bid)), n
 
 
-def read_artifact(art: Artifact) -> ArtifactTables:
-    """Every file of `art` (events required, the others empty where missing)."""
+def read_artifact(art: Artifact, spill: EventSpill | None = None,
+                  con: duckdb.DuckDBPyConnection | None = None) -> ArtifactTables:
+    """Every file of `art` (events required, the others empty where missing). With a
+    spill, the events go to it a batch at a time, in time order (sorted by DuckDB in
+    `con` first when they are not), and `events` keeps the other kinds only."""
     bad_rows: dict[str, int] = {}
     out: dict[str, pa.Table] = {}
     for name in ROW_RULES:
+        if name == "events" and spill is not None:
+            continue
         out[name], bad_rows[name] = checked(
             name, art.read(name, required=name == "events").table)
     out["mappings"], bad_rows["mappings_build_id"] = _mapping_build_ids(out["mappings"])
-    events = out["events"]
-    kind = events.column("kind")
-    ok = pc.and_(pc.greater_equal(kind, min(EventKind)), pc.less_equal(kind, max(EventKind)))
-    bad = events.num_rows - pc.sum(ok).as_py() if events.num_rows else 0
-    if bad:
-        events = events.filter(ok)
+    if spill is None:
+        events, bad_rows["events"], bad = _valid_kinds(out["events"])
+        events = sort_events(events)
+    else:
+        counts = _spill(art, spill, con or duckdb.connect())
+        bad_rows["events"], bad = counts["bad_rows"], counts["bad_kind"]
+        events = spill.other_events()
     return ArtifactTables(
-        events=sort_events(events), mappings=out["mappings"], processes=out["processes"],
+        events=events, mappings=out["mappings"], processes=out["processes"],
         rss=out["rss"], faults=out["faults"], stacks=out["stacks"],
         region_names=out["region_names"], py_stacks=out["py_stacks"], py_codes=out["py_codes"],
         events_bad_kind=bad, bad_rows={k: v for k, v in bad_rows.items() if v},
     )
+
+
+def _valid_kinds(events: pa.Table, bad_rows: int = 0) -> tuple[pa.Table, int, int]:
+    """The events of a kind this reader knows; the bad rows so far, the bad kinds."""
+    kind = events.column("kind")
+    ok = pc.and_(pc.greater_equal(kind, min(EventKind)), pc.less_equal(kind, max(EventKind)))
+    bad = events.num_rows - pc.sum(ok).as_py() if events.num_rows else 0
+    return (events.filter(ok) if bad else events), bad_rows, bad
+
+
+def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """The artifact's valid events into `spill`; counts of the rows left out."""
+    counts = {"bad_rows": 0, "bad_kind": 0}
+
+    def valid() -> Iterator[pa.RecordBatch]:
+        counts.update(bad_rows=0, bad_kind=0)
+        for batch in art.batches("events"):
+            t, bad_rows = checked("events", pa.Table.from_batches([batch]))
+            t, _, bad_kind = _valid_kinds(t)
+            counts["bad_rows"] += bad_rows
+            counts["bad_kind"] += bad_kind
+            yield from t.to_batches()
+
+    try:
+        for batch in valid():
+            spill.add(batch)
+    except OutOfOrder:
+        spill.reset()
+        # stable: a thread's own order is kept among equal times (seq: the file's order)
+        con.register("read_empty", EVENTS.empty_table())
+        con.execute("CREATE OR REPLACE TEMP TABLE read_unsorted AS "
+                    "SELECT 0::UBIGINT AS seq, * FROM read_empty WHERE false")
+        con.unregister("read_empty")
+        seq = 0
+        for batch in valid():
+            con.register("read_batch", batch.add_column(
+                0, "seq", pa.array(np.arange(seq, seq + batch.num_rows, dtype=np.uint64))))
+            con.execute("INSERT INTO read_unsorted SELECT * FROM read_batch")
+            con.unregister("read_batch")
+            seq += batch.num_rows
+        reader = con.execute("SELECT * EXCLUDE (seq) FROM read_unsorted ORDER BY ts, seq"
+                             ).to_arrow_reader(1 << 20)
+        for batch in reader:
+            for b in pa.Table.from_batches([batch]).cast(EVENTS).to_batches():
+                spill.add(b)
+        con.execute("DROP TABLE read_unsorted")
+    spill.close()
+    return counts
 
 
 def sort_events(events: pa.Table) -> pa.Table:

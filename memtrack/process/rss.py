@@ -212,10 +212,12 @@ class Resident:
     replay: AnonReplay | None  # with --track-faults only
 
 
-def resident(tables: ArtifactTables, manifest: Manifest, *, replay: bool = True) -> Resident:
-    """The lifecycle, RSS and (where faults were recorded) anon replay stages."""
+def resident(tables: ArtifactTables, manifest: Manifest, *, replay: bool = True,
+             first_seen: dict[int, int] | None = None) -> Resident:
+    """The lifecycle, RSS and (where faults were recorded) anon replay stages;
+    `first_seen` as memtrack.process.lifecycle takes it."""
     life = lifecycle(tables.events, tables.processes, root_pid=manifest.root_pid,
-                     start_ns=manifest.start_ns)
+                     start_ns=manifest.start_ns, first_seen=first_seen)
     anon = None
     if replay and tables.faults.num_rows:
         anon = reconstruct_anon(tables.faults, tables.events, tables.mappings, life,

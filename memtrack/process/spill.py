@@ -20,7 +20,7 @@ to the run database (deleted with it), or lists in memory for a table already in
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,9 +60,9 @@ def bucket_of(addr: np.ndarray, buckets: int) -> np.ndarray:
     """Each address's bucket: a multiplicative hash of addr >> 4 (blocks are 16-byte
     aligned), its top bits."""
     if buckets == 1:
-        return np.zeros(len(addr), np.int64)
+        return np.zeros(len(addr), np.uint16)
     shift = np.uint64(64 - (buckets.bit_length() - 1))
-    return ((addr >> np.uint64(4)) * _GOLDEN >> shift).astype(np.int64)
+    return ((addr >> np.uint64(4)) * _GOLDEN >> shift).astype(np.uint16)
 
 
 class _Stream:
@@ -100,6 +100,26 @@ class _Stream:
 
     def table(self) -> pa.Table:
         return pa.Table.from_batches(list(self.batches()), schema=self.schema)
+
+    def chunks(self, rows: int = 1 << 20) -> Iterator[pa.Table]:
+        """The batches gathered into tables of about `rows` (DuckDB's insert of a
+        table costs ~30 ms however small)."""
+        yield from rechunk(self.batches(), self.schema, rows)
+
+
+def rechunk(batches: Iterable[pa.RecordBatch], schema: pa.Schema, rows: int = 1 << 20
+            ) -> Iterator[pa.Table]:
+    """Record batches gathered into tables of at least `rows` (the last: the rest)."""
+    held: list[pa.RecordBatch] = []
+    n = 0
+    for b in batches:
+        held.append(b)
+        n += b.num_rows
+        if n >= rows:
+            yield pa.Table.from_batches(held, schema=schema)
+            held, n = [], 0
+    if held:
+        yield pa.Table.from_batches(held, schema=schema)
 
 
 @dataclass
@@ -250,7 +270,7 @@ class EventSpill:
             self.ops[0].write(ops)
         else:
             b = bucket_of(op_addr, self.buckets)
-            order = np.argsort(b, kind="stable")
+            order = np.argsort(b, kind="stable")  # a radix sort: uint16
             bounds = np.searchsorted(b[order], np.arange(self.buckets + 1))
             ops = ops.take(pa.array(order))
             for k in range(self.buckets):
@@ -310,6 +330,11 @@ class EventSpill:
         self.staged.close()
         for s in self.ops:
             s.close()
+
+    def reset(self) -> None:
+        """Start again, empty (read found the events out of time order)."""
+        self.remove()
+        self.__init__(self.directory, self.buckets)  # type: ignore[misc]
 
     def remove(self) -> None:
         """Delete the scratch files."""

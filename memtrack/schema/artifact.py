@@ -19,6 +19,7 @@ import shutil
 import stat
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -336,58 +337,71 @@ class Artifact:
         return artifact_file(self.path, *names, max_bytes=max_bytes)
 
     def read(self, name: str, *, required: bool = True) -> TableRead:
-        """Read one table, validating its schema (columns a newer minor format added are
-        left out); a truncated stream yields its whole batches."""
+        """Read one table whole (`batches`)."""
+        read = TableRead(TABLES[name].empty_table())
+        batches = list(self.batches(name, required=required, into=read))
+        read.table = pa.Table.from_batches(batches, schema=TABLES[name])
+        return read
+
+    def batches(self, name: str, *, required: bool = True,
+                into: TableRead | None = None) -> Iterator[pa.RecordBatch]:
+        """One table's record batches, each validated, its schema checked (columns a
+        newer minor format added are left out); a truncated stream yields its whole
+        batches (and says so in `into`), a damaged one raises ArtifactError after its
+        last (the checksum is of the whole file). The file is read, not mapped: the
+        batches already handed out take no memory once let go."""
         schema = TABLES[name]
         shown = self.path / table_file(name)
+        into = into if into is not None else TableRead(schema.empty_table())
         try:
             fpath = self.file(table_file(name))
         except FileNotFoundError:
             if required:
                 raise ArtifactError(shown, "missing") from None
-            return TableRead(schema.empty_table())
-        batches: list[pa.RecordBatch] = []
-        truncated = False
-        problem = ""
+            return
+        rows = 0
         if fpath.stat().st_size == 0 and not self.manifest.complete:
             # a capture killed before this table's first batch (older memtrack)
             self.warnings.append(f"{shown}: empty; read as no rows")
-            return TableRead(schema.empty_table(), True, "empty")
-        try:
-            reader = pa.ipc.open_stream(pa.memory_map(str(fpath)))
-        except (pa.ArrowException, OSError) as e:
-            if fpath.stat().st_size == 0:
-                raise ArtifactError(shown, "empty (capture killed before it started?)") from None
-            raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})") from None
-        diff = _schema_diff(reader.schema, schema)
-        if diff:
-            raise ArtifactError(shown, f"wrong schema for {name!r}: {diff}")
-        while True:
+            into.truncated, into.problem = True, "empty"
+            return
+        with pa.OSFile(str(fpath)) as f:
             try:
-                batch = reader.read_next_batch()
-                # a damaged offset or length is read beyond its buffer (a crash) unless
-                # every batch is validated in full before use
-                batch.validate(full=True)
-            except StopIteration:
-                break
-            except (pa.ArrowException, OSError, MemoryError) as e:
-                truncated = True
-                problem = (f"truncated after {sum(b.num_rows for b in batches)} rows "
-                           f"({_one_line(e)})")
-                break
-            if not batch.schema.equals(schema):
-                batch = pa.RecordBatch.from_arrays(
-                    [batch.column(n) for n in schema.names], schema=schema)
-            batches.append(batch)
+                reader = pa.ipc.open_stream(f)
+            except (pa.ArrowException, OSError) as e:
+                if fpath.stat().st_size == 0:
+                    raise ArtifactError(shown, "empty (capture killed before it started?)"
+                                        ) from None
+                raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})"
+                                    ) from None
+            diff = _schema_diff(reader.schema, schema)
+            if diff:
+                raise ArtifactError(shown, f"wrong schema for {name!r}: {diff}")
+            while True:
+                try:
+                    batch = reader.read_next_batch()
+                    # a damaged offset or length is read beyond its buffer (a crash)
+                    # unless every batch is validated in full before use
+                    batch.validate(full=True)
+                except StopIteration:
+                    break
+                except (pa.ArrowException, OSError, MemoryError) as e:
+                    into.truncated = True
+                    into.problem = f"truncated after {rows} rows ({_one_line(e)})"
+                    break
+                if not batch.schema.equals(schema):
+                    batch = pa.RecordBatch.from_arrays(
+                        [batch.column(n) for n in schema.names], schema=schema)
+                rows += batch.num_rows
+                yield batch
         want = self.manifest.checksums.get(table_file(name))
-        if not truncated and want is not None and file_checksum(fpath) != want:
+        if not into.truncated and want is not None and file_checksum(fpath) != want:
             # it parses, but its values are not those capture wrote (a flipped byte)
             raise ArtifactError(shown, "damaged: its bytes differ from the checksum capture "
                                        "wrote in the manifest")
-        if truncated:
+        if into.truncated:
             self.truncated.add(name)
-            self.warnings.append(f"{shown}: {problem}; reading the whole batches before it")
-        return TableRead(pa.Table.from_batches(batches, schema=schema), truncated, problem)
+            self.warnings.append(f"{shown}: {into.problem}; reading the whole batches before it")
 
     def module_copies(self) -> list[ModuleCopy]:
         """The modules copied into the artifact whose module.json is valid (the others
