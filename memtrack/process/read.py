@@ -168,7 +168,7 @@ def read_artifact(art: Artifact, spill: EventSpill | None = None,
             name, art.read(name, required=name == "events").table)
     out["mappings"], bad_rows["mappings_build_id"] = _mapping_build_ids(out["mappings"])
     if spill is None:
-        events, bad_rows["events"], bad = _valid_kinds(out["events"])
+        events, bad = _valid_kinds(out["events"])
         events = sort_events(events)
     else:
         counts = _spill(art, spill, con or duckdb.connect())
@@ -182,12 +182,12 @@ def read_artifact(art: Artifact, spill: EventSpill | None = None,
     )
 
 
-def _valid_kinds(events: pa.Table, bad_rows: int = 0) -> tuple[pa.Table, int, int]:
-    """The events of a kind this reader knows; the bad rows so far, the bad kinds."""
+def _valid_kinds(events: pa.Table) -> tuple[pa.Table, int]:
+    """The events of a kind this reader knows, and how many were not."""
     kind = events.column("kind")
     ok = pc.and_(pc.greater_equal(kind, min(EventKind)), pc.less_equal(kind, max(EventKind)))
     bad = events.num_rows - pc.sum(ok).as_py() if events.num_rows else 0
-    return (events.filter(ok) if bad else events), bad_rows, bad
+    return (events.filter(ok) if bad else events), bad
 
 
 def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
@@ -198,7 +198,7 @@ def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> 
         counts.update(bad_rows=0, bad_kind=0)
         for batch in art.batches("events"):
             t, bad_rows = checked("events", pa.Table.from_batches([batch]))
-            t, _, bad_kind = _valid_kinds(t)
+            t, bad_kind = _valid_kinds(t)
             counts["bad_rows"] += bad_rows
             counts["bad_kind"] += bad_kind
             yield from t.to_batches()
