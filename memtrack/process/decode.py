@@ -33,7 +33,7 @@ class DecodedRecords:
     kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their rows
 
 
-DEFAULT_MAX_BYTES = 256 << 20  # rebuilt stack bytes per decode_chunks run
+DEFAULT_MAX_BYTES = 64 << 20  # rebuilt stack bytes per decode_chunks run
 
 
 def decode(artifact: Artifact) -> DecodedRecords:

@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from memtrack.process.dataset import write_parquet
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.process.pair import Pairing
+from memtrack.process.pair import PAIR_TABLES
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
@@ -154,7 +154,7 @@ INSERTS = {
         FROM pair_allocations a
         LEFT JOIN stacks s ON s.stack_hash = nullif(a.stack_hash, 0)
         ORDER BY a.alloc_id""",
-    "heap_timeline": "INSERT INTO heap_timeline SELECT * FROM pair_heap_timeline",
+    "heap_timeline": "INSERT INTO heap_timeline SELECT * FROM src_heap_timeline",
     "modules": """
         INSERT INTO modules SELECT module_id, build_id, path, elf_path, has_debuginfo,
             in_artifact FROM src_modules ORDER BY module_id""",
@@ -184,7 +184,7 @@ INSERTS = {
 }
 
 
-MEMORY_LIMIT = "1GB"
+MEMORY_LIMIT = "512MB"
 
 
 class RunDatabase:
@@ -253,15 +253,23 @@ class RunDatabase:
             self.con.execute(INSERTS["events"])
             self.con.unregister("src_events")
 
-    def pairing(self, pairing: Pairing | None = None) -> None:
-        """Load allocations (each with its stack's id) and the heap timeline from pair's
-        temp tables of this session, or from `pairing`'s tables; the temp tables go."""
-        if pairing is not None:
-            self.copy_in("pair_allocations", pairing.allocations)
-            self.copy_in("pair_heap_timeline", pairing.heap_timeline)
-        self.con.execute(INSERTS["allocations"])
+    def heap_timeline(self, chunk: pa.Table) -> None:
+        """Load the next rows of the heap timeline (HEAP_TIMELINE, in event order)."""
+        self.con.register("src_heap_timeline", chunk)
         self.con.execute(INSERTS["heap_timeline"])
-        self.con.execute("DROP TABLE pair_allocations; DROP TABLE pair_heap_timeline")
+        self.con.unregister("src_heap_timeline")
+
+    def allocations(self, allocations: pa.Table | None = None) -> None:
+        """Load the allocations (each with its stack's id) from pair's view of this
+        session (memtrack.process.pair.pair_spilled), or from a table of them; then
+        drop what pair left."""
+        if allocations is not None:
+            self.copy_in("pair_given", allocations)
+            self.con.execute("CREATE TEMP VIEW pair_allocations AS SELECT * FROM pair_given")
+        self.con.execute(INSERTS["allocations"])
+        self.con.execute("DROP VIEW pair_allocations")
+        for name in ("pair_given", *PAIR_TABLES):
+            self.con.execute(f"DROP TABLE IF EXISTS {name}")
 
     def lives(self, life: Lifecycle) -> None:
         """Load processes (each pid's last life) and threads (after `events`)."""
@@ -324,7 +332,8 @@ def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, s
         with timed("load"):
             out = db.frames(known, symbolized, tables.python_locations)
             db.events([tables.events])
-            db.pairing(Pairing(tables.allocations, tables.heap_timeline))
+            db.allocations(tables.allocations)
+            db.heap_timeline(tables.heap_timeline)
             db.lives(tables.life)
             db.table("mappings", tables.mappings)
             db.table("rss", tables.rss)

@@ -25,14 +25,16 @@ copies, a realloc's link to the block it freed, the heap timeline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.process.spill import EventSpill, buckets_for
+from memtrack.process.spill import EventSpill, Stream, buckets_for
 from memtrack.schema.enums import CLONE_VM, EndReason, EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
@@ -72,17 +74,20 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
     for batch in events.drop_columns(["event_id"]).to_batches():
         spill.add(batch)
     con = duckdb.connect()
-    counters = pair_spilled(con, spill, life, end_ts)
-    return Pairing(con.execute("SELECT * FROM pair_allocations").to_arrow_table().cast(ALLOCATIONS),
-                   con.execute("SELECT * FROM pair_heap_timeline").to_arrow_table()
-                   .cast(HEAP_TIMELINE), counters)
+    timeline: list[pa.Table] = []
+    counters = pair_spilled(con, spill, life, end_ts, timeline.append)
+    allocations = con.execute("SELECT * FROM pair_allocations ORDER BY alloc_id"
+                              ).to_arrow_table().cast(ALLOCATIONS)
+    return Pairing(allocations, pa.concat_tables([HEAP_TIMELINE.empty_table(), *timeline]),
+                   counters)
 
 
 def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecycle,
-                 end_ts: int | None = None) -> dict[str, int]:
-    """Pair the events of `spill`, bucket by bucket, into the temp tables
-    pair_allocations (ALLOCATIONS, by alloc_id) and pair_heap_timeline (HEAP_TIMELINE, in
-    event order) of `con`; returns the counters."""
+                 end_ts: int | None, timeline: Callable[[pa.Table], None]) -> dict[str, int]:
+    """Pair the events of `spill`, bucket by bucket: the view pair_allocations of `con`
+    (ALLOCATIONS, in no order: over the temp tables PAIR_TABLES) and the heap timeline
+    (HEAP_TIMELINE) handed to `timeline` a table at a time, in event order; returns the
+    counters."""
     if end_ts is None or end_ts < spill.last_ts:
         end_ts = spill.last_ts
     bounds = _Bounds(life, spill.n)
@@ -101,6 +106,7 @@ def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecy
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
                 "frees_at_thread_exit": 0, "allocations_reused_without_free": 0,
                 "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
+    changes = spill.streams(CHANGES, "changes", -(-spill.n // CHANGES_PER_RANGE))
     for stream in spill.ops:
         ops = stream.table()
         if not ops.num_rows:
@@ -109,6 +115,7 @@ def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecy
         del ops
         for k, v in got.items():
             counters[k] += v
+        _changes(rows, changes)
         con.register("pair_rows", rows)
         con.execute("INSERT INTO pair_blocks SELECT * FROM pair_rows")
         con.unregister("pair_rows")
@@ -116,52 +123,108 @@ def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecy
     counters["frees_unmatched"] -= counters["frees_at_thread_exit"]
     con.execute(_FINISH_SQL.format(allocations=spill.allocations, realloc=int(END_REALLOC),
                                    realloc_kind=int(EventKind.REALLOC)))
+    heap = _Carry()
+    for stream in changes:
+        timeline(heap.timeline(stream.table()))
+        stream.remove()
     return counters
 
 
-# The copies' ids (after the allocations: by fork, then generation, then the allocation
-# copied), a copy's inherited_from (a first copy: the parent's allocation; a copy of a
-# copy: that copy), realloc_of, then the heap timeline from the finished rows. Every
-# join is on keys alone (a condition on one side only makes DuckDB join by nested loop).
+PAIR_TABLES = ("pair_blocks", "pair_copy_ids", "pair_realloc")
+
+# The view of the finished rows: the copies' ids (after the allocations: by fork, then
+# generation, then the allocation copied), a copy's inherited_from (a first copy: the
+# parent's allocation; a copy of a copy: that copy), realloc_of (the block a realloc's
+# event freed). Every join is on keys alone (a condition on one side only makes DuckDB
+# join by nested loop).
 _FINISH_SQL = """
     CREATE OR REPLACE TEMP TABLE pair_copy_ids AS
     SELECT fork, origin, ({allocations} + row_number() OVER (ORDER BY fork, gen, origin) - 1)
         ::UBIGINT AS alloc_id
     FROM pair_blocks WHERE alloc_id IS NULL;
-    CREATE OR REPLACE TEMP TABLE pair_ids AS
-    SELECT coalesce(b.alloc_id, c.alloc_id) AS id,
-        CASE WHEN b.gen = 1 THEN b.origin WHEN b.gen > 1 THEN s.alloc_id END AS inherited_from,
-        b.*
+    CREATE OR REPLACE TEMP TABLE pair_realloc AS
+    SELECT n.alloc_id AS id, coalesce(o.alloc_id, c.alloc_id) AS realloc_of
+    FROM pair_blocks n JOIN pair_blocks o ON o.free_event_id = n.event_id
+    LEFT JOIN pair_copy_ids c ON c.fork = o.fork AND c.origin = o.origin
+    WHERE n.kind = {realloc_kind} AND n.alloc_id IS NOT NULL AND o.end_reason = {realloc};
+    CREATE OR REPLACE TEMP VIEW pair_allocations AS
+    SELECT coalesce(b.alloc_id, c.alloc_id) AS alloc_id, b.event_id, b.pid, b.tid, b.ts,
+        b.kind, b.allocator, b.addr, b.size, b.stack_hash, b.free_ts, b.free_event_id,
+        b.free_tid, b.end_ts, b.end_event_id, b.end_reason, b.lifetime_ns, r.realloc_of,
+        b.temporary,
+        CASE WHEN b.gen = 1 THEN b.origin WHEN b.gen > 1 THEN s.alloc_id END AS inherited_from
     FROM pair_blocks b
     LEFT JOIN pair_copy_ids c ON c.fork = b.fork AND c.origin = b.origin
-    LEFT JOIN pair_copy_ids s ON s.fork = b.src_fork AND s.origin = b.origin;
-    DROP TABLE pair_blocks;
-    DROP TABLE pair_copy_ids;
-    CREATE OR REPLACE TEMP TABLE pair_realloc AS
-    SELECT n.id, o.id AS realloc_of FROM pair_ids n JOIN pair_ids o ON o.free_event_id = n.event_id
-    WHERE n.kind = {realloc_kind} AND n.inherited_from IS NULL AND o.end_reason = {realloc};
-    CREATE OR REPLACE TEMP TABLE pair_allocations AS
-    SELECT b.id AS alloc_id, b.event_id, b.pid, b.tid, b.ts, b.kind, b.allocator, b.addr,
-        b.size, b.stack_hash, b.free_ts, b.free_event_id, b.free_tid, b.end_ts,
-        b.end_event_id, b.end_reason, b.lifetime_ns, r.realloc_of, b.temporary,
-        b.inherited_from
-    FROM pair_ids b LEFT JOIN pair_realloc r USING (id)
-    ORDER BY b.id;
-    DROP TABLE pair_ids;
-    DROP TABLE pair_realloc;
-    CREATE OR REPLACE TEMP TABLE pair_heap_timeline AS
-    WITH d AS (
-        SELECT pid, event_id, any_value(ts) AS ts, sum(d)::BIGINT AS delta FROM (
-            SELECT pid, event_id, ts, size::BIGINT AS d FROM pair_allocations
-            UNION ALL
-            SELECT pid, end_event_id, end_ts, -(size::BIGINT) FROM pair_allocations
-            WHERE end_event_id IS NOT NULL)
-        GROUP BY pid, event_id)
-    SELECT pid, event_id, ts, delta,
-        (sum(delta) OVER (PARTITION BY pid ORDER BY event_id ROWS UNBOUNDED PRECEDING))::BIGINT
-        AS heap_bytes
-    FROM d ORDER BY event_id, pid;
+    LEFT JOIN pair_copy_ids s ON s.fork = b.src_fork AND s.origin = b.origin
+    LEFT JOIN pair_realloc r ON r.id = b.alloc_id;
 """
+
+# A change of a process's heap bytes: +size at a block's start, -size where it ends.
+CHANGES = pa.schema([("event_id", pa.int64()), ("pid", pa.int64()), ("ts", pa.uint64()),
+                     ("delta", pa.int64())])
+CHANGES_PER_RANGE = 1 << 20  # events whose changes are put in order at a time
+
+
+def _changes(rows: pa.Table, ranges: list[Stream]) -> None:
+    """A bucket's changes, each to the stream of its event's range."""
+    ev = rows.column("event_id").to_numpy().astype(np.int64)
+    ended = pc.is_valid(rows.column("end_event_id")).to_numpy(zero_copy_only=False)
+    end = rows.column("end_event_id").to_numpy(zero_copy_only=False)
+    size = rows.column("size").to_numpy().astype(np.int64)
+    pid = rows.column("pid").to_numpy().astype(np.int64)
+    e = np.concatenate([ev, end[ended].astype(np.int64)])
+    t = np.concatenate([rows.column("ts").to_numpy(),
+                        rows.column("end_ts").to_numpy()[ended]])
+    d = np.concatenate([size, -size[ended]])
+    p = np.concatenate([pid, pid[ended]])
+    r = e // CHANGES_PER_RANGE
+    order = np.argsort(r, kind="stable")
+    bounds = np.searchsorted(r[order], np.arange(len(ranges) + 1))
+    for k in np.flatnonzero(np.diff(bounds)).tolist():
+        i = order[bounds[k]:bounds[k + 1]]
+        ranges[k].write(pa.RecordBatch.from_arrays(
+            [pa.array(e[i]), pa.array(p[i]), pa.array(t[i]), pa.array(d[i])], schema=CHANGES))
+
+
+class _Carry:
+    """Each process's heap bytes so far, across the ranges of changes (pids sorted)."""
+
+    def __init__(self) -> None:
+        self.pids = np.zeros(0, np.int64)
+        self.bytes = np.zeros(0, np.int64)
+
+    def timeline(self, changes: pa.Table) -> pa.Table:
+        """HEAP_TIMELINE rows of one range of changes: one per (pid, event) that changed,
+        in event order (then pid)."""
+        if not changes.num_rows:
+            return HEAP_TIMELINE.empty_table()
+        e, p = changes.column("event_id").to_numpy(), changes.column("pid").to_numpy()
+        d, t = changes.column("delta").to_numpy(), changes.column("ts").to_numpy()
+        order = np.lexsort((p, e))
+        e, p, d, t = e[order], p[order], d[order], t[order]
+        first = np.ones(len(e), bool)
+        first[1:] = (e[1:] != e[:-1]) | (p[1:] != p[:-1])
+        at = np.flatnonzero(first)
+        e, p, t, d = e[at], p[at], t[at], np.add.reduceat(d, at)
+        by_pid = np.argsort(p, kind="stable")
+        ps, ds = p[by_pid], d[by_pid]
+        run = np.cumsum(ds)
+        start = np.ones(len(ps), bool)
+        start[1:] = ps[1:] != ps[:-1]
+        begin = np.maximum.accumulate(np.where(start, np.arange(len(ps)), 0))
+        heap = run - np.where(begin > 0, run[np.maximum(begin - 1, 0)], 0)
+        if len(self.pids):
+            k = np.minimum(np.searchsorted(self.pids, ps), len(self.pids) - 1)
+            heap += np.where(self.pids[k] == ps, self.bytes[k], 0)
+        last = np.flatnonzero(np.append(ps[1:] != ps[:-1], True))
+        self.pids, keep = np.unique(np.concatenate([ps[last], self.pids]), return_index=True)
+        self.bytes = np.concatenate([heap[last], self.bytes])[keep]
+        out = np.empty(len(heap), np.int64)
+        out[by_pid] = heap
+        return pa.table({"pid": pa.array(p.astype(np.uint32)),
+                         "event_id": pa.array(e.astype(np.uint64)), "ts": pa.array(t),
+                         "delta": pa.array(d), "heap_bytes": pa.array(out)},
+                        schema=HEAP_TIMELINE)
 
 
 @dataclass

@@ -6,7 +6,7 @@ recorded more than once (a forked child, the kernel's dedupe map forgetting) are
 first only to learn which verify (`decode`), so that the rest of the work splits into
 pieces that need nothing from each other (`unwind`: decode, then walk). A piece holds at
 most `chunk_bytes` of rebuilt copies; with more than one job, pieces are also cut so that
-every job gets one (never below MIN_PIECE records). Which records are unwound, and so
+every job gets one (never below MIN_PIECE records, never above MAX_PIECE). Which records are unwound, and so
 every table, does not depend on the pieces or the jobs: each stack is walked alone, and
 the load stage orders stacks by hash and frames by stack and depth.
 
@@ -34,6 +34,7 @@ from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
 
 MIN_PIECE = 2000  # records: below this a worker's start-up costs more than it saves
+MAX_PIECE = 16384  # records: what a worker holds (its copies, frames) stays bounded
 
 
 def default_jobs() -> int:
@@ -79,9 +80,9 @@ def choose_records(records: pa.Table, chunk_bytes: int) -> tuple[pa.Table, dict[
 
 def pieces(records: pa.Table, chunk_bytes: int, jobs: int) -> Iterator[pa.Table]:
     """Consecutive slices of at most chunk_bytes of copies (one record at least) and,
-    with jobs > 1, at most a job's share of the records."""
+    with jobs > 1, at most a job's share of the records and MAX_PIECE."""
     n = records.num_rows
-    share = max(MIN_PIECE, -(-n // jobs)) if jobs > 1 else n
+    share = min(max(MIN_PIECE, -(-n // jobs)), MAX_PIECE) if jobs > 1 else n
     ends = np.cumsum(records.column("copy_len").to_numpy() // 8 * 8, dtype=np.int64)
     a = 0
     while a < n:

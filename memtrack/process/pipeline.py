@@ -253,13 +253,14 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     with st.stage("load"):
         loaded = db.frames(known, symbolized, merged.locations)
     del known, symbolized, merged
-    counters = st.run("pair", lambda: pair_spilled(db.con, spill, res.life, m.end_ns or None))
+    counters = st.run("pair", lambda: pair_spilled(db.con, spill, res.life, m.end_ns or None,
+                                                   db.heap_timeline))
     summary.add(counters)
     summary.allocations = counters["allocations"]
     with st.stage("load"):
         db.events(spill.staged.chunks())
         spill.remove()
-        db.pairing()
+        db.allocations()
         db.lives(res.life)
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)

@@ -27,6 +27,7 @@ MAX_FP_CHAIN = 1024  # the kernel's frame-pointer walk: 127 entries
 MAX_RET_FIXUPS = MAX_BUDGET // 8
 MAX_PY_DEPTH = 128  # Python frames per record (bpf/pyframes.h MT_PY_DEPTH)
 MAX_PY_TEXT = 1 << 16  # bytes of a code object's name, file name or line table
+SLICE_ROWS = 1 << 18  # events checked and spilled at a time
 
 
 @dataclass
@@ -194,14 +195,19 @@ def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> 
     """The artifact's valid events into `spill`; counts of the rows left out."""
     counts = {"bad_rows": 0, "bad_kind": 0}
 
+    def checked_slice(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+        t, bad_rows = checked("events", pa.Table.from_batches([batch]))
+        t, bad_kind = _valid_kinds(t)
+        counts["bad_rows"] += bad_rows
+        counts["bad_kind"] += bad_kind
+        yield from t.to_batches()
+
     def valid() -> Iterator[pa.RecordBatch]:
         counts.update(bad_rows=0, bad_kind=0)
-        for batch in art.batches("events"):
-            t, bad_rows = checked("events", pa.Table.from_batches([batch]))
-            t, bad_kind = _valid_kinds(t)
-            counts["bad_rows"] += bad_rows
-            counts["bad_kind"] += bad_kind
-            yield from t.to_batches()
+        for whole in art.batches("events"):
+            # a slice at a time: what a batch costs beyond its own bytes stays bounded
+            for at in range(0, whole.num_rows, SLICE_ROWS):
+                yield from checked_slice(whole.slice(at, SLICE_ROWS))
 
     try:
         for batch in valid():

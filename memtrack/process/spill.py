@@ -65,7 +65,7 @@ def bucket_of(addr: np.ndarray, buckets: int) -> np.ndarray:
     return ((addr >> np.uint64(4)) * _GOLDEN >> shift).astype(np.uint16)
 
 
-class _Stream:
+class Stream:
     """Record batches of one schema, in a file (uncompressed IPC, read back with plain
     reads, so that nothing of it stays mapped) or in memory."""
 
@@ -100,6 +100,13 @@ class _Stream:
 
     def table(self) -> pa.Table:
         return pa.Table.from_batches(list(self.batches()), schema=self.schema)
+
+    def remove(self) -> None:
+        """Let go of what the stream holds."""
+        self.close()
+        self.parts = []
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
     def chunks(self, rows: int = 1 << 20) -> Iterator[pa.Table]:
         """The batches gathered into tables of about `rows` (DuckDB's insert of a
@@ -198,8 +205,8 @@ class EventSpill:
         if directory is not None:
             directory.mkdir()
         self.buckets = buckets
-        self.staged = _Stream(STAGED_EVENTS, directory / "events.arrow" if directory else None)
-        self.ops = [_Stream(OPS, directory / f"ops-{k}.arrow" if directory else None)
+        self.staged = Stream(STAGED_EVENTS, directory / "events.arrow" if directory else None)
+        self.ops = [Stream(OPS, directory / f"ops-{k}.arrow" if directory else None)
                     for k in range(buckets)]
         self.others: list[pa.Table] = []  # events of the other kinds
         self.n = 0
@@ -312,6 +319,11 @@ class EventSpill:
                     self._pending[child] = int(eid[pos])
             elif k == EventKind.EXEC or (k == EventKind.EXIT and int(flags[pos]) & EXIT_PROCESS):
                 self._pending.pop(int(col["pid"][pos]), None)
+
+    def streams(self, schema: pa.Schema, name: str, count: int) -> list[Stream]:
+        """`count` more streams of `schema`, in the spill's directory (NAME-K.arrow)."""
+        d = self.directory
+        return [Stream(schema, d / f"{name}-{k}.arrow" if d else None) for k in range(count)]
 
     def exits(self) -> np.ndarray:
         """Every EXIT as (tid, event_id, the thread's last allocation before it, its
