@@ -244,14 +244,21 @@ class RunDatabase:
             WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]  # type: ignore[index]
         return out
 
-    def events(self, chunks: Iterable[pa.Table]) -> None:
+    def events(self, chunks: Iterable[pa.Table], *, aside: bool = False) -> None:
         """Load the events (time-ordered, event_id first; after `stacks`: each with its
-        stack's id), a table at a time."""
-        ids = self.con.execute("SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
-        for chunk in chunks:
-            self.con.register("src_events", with_stack_ids(chunk, ids))
-            self.con.execute(INSERTS["events"])
-            self.con.unregister("src_events")
+        stack's id), a table at a time. aside: on a connection of its own, so that
+        another thread may go on with this one meanwhile (the events table is all it
+        touches)."""
+        con = self.con.cursor() if aside else self.con
+        try:
+            ids = con.execute("SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
+            for chunk in chunks:
+                con.register("src_events", with_stack_ids(chunk, ids))
+                con.execute(INSERTS["events"])
+                con.unregister("src_events")
+        finally:
+            if aside:
+                con.close()
 
     def heap_timeline(self, chunk: pa.Table) -> None:
         """Load the next rows of the heap timeline (HEAP_TIMELINE, in event order)."""

@@ -6,9 +6,9 @@ recorded more than once (a forked child, the kernel's dedupe map forgetting) are
 first only to learn which verify (`decode`), so that the rest of the work splits into
 pieces that need nothing from each other (`unwind`: decode, then walk). A piece holds at
 most `chunk_bytes` of rebuilt copies; with more than one job, pieces are also cut so that
-every job gets one (never below MIN_PIECE records, never above MAX_PIECE). Which records are unwound, and so
-every table, does not depend on the pieces or the jobs: each stack is walked alone, and
-the load stage orders stacks by hash and frames by stack and depth.
+every job gets one (never below MIN_PIECE records, never above MAX_PIECE). Which records
+are unwound, and so every table, does not depend on the pieces or the jobs: each stack
+is walked alone, and the load stage orders stacks by hash and frames by stack and depth.
 
 Workers are spawned (not forked: the parent holds Arrow's and DuckDB's threads); each
 builds its own Unwinder from the mappings and module store, and reads the per-build-id

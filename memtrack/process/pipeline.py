@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,12 +254,19 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     with st.stage("load"):
         loaded = db.frames(known, symbolized, merged.locations)
     del known, symbolized, merged
-    counters = st.run("pair", lambda: pair_spilled(db.con, spill, res.life, m.end_ns or None,
-                                                   db.heap_timeline))
+    # the events go into the database beside pair (DuckDB's threads and numpy's share
+    # the cores; pair reads the buckets, the copy the staged events)
+    with ThreadPoolExecutor(1) as aside:
+        copied = aside.submit(db.events, spill.staged.chunks(), aside=True)
+        try:
+            counters = st.run("pair", lambda: pair_spilled(
+                db.con, spill, res.life, m.end_ns or None, db.heap_timeline))
+        finally:
+            with st.stage("load"):
+                copied.result()
     summary.add(counters)
     summary.allocations = counters["allocations"]
     with st.stage("load"):
-        db.events(spill.staged.chunks())
         spill.remove()
         db.allocations()
         db.lives(res.life)

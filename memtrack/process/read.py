@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.process.spill import EventSpill, OutOfOrder
+from memtrack.process.spill import EventSpill, OutOfOrder, rechunk
 from memtrack.schema import EVENTS
 from memtrack.schema.artifact import BUILD_ID, Artifact
 from memtrack.schema.enums import Allocator, EventKind, RssMember
@@ -210,8 +210,8 @@ def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> 
                 yield from checked_slice(whole.slice(at, SLICE_ROWS))
 
     try:
-        for batch in valid():
-            spill.add(batch)
+        for chunk in rechunk(valid(), EVENTS, SLICE_ROWS):  # what a call costs, per event
+            spill.add(chunk.combine_chunks().to_batches()[0])
     except OutOfOrder:
         spill.reset()
         # stable: a thread's own order is kept among equal times (seq: the file's order)

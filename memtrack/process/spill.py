@@ -264,25 +264,25 @@ class EventSpill:
         self.allocations += len(a)
         at = np.concatenate([a, f])
         op_addr = np.concatenate([addr[a], np.where(kind[f] == EventKind.FREE, addr[f], old[f])])
+        op_id = np.concatenate([alloc_id, np.full(len(f), -1, np.int64)])
+        op_prev = np.concatenate([np.full(len(a), -1, np.int64), prev[f]])
+        bounds = [0, len(at)]
+        if self.buckets > 1:  # in bucket order
+            b = bucket_of(op_addr, self.buckets)
+            order = np.argsort(b, kind="stable")  # a radix sort: uint16
+            bounds = np.searchsorted(b[order], np.arange(self.buckets + 1)).tolist()
+            at, op_addr, op_id, op_prev = at[order], op_addr[order], op_id[order], op_prev[order]
+        take = pa.array(at)
         ops = pa.RecordBatch.from_arrays([
             pa.array(eid[at]), pa.array(col["pid"][at].astype(np.int64)),
             pa.array(col["tid"][at]), pa.array(ts[at]), pa.array(kind[at]),
-            batch.column("allocator").take(pa.array(at)), pa.array(op_addr),
-            batch.column("size").take(pa.array(at)),
-            batch.column("stack_hash").take(pa.array(at)),
-            pa.array(np.concatenate([alloc_id, np.full(len(f), -1, np.int64)])),
-            pa.array(np.concatenate([np.full(len(a), -1, np.int64), prev[f]])),
+            batch.column("allocator").take(take), pa.array(op_addr),
+            batch.column("size").take(take), batch.column("stack_hash").take(take),
+            pa.array(op_id), pa.array(op_prev),
         ], schema=OPS)
-        if self.buckets == 1:
-            self.ops[0].write(ops)
-        else:
-            b = bucket_of(op_addr, self.buckets)
-            order = np.argsort(b, kind="stable")  # a radix sort: uint16
-            bounds = np.searchsorted(b[order], np.arange(self.buckets + 1))
-            ops = ops.take(pa.array(order))
-            for k in range(self.buckets):
-                if bounds[k + 1] > bounds[k]:
-                    self.ops[k].write(ops.slice(bounds[k], bounds[k + 1] - bounds[k]))
+        for k in range(len(bounds) - 1):
+            if bounds[k + 1] > bounds[k]:
+                self.ops[k].write(ops.slice(bounds[k], bounds[k + 1] - bounds[k]))
         other = np.flatnonzero(kind >= EventKind.MMAP)
         if len(other):
             self.others.append(pa.Table.from_batches([batch]).take(pa.array(other))
