@@ -23,7 +23,6 @@ import pyarrow as pa
 
 from memtrack.process.dataset import write_parquet
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.process.pair import PAIR_TABLES
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
@@ -145,15 +144,11 @@ INSERTS = {
         INSERT INTO events SELECT event_id, ts, pid, tid, {KIND_SQL}, {ALLOCATOR_SQL},
             flags, addr, old_addr, size, stack_hash, stack_id
         FROM src_events""",
-    # pair's tables (memtrack.process.pair), each allocation with its stack's id
     "allocations": f"""
-        INSERT INTO allocations SELECT a.alloc_id, a.event_id, a.pid, a.tid, a.ts,
-            {KIND_SQL}, {ALLOCATOR_SQL}, a.addr, a.size, s.stack_id, a.free_ts,
-            a.free_event_id, a.free_tid, a.end_ts, a.end_event_id, {END_SQL},
-            a.lifetime_ns, a.realloc_of, a.temporary, a.inherited_from
-        FROM pair_allocations a
-        LEFT JOIN stacks s ON s.stack_hash = nullif(a.stack_hash, 0)
-        ORDER BY a.alloc_id""",
+        INSERT INTO allocations SELECT alloc_id, event_id, pid, tid, ts, {KIND_SQL},
+            {ALLOCATOR_SQL}, addr, size, stack_id, free_ts, free_event_id, free_tid, end_ts,
+            end_event_id, {END_SQL}, lifetime_ns, realloc_of, temporary, inherited_from
+        FROM src_allocations""",
     "heap_timeline": "INSERT INTO heap_timeline SELECT * FROM src_heap_timeline",
     "modules": """
         INSERT INTO modules SELECT module_id, build_id, path, elf_path, has_debuginfo,
@@ -200,6 +195,7 @@ class RunDatabase:
         self.con = duckdb.connect(str(self.tmp), config={"memory_limit": MEMORY_LIMIT,
                                                          "threads": threads})
         create_schema(self.con)
+        self.stack_ids: pa.Table | None = None  # stack_hash -> stack_id, once loaded
 
     def copy_in(self, name: str, tbl: pa.Table) -> None:
         """A temp table of `tbl`. Copied, not scanned in place: DuckDB pushes join
@@ -266,17 +262,15 @@ class RunDatabase:
         self.con.execute(INSERTS["heap_timeline"])
         self.con.unregister("src_heap_timeline")
 
-    def allocations(self, allocations: pa.Table | None = None) -> None:
-        """Load the allocations (each with its stack's id) from pair's view of this
-        session (memtrack.process.pair.pair_spilled), or from a table of them; then
-        drop what pair left."""
-        if allocations is not None:
-            self.copy_in("pair_given", allocations)
-            self.con.execute("CREATE TEMP VIEW pair_allocations AS SELECT * FROM pair_given")
+    def allocations(self, chunk: pa.Table) -> None:
+        """Load the next allocations (ALLOCATIONS, by alloc_id; after `stacks`: each with
+        its stack's id)."""
+        if self.stack_ids is None:
+            self.stack_ids = self.con.execute(
+                "SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
+        self.con.register("src_allocations", with_stack_ids(chunk, self.stack_ids))
         self.con.execute(INSERTS["allocations"])
-        self.con.execute("DROP VIEW pair_allocations")
-        for name in ("pair_given", *PAIR_TABLES):
-            self.con.execute(f"DROP TABLE IF EXISTS {name}")
+        self.con.unregister("src_allocations")
 
     def lives(self, life: Lifecycle) -> None:
         """Load processes (each pid's last life) and threads (after `events`)."""

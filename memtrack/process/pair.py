@@ -19,8 +19,9 @@ Rules (docs/DESIGN.md, Process):
 
 How: the heap operations come in buckets by address (memtrack.process.spill), and each
 bucket is matched on its own with numpy (an address's blocks, frees and inherited copies
-all fall in one); its rows go to DuckDB, which makes what crosses buckets: the ids of the
-copies, a realloc's link to the block it freed, the heap timeline.
+all fall in one); its rows go to streams by event range, which are put in order one
+range at a time, where what crosses buckets is joined: a realloc's link to the block it
+freed, the copies' ids, the heap timeline. Memory holds a bucket or a range at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -41,7 +41,7 @@ from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
 BUCKET_OPS = 1 << 20  # blocks and frees sorted at a time within a bucket (by address)
 
-# A bucket's rows (-> temp table pair_blocks): ALLOCATIONS without what crosses buckets;
+# A bucket's rows: ALLOCATIONS without what crosses buckets;
 # an inherited copy has no alloc_id yet but the key it is made from: the fork that made
 # it (its index among the forks whose children inherit, in event order), its generation
 # (1: a copy of the parent's own allocation) and the allocation it copies (origin); a
@@ -73,21 +73,25 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
     spill = EventSpill(None, buckets or buckets_for(events.num_rows))
     for batch in events.drop_columns(["event_id"]).to_batches():
         spill.add(batch)
-    con = duckdb.connect()
+    allocations: list[pa.Table] = []
     timeline: list[pa.Table] = []
-    counters = pair_spilled(con, spill, life, end_ts, timeline.append)
-    allocations = con.execute("SELECT * FROM pair_allocations ORDER BY alloc_id"
-                              ).to_arrow_table().cast(ALLOCATIONS)
-    return Pairing(allocations, pa.concat_tables([HEAP_TIMELINE.empty_table(), *timeline]),
-                   counters)
+    counters = pair_spilled(spill, life, end_ts, allocations.append, timeline.append)
+    return Pairing(pa.concat_tables([ALLOCATIONS.empty_table(), *allocations]),
+                   pa.concat_tables([HEAP_TIMELINE.empty_table(), *timeline]), counters)
 
 
-def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecycle,
-                 end_ts: int | None, timeline: Callable[[pa.Table], None]) -> dict[str, int]:
-    """Pair the events of `spill`, bucket by bucket: the view pair_allocations of `con`
-    (ALLOCATIONS, in no order: over the temp tables PAIR_TABLES) and the heap timeline
-    (HEAP_TIMELINE) handed to `timeline` a table at a time, in event order; returns the
-    counters."""
+def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
+                 allocations: Callable[[pa.Table], None],
+                 timeline: Callable[[pa.Table], None]) -> dict[str, int]:
+    """Pair the events of `spill`, bucket by bucket; hands the allocations (ALLOCATIONS,
+    by alloc_id) to `allocations` and the heap timeline (HEAP_TIMELINE, in event order)
+    to `timeline`, a table at a time; returns the counters.
+
+    A bucket's rows go to streams by their event's range (CHANGES_PER_RANGE events), the
+    allocations and, for each realloc, the block it freed; a range at a time, they are
+    put in order and the realloc's link made. The inherited copies (a few at most: the
+    blocks alive at a fork whose child touches its heap) are kept in memory and given
+    their ids once every bucket is matched."""
     if end_ts is None or end_ts < spill.last_ts:
         end_ts = spill.last_ts
     bounds = _Bounds(life, spill.n)
@@ -99,16 +103,18 @@ def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecy
                    fv["ts"].to_numpy(), fv["parent"].to_numpy().astype(np.int64),
                    fv["child"].to_numpy().astype(np.int64))
     exits = spill.exits()
-    con.register("pair_empty", BLOCK_ROWS.empty_table())
-    con.execute("CREATE OR REPLACE TEMP TABLE pair_blocks AS SELECT * FROM pair_empty")
-    con.unregister("pair_empty")
     counters = {"allocations": spill.allocations, "allocations_inherited": 0,
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
                 "frees_at_thread_exit": 0, "allocations_reused_without_free": 0,
                 "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
-    changes = spill.streams(CHANGES, "changes", -(-spill.n // CHANGES_PER_RANGE))
+    ranges = -(-spill.n // CHANGES_PER_RANGE)
+    changes = spill.streams(CHANGES, "changes", ranges)
+    blocks = spill.streams(BLOCK_ROWS, "blocks", ranges)
+    freed = spill.streams(REALLOC_FREED, "freed", ranges)
+    copies: list[pa.Table] = []
     for stream in spill.ops:
         ops = stream.table()
+        stream.remove()
         if not ops.num_rows:
             continue
         rows, got = _match_bucket(ops, bounds, forks, exits, end_ts)
@@ -116,48 +122,138 @@ def pair_spilled(con: duckdb.DuckDBPyConnection, spill: EventSpill, life: Lifecy
         for k, v in got.items():
             counters[k] += v
         _changes(rows, changes)
-        con.register("pair_rows", rows)
-        con.execute("INSERT INTO pair_blocks SELECT * FROM pair_rows")
-        con.unregister("pair_rows")
+        real = rows.column("fork").null_count == rows.num_rows
+        if not real:
+            is_copy = pc.is_valid(rows.column("fork"))
+            copies.append(rows.filter(is_copy))
+        _by_range(rows if real else rows.filter(pc.invert(is_copy)),
+                  rows.column("event_id").to_numpy() if real else None, blocks)
+        _realloc_freed(rows, freed)
         del rows
     counters["frees_unmatched"] -= counters["frees_at_thread_exit"]
-    con.execute(_FINISH_SQL.format(allocations=spill.allocations, realloc=int(END_REALLOC),
-                                   realloc_kind=int(EventKind.REALLOC)))
+    copy_rows, copy_ids = _copies(copies, spill.allocations)
+    del copies
     heap = _Carry()
-    for stream in changes:
-        timeline(heap.timeline(stream.table()))
-        stream.remove()
+    for k in range(ranges):
+        allocations(_range_rows(blocks[k], freed[k], copy_ids))
+        blocks[k].remove()
+        freed[k].remove()
+        timeline(heap.timeline(changes[k].table()))
+        changes[k].remove()
+    if copy_rows.num_rows:
+        allocations(copy_rows)
     return counters
 
 
-PAIR_TABLES = ("pair_blocks", "pair_copy_ids", "pair_realloc")
+# For a realloc: the block its event freed (alloc_id, or a copy's key: fork, origin).
+REALLOC_FREED = pa.schema([("event_id", pa.int64()), ("alloc_id", pa.int64()),
+                           ("fork", pa.int64()), ("origin", pa.int64())])
 
-# The view of the finished rows: the copies' ids (after the allocations: by fork, then
-# generation, then the allocation copied), a copy's inherited_from (a first copy: the
-# parent's allocation; a copy of a copy: that copy), realloc_of (the block a realloc's
-# event freed). Every join is on keys alone (a condition on one side only makes DuckDB
-# join by nested loop).
-_FINISH_SQL = """
-    CREATE OR REPLACE TEMP TABLE pair_copy_ids AS
-    SELECT fork, origin, ({allocations} + row_number() OVER (ORDER BY fork, gen, origin) - 1)
-        ::UBIGINT AS alloc_id
-    FROM pair_blocks WHERE alloc_id IS NULL;
-    CREATE OR REPLACE TEMP TABLE pair_realloc AS
-    SELECT n.alloc_id AS id, coalesce(o.alloc_id, c.alloc_id) AS realloc_of
-    FROM pair_blocks n JOIN pair_blocks o ON o.free_event_id = n.event_id
-    LEFT JOIN pair_copy_ids c ON c.fork = o.fork AND c.origin = o.origin
-    WHERE n.kind = {realloc_kind} AND n.alloc_id IS NOT NULL AND o.end_reason = {realloc};
-    CREATE OR REPLACE TEMP VIEW pair_allocations AS
-    SELECT coalesce(b.alloc_id, c.alloc_id) AS alloc_id, b.event_id, b.pid, b.tid, b.ts,
-        b.kind, b.allocator, b.addr, b.size, b.stack_hash, b.free_ts, b.free_event_id,
-        b.free_tid, b.end_ts, b.end_event_id, b.end_reason, b.lifetime_ns, r.realloc_of,
-        b.temporary,
-        CASE WHEN b.gen = 1 THEN b.origin WHEN b.gen > 1 THEN s.alloc_id END AS inherited_from
-    FROM pair_blocks b
-    LEFT JOIN pair_copy_ids c ON c.fork = b.fork AND c.origin = b.origin
-    LEFT JOIN pair_copy_ids s ON s.fork = b.src_fork AND s.origin = b.origin
-    LEFT JOIN pair_realloc r ON r.id = b.alloc_id;
-"""
+
+def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream]) -> None:
+    """Rows to the streams of their event's range (`ev`: the rows' event ids)."""
+    if not rows.num_rows:
+        return
+    ev = rows.column("event_id").to_numpy() if ev is None else ev
+    r = (ev // CHANGES_PER_RANGE).astype(np.int64)
+    order = np.argsort(r, kind="stable")
+    at = np.searchsorted(r[order], np.arange(len(streams) + 1))
+    rows = rows.take(pa.array(order))
+    for k in np.flatnonzero(np.diff(at)).tolist():
+        for b in rows.slice(at[k], at[k + 1] - at[k]).to_batches():
+            streams[k].write(b)
+
+
+def _realloc_freed(rows: pa.Table, streams: list[Stream]) -> None:
+    """The blocks of a bucket that a realloc freed, by the realloc's event."""
+    reason = rows.column("end_reason").to_numpy()
+    i = np.flatnonzero(reason == END_REALLOC)
+    if not len(i):
+        return
+    t = rows.take(pa.array(i))
+    out = pa.table({
+        "event_id": t.column("free_event_id").cast(pa.int64()),
+        "alloc_id": pc.fill_null(t.column("alloc_id").cast(pa.int64()), -1),
+        "fork": pc.fill_null(t.column("fork"), -1),
+        "origin": pc.fill_null(t.column("origin").cast(pa.int64()), 0),
+    }, schema=REALLOC_FREED)
+    _by_range(out, None, streams)
+
+
+def _copies(parts: list[pa.Table], allocations: int) -> tuple[pa.Table, _CopyIds]:
+    """The copies' ALLOCATIONS rows, by alloc_id (after the allocations: by fork, then
+    generation, then the allocation copied), each inherited_from its source (a first
+    copy: the parent's allocation; a copy of a copy: that copy)."""
+    t = pa.concat_tables([BLOCK_ROWS.empty_table(), *parts])
+    fork, gen = t.column("fork").to_numpy(), t.column("gen").to_numpy()
+    origin = t.column("origin").to_numpy()
+    order = np.lexsort((origin, gen, fork))
+    t, fork, gen, origin = t.take(pa.array(order)), fork[order], gen[order], origin[order]
+    own = np.arange(allocations, allocations + len(fork), dtype=np.int64)
+    ids = _CopyIds(fork, origin, own, allocations + 1)  # origin < allocations
+    src = np.where(gen > 1, t.column("src_fork").fill_null(-1).to_numpy(), -1)
+    parent = np.where(gen == 1, origin.astype(np.int64), ids.of(src, origin))
+    t = t.set_column(0, "alloc_id", pa.array(own.astype(np.uint64)))
+    return _allocation_rows(t, pa.nulls(t.num_rows, pa.uint64()),
+                            pa.array(parent.astype(np.uint64))), ids
+
+
+class _CopyIds:
+    """The copies' ids by key (fork, origin): fork * stride + origin, sorted."""
+
+    def __init__(self, fork: np.ndarray, origin: np.ndarray, ids: np.ndarray,
+                 stride: int) -> None:
+        self.stride = stride
+        key = fork.astype(np.int64) * stride + origin.astype(np.int64)
+        order = np.argsort(key)
+        self.key, self.ids = key[order], ids[order]
+
+    def of(self, fork: np.ndarray, origin: np.ndarray) -> np.ndarray:
+        """Each (fork, origin)'s copy id, -1 where there is none."""
+        out = np.full(len(fork), -1, np.int64)
+        if not len(self.key) or not len(fork):
+            return out
+        key = fork.astype(np.int64) * self.stride + origin.astype(np.int64)
+        j = np.minimum(np.searchsorted(self.key, key), len(self.key) - 1)
+        hit = (self.key[j] == key) & (fork >= 0)
+        out[hit] = self.ids[j[hit]]
+        return out
+
+
+def _range_rows(blocks: Stream, freed: Stream, copy_ids: _CopyIds) -> pa.Table:
+    """One range's allocations (ALLOCATIONS, by alloc_id: in event order), each realloc
+    linked to the block its event freed."""
+    t = blocks.table()
+    if not t.num_rows:
+        return ALLOCATIONS.empty_table()
+    t = t.take(pa.array(np.argsort(t.column("event_id").to_numpy(), kind="stable")))
+    f = freed.table()
+    realloc_of = np.full(t.num_rows, -1, np.int64)
+    if f.num_rows:
+        old = f.column("alloc_id").to_numpy()
+        copy = old < 0
+        if copy.any():
+            old = old.copy()
+            old[copy] = copy_ids.of(f.column("fork").to_numpy()[copy],
+                                    f.column("origin").to_numpy()[copy])
+        f_ev = f.column("event_id").to_numpy()
+        order = np.argsort(f_ev, kind="stable")
+        f_ev, old = f_ev[order], old[order]
+        ev = t.column("event_id").to_numpy().astype(np.int64)
+        is_r = t.column("kind").to_numpy() == EventKind.REALLOC
+        j = np.minimum(np.searchsorted(f_ev, ev), len(f_ev) - 1)
+        hit = is_r & (f_ev[j] == ev)
+        realloc_of[hit] = old[j[hit]]
+    return _allocation_rows(t, pa.array(realloc_of.astype(np.uint64), mask=realloc_of < 0),
+                            pa.nulls(t.num_rows, pa.uint64()))
+
+
+def _allocation_rows(t: pa.Table, realloc_of: pa.Array, inherited_from: pa.Array) -> pa.Table:
+    cols = {name: t.column(name) for name in ALLOCATIONS.names
+            if name not in ("realloc_of", "inherited_from")}
+    cols["realloc_of"], cols["inherited_from"] = realloc_of, inherited_from
+    return pa.table({name: cols[name] for name in ALLOCATIONS.names}, schema=ALLOCATIONS)
+
 
 # A change of a process's heap bytes: +size at a block's start, -size where it ends.
 CHANGES = pa.schema([("event_id", pa.int64()), ("pid", pa.int64()), ("ts", pa.uint64()),

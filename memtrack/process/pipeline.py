@@ -260,7 +260,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         copied = aside.submit(db.events, spill.staged.chunks(), aside=True)
         try:
             counters = st.run("pair", lambda: pair_spilled(
-                db.con, spill, res.life, m.end_ns or None, db.heap_timeline))
+                spill, res.life, m.end_ns or None, db.allocations, db.heap_timeline))
         finally:
             with st.stage("load"):
                 copied.result()
@@ -268,7 +268,6 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.allocations = counters["allocations"]
     with st.stage("load"):
         spill.remove()
-        db.allocations()
         db.lives(res.life)
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)
