@@ -36,7 +36,7 @@ from memtrack.process.load import RunDatabase, meta_rows
 from memtrack.process.pair import pair_spilled
 from memtrack.process.parallel import default_jobs, unwind_records
 from memtrack.process.pyframes import merge as merge_python
-from memtrack.process.read import read_artifact
+from memtrack.process.read import read_artifact, spilled_events
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
 from memtrack.process.spill import EventSpill, buckets_for
@@ -257,7 +257,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     # the events go into the database beside pair (DuckDB's threads and numpy's share
     # the cores; pair reads the buckets, the copy the staged events)
     with ThreadPoolExecutor(1) as aside:
-        copied = aside.submit(db.events, spill.staged.chunks(), aside=True)
+        copied = aside.submit(db.events, spilled_events(art, spill), aside=True)
         try:
             counters = st.run("pair", lambda: pair_spilled(
                 spill, res.life, m.end_ns or None, db.allocations, db.heap_timeline))

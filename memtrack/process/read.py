@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.process.spill import EventSpill, OutOfOrder, rechunk
-from memtrack.schema import EVENTS
-from memtrack.schema.artifact import BUILD_ID, Artifact
+from memtrack.schema import EVENTS, table_file
+from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError
 from memtrack.schema.enums import Allocator, EventKind, RssMember
 from memtrack.schema.stackrecord import MAX_BUDGET
 
@@ -191,49 +191,68 @@ def _valid_kinds(events: pa.Table) -> tuple[pa.Table, int]:
     return (events.filter(ok) if bad else events), bad
 
 
+def _valid(art: Artifact, counts: dict[str, int]) -> Iterator[pa.RecordBatch]:
+    """The artifact's events that ROW_RULES and the known kinds allow, in file order, a
+    slice at a time (what a batch costs beyond its own bytes stays bounded); counts
+    the rows left out."""
+    counts.update(bad_rows=0, bad_kind=0)
+    for whole in art.batches("events"):
+        for at in range(0, whole.num_rows, SLICE_ROWS):
+            t, bad_rows = checked("events", pa.Table.from_batches([whole.slice(at, SLICE_ROWS)]))
+            t, bad_kind = _valid_kinds(t)
+            counts["bad_rows"] += bad_rows
+            counts["bad_kind"] += bad_kind
+            yield from t.to_batches()
+
+
 def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
-    """The artifact's valid events into `spill`; counts of the rows left out."""
+    """The artifact's valid events into `spill`; counts of the rows left out. Events in
+    time order (as capture writes them) are not staged: `spilled_events` reads them
+    again; others are sorted by DuckDB and staged in that order."""
     counts = {"bad_rows": 0, "bad_kind": 0}
-
-    def checked_slice(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
-        t, bad_rows = checked("events", pa.Table.from_batches([batch]))
-        t, bad_kind = _valid_kinds(t)
-        counts["bad_rows"] += bad_rows
-        counts["bad_kind"] += bad_kind
-        yield from t.to_batches()
-
-    def valid() -> Iterator[pa.RecordBatch]:
-        counts.update(bad_rows=0, bad_kind=0)
-        for whole in art.batches("events"):
-            # a slice at a time: what a batch costs beyond its own bytes stays bounded
-            for at in range(0, whole.num_rows, SLICE_ROWS):
-                yield from checked_slice(whole.slice(at, SLICE_ROWS))
-
     try:
-        for chunk in rechunk(valid(), EVENTS, SLICE_ROWS):  # what a call costs, per event
-            spill.add(chunk.combine_chunks().to_batches()[0])
+        for chunk in rechunk(_valid(art, counts), EVENTS, SLICE_ROWS):
+            spill.add(chunk.combine_chunks().to_batches()[0])  # a call's cost, per event
     except OutOfOrder:
         spill.reset()
+        spill.stage_events = True
         # stable: a thread's own order is kept among equal times (seq: the file's order)
         con.register("read_empty", EVENTS.empty_table())
         con.execute("CREATE OR REPLACE TEMP TABLE read_unsorted AS "
                     "SELECT 0::UBIGINT AS seq, * FROM read_empty WHERE false")
         con.unregister("read_empty")
         seq = 0
-        for batch in valid():
-            con.register("read_batch", batch.add_column(
-                0, "seq", pa.array(np.arange(seq, seq + batch.num_rows, dtype=np.uint64))))
-            con.execute("INSERT INTO read_unsorted SELECT * FROM read_batch")
-            con.unregister("read_batch")
-            seq += batch.num_rows
+        for chunk in rechunk(_valid(art, counts), EVENTS):
+            con.register("read_chunk", chunk.add_column(
+                0, "seq", pa.array(np.arange(seq, seq + chunk.num_rows, dtype=np.uint64))))
+            con.execute("INSERT INTO read_unsorted SELECT * FROM read_chunk")
+            con.unregister("read_chunk")
+            seq += chunk.num_rows
         reader = con.execute("SELECT * EXCLUDE (seq) FROM read_unsorted ORDER BY ts, seq"
-                             ).to_arrow_reader(1 << 20)
+                             ).to_arrow_reader(SLICE_ROWS)
         for batch in reader:
             for b in pa.Table.from_batches([batch]).cast(EVENTS).to_batches():
                 spill.add(b)
         con.execute("DROP TABLE read_unsorted")
     spill.close()
     return counts
+
+
+def spilled_events(art: Artifact, spill: EventSpill) -> Iterator[pa.Table]:
+    """The events `read_artifact` put into `spill`, with event_id, in order, about a
+    million at a time: staged, or read from the artifact again (the same rows: the same
+    checks; an artifact that changed meanwhile is an ArtifactError)."""
+    if spill.stage_events:
+        yield from spill.staged.chunks()
+        return
+    n = 0
+    for chunk in rechunk(_valid(art, {}), EVENTS):
+        yield chunk.add_column(0, "event_id", pa.array(
+            np.arange(n, n + chunk.num_rows, dtype=np.uint64)))
+        n += chunk.num_rows
+    if n != spill.n:
+        raise ArtifactError(art.path / table_file("events"),
+                            f"changed while being processed ({spill.n} events, then {n})")
 
 
 def sort_events(events: pa.Table) -> pa.Table:

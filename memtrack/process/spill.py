@@ -205,6 +205,8 @@ class EventSpill:
         if directory is not None:
             directory.mkdir()
         self.buckets = buckets
+        # events put in order by read: staged (else read again from the artifact)
+        self.stage_events = False
         self.staged = Stream(STAGED_EVENTS, directory / "events.arrow" if directory else None)
         self.ops = [Stream(OPS, directory / f"ops-{k}.arrow" if directory else None)
                     for k in range(buckets)]
@@ -233,8 +235,9 @@ class EventSpill:
         if ts[0] < self.last_ts or (n > 1 and not bool((ts[1:] >= ts[:-1]).all())):
             raise OutOfOrder
         eid = np.arange(self.n, self.n + n, dtype=np.int64)
-        self.staged.write(pa.RecordBatch.from_arrays(
-            [pa.array(eid.astype(np.uint64)), *batch.columns], schema=STAGED_EVENTS))
+        if self.stage_events:
+            self.staged.write(pa.RecordBatch.from_arrays(
+                [pa.array(eid.astype(np.uint64)), *batch.columns], schema=STAGED_EVENTS))
         pids, first = np.unique(col["pid"], return_index=True)
         for p, t in zip(pids.tolist(), ts[first].tolist(), strict=True):
             self.first_seen.setdefault(p, t)
