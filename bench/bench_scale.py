@@ -3,14 +3,15 @@ number of events (synthetic artifacts of bench/synth_artifact.py, 100 k distinct
 jobs 1 against jobs 2 (speed-up, and a checksum of every table each wrote, printed as one
 digest to compare with a run of another source tree), and the
 issue's targets side by side; with --captures, also the captures the issue names (the
-demo's Python workload, the C++ std::map program, sqlite3 with 300 k inserts).
+demo's Python workload, the C++ std::map program, sqlite3 at the issue's size: 33 k
+inserts, ~730 k allocations) and sqlite3 with 300 k inserts (~6.6 M allocations).
 
     .venv/bin/python bench/bench_scale.py [--events 1M,10M] [--stacks 100k] [--big]
         [--captures] [--keep DIR] [--rss-cap MiB] [--no-warm]
 
---big adds the 50 M case (run it alone: ~6 GB of disk and minutes of both cores; the peak
-still grows with the events, so on a shared machine give --rss-cap, which kills a run
-whose process tree goes over it).
+--big adds the 50 M case (run it alone: ~6 GB of disk for the artifact and the run
+database, ~4 GB more for the spill while it runs, and minutes of both cores); --rss-cap
+kills a run whose process tree goes over it.
 Every time is printed with its ratio to a baseline measured in the same run: reading
 events.arrow and sorting it by time, the least any processing must do. Peak RSS is the
 largest sum of the resident sets of `memtrack process` and its workers, sampled every
@@ -46,6 +47,7 @@ from memtrack.schema import table_file  # noqa: E402
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 TARGETS = {"synthetic 10M": (60.0, 2048.0), "python demo": (8.0, None),
            "cxxmap": (15.0, None), "sqlite3": (15.0, None)}
+SQLITE_INSERTS = {"sqlite3": 33_000, "sqlite3 300k": 300_000}
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -69,10 +71,10 @@ class Capped(Exception):
 
 
 def run_process(art: Path, db: Path, jobs: int | None, cap_mib: float | None = None
-                ) -> tuple[float, float, dict[str, float]]:
-    """(seconds, peak MiB, stage seconds) of `memtrack process` from the shell; killed
-    (Capped) when its tree's RSS goes over cap_mib."""
-    cmd = [*MEMTRACK, "process", str(art), "-o", str(db)]
+                ) -> tuple[float, float, dict[str, float], str]:
+    """(seconds, peak MiB, stage seconds, its summary's first line) of `memtrack process`
+    from the shell; killed (Capped) when its tree's RSS goes over cap_mib."""
+    cmd = [*MEMTRACK, "process", str(art), "-o", str(db), "--force"]
     if jobs:
         cmd += ["--jobs", str(jobs)]
     t0 = time.perf_counter()
@@ -92,7 +94,9 @@ def run_process(art: Path, db: Path, jobs: int | None, cap_mib: float | None = N
         raise SystemExit(f"process {art} failed ({p.returncode}): {err[-800:]}")
     m = re.search(r"stages: (.*)", err)
     stages = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)s", m.group(1))} if m else {}
-    return sec, peak, stages
+    counts = re.search(r"(\d+) events, (\d+) allocations", err)
+    said = f"{int(counts[1]):,} events, {int(counts[2]):,} allocations" if counts else ""
+    return sec, peak, stages, said
 
 
 def baseline(art: Path) -> float:
@@ -131,18 +135,19 @@ def capture(tmp: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build
 
-    sql = tmp / "ins.sql"
-    sql.write_text("CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n"
-                   + "".join(f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 100003}',"
-                             f" {i}.5);\n" for i in range(300_000))
-                   + "COMMIT;\n")
     cxxmap = build(["stacks/cxxmap.cc"], flags=("-O2", "-g"))
     cmds = {
         "python demo": ["env", "PYTHONMALLOC=malloc", "/usr/bin/python3",
                         str(ROOT / "fixtures/demo/workload.py"), "40000"],
         "cxxmap": [str(cxxmap), "100000", "3"],
-        "sqlite3": ["/usr/bin/sqlite3", "-init", str(sql), ":memory:", ".quit"],
     }
+    for name, n in SQLITE_INSERTS.items():
+        sql = tmp / f"ins-{n}.sql"
+        sql.write_text("CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n"
+                       + "".join(f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 100003}',"
+                                 f" {i}.5);\n" for i in range(n))
+                       + "COMMIT;\n")
+        cmds[name] = ["/usr/bin/sqlite3", "-init", str(sql), ":memory:", ".quit"]
     arts = {}
     for name, cmd in cmds.items():
         art = tmp / f"{name.replace(' ', '-')}.memtrack"
@@ -207,18 +212,23 @@ def main() -> None:
     print(f"{'events':>11} {'jobs':>4} {'seconds':>8} {'x base':>7} {'us/event':>8} "
           f"{'peak MiB':>9} {'B/event':>8}  stages")
     for n, base, results in rows:
-        for jobs, (sec, mib, stages) in results.items():
+        for jobs, (sec, mib, stages, _) in results.items():
             st = ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
             print(f"{n:>11,} {jobs:>4} {sec:>8.1f} {sec / base:>7.0f} {sec / n * 1e6:>8.2f} "
                   f"{mib:>9.0f} {mib * 2**20 / n:>8.0f}  {st}")
     print(f"\n{'events':>11} {'jobs 1 / jobs 2':>16}  tables (checksums), their digest")
     for n, ratio, same, dig in speed:
         print(f"{n:>11,} {ratio:>15.2f}x  {'identical' if same else 'DIFFERENT'}  {dig}")
+    if len(rows) > 1:  # time linear, memory flat: the largest against the smallest
+        (n0, _, r0), (n1, _, r1) = rows[0], rows[-1]
+        print(f"\n{n1 // n0}x the events (jobs 2): {r1[2][0] / r0[2][0]:.1f}x the time, "
+              f"{r1[2][1] / r0[2][1]:.2f}x the peak")
     if caps:
-        print(f"\n{'capture':<12} {'events base s':>13} {'seconds':>8} {'peak MiB':>9}  stages")
-        for name, (base, (sec, mib, stages)) in caps.items():
+        print(f"\n{'capture':<12} {'events base s':>13} {'seconds':>8} {'peak MiB':>9}  "
+              "what it holds; stages")
+        for name, (base, (sec, mib, stages, said)) in caps.items():
             st = ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
-            print(f"{name:<12} {base:>13.2f} {sec:>8.1f} {mib:>9.0f}  {st}")
+            print(f"{name:<12} {base:>13.2f} {sec:>8.1f} {mib:>9.0f}  {said}; {st}")
     print("\ntargets (issue 20) side by side, default jobs where not said")
     got = {f"synthetic {n // 10**6}M": (results[2][0], results[2][1])
            for n, _, results in rows} | {k: (v[1][0], v[1][1]) for k, v in caps.items()}

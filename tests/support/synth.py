@@ -184,3 +184,58 @@ def write_run(path: Path, events: pa.Table | None = None) -> Path:
         start_ns=900, end_ns=END_NS, root_pid=100, command=["p", "-x"], losses={},
         counters={}, allocator_functions=ALLOCATORS), symbolize)
     return path
+
+
+def random_events(seed: int, n: int = 3000) -> pa.Table:
+    """A random stream (time-ordered) over few addresses, so that they are reused: every
+    allocation kind, frees of blocks never seen, reallocs (in place, moved, of nothing),
+    failed allocations, threads that start and exit, forks (plain and vfork; some pids
+    reused) whose children allocate and free before their exec or exit, and
+    grandchildren."""
+    import numpy as np
+
+    from memtrack.schema.enums import CLONE_THREAD
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    ts = 1000
+    pids, tids = [100], {100: [100]}
+    next_pid = 200
+    for _ in range(n):
+        ts += int(rng.integers(0, 3))
+        p = pids[int(rng.integers(len(pids)))]
+        t = tids[p][int(rng.integers(len(tids[p])))]
+        r = rng.random()
+        addr = int(rng.integers(1, 60)) * 16
+        size = int(rng.integers(1, 5000))
+        if r < 0.35:
+            k = (K.MALLOC, K.CALLOC, K.ALIGNED_ALLOC)[int(rng.integers(3))]
+            rows.append((ts, p, t, k, 0, 0 if rng.random() < 0.02 else addr, 0, size,
+                         int(rng.integers(0, 9))))
+        elif r < 0.7:
+            rows.append((ts, p, t, K.FREE, 0, addr if rng.random() > 0.03 else 0, 0, 0, 0))
+        elif r < 0.85:
+            rows.append((ts, p, t, K.REALLOC, 0, addr if rng.random() > 0.1 else 0,
+                         int(rng.integers(0, 60)) * 16, size, int(rng.integers(0, 9))))
+        elif r < 0.9 and len(pids) < 8:
+            child = next_pid if rng.random() < 0.8 or next_pid == 200 else 200
+            next_pid += 1
+            rows.append((ts, p, t, K.FORK, CLONE_VM if rng.random() < 0.3 else 0, child,
+                         0, 0, 0))
+            if child not in pids:
+                pids.append(child)
+            tids[child] = [child]
+        elif r < 0.93:
+            new = t + 1000 + int(rng.integers(0, 5))
+            rows.append((ts, p, t, K.FORK, CLONE_THREAD | CLONE_VM, new, 0, 0, 0))
+            if new not in tids[p]:
+                tids[p].append(new)
+        elif r < 0.95 and p != 100:
+            rows.append((ts, p, p, K.EXEC, 0, 0, 0, 0, 0))
+        elif r < 0.97 and t != p:
+            rows.append((ts, p, t, K.EXIT, 0, 0, 0, 0, 0))
+            tids[p].remove(t)
+        elif r < 0.97 and p != 100:
+            rows.append((ts, p, p, K.EXIT, 1, 0, 0, 0, 0))
+            pids.remove(p)
+    return events_table(rows)
