@@ -6,40 +6,93 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from memtrack.commands import CommandError
+from memtrack.process.spill import STAGED_EVENTS
 from memtrack.schema import ALLOC_KINDS, TABLES, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactError
 
 
+class EventTally:
+    """What `info` needs of the events, counted a batch at a time as read hands them
+    over (memtrack.process.read), never all of them at once: the count of each kind and
+    of each stack hash (over every event, over the allocations), each pid's first time,
+    and the events of the other kinds than the heap's (for the lifecycle)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.kinds = np.zeros(256, np.int64)
+        self.first_seen: dict[int, int] = {}
+        self.others: list[pa.Table] = []
+        self.hashes: list[tuple[np.ndarray, np.ndarray]] = []  # per batch: (hash, count)
+        self.alloc_hashes: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        kind = batch.column("kind").to_numpy()
+        h = batch.column("stack_hash").to_numpy()
+        self.kinds += np.bincount(kind, minlength=256)
+        self.hashes.append(np.unique(h, return_counts=True))
+        self.alloc_hashes.append(np.unique(h[np.isin(kind, [int(k) for k in ALLOC_KINDS])],
+                                           return_counts=True))
+        pid, ts = batch.column("pid").to_numpy(), batch.column("ts").to_numpy()
+        order = np.lexsort((ts, pid))  # the events need not be in time order here
+        pids, at = np.unique(pid[order], return_index=True)
+        for p, t in zip(pids.tolist(), ts[order][at].tolist(), strict=True):
+            self.first_seen[p] = min(self.first_seen.get(p, t), t)
+        other = np.flatnonzero(kind >= EventKind.MMAP)
+        if len(other):
+            self.others.append(pa.Table.from_batches([batch]).take(pa.array(other)).add_column(
+                0, "event_id", pa.array((other + self.n).astype(np.uint64))))
+        self.n += batch.num_rows
+        if len(self.hashes) > 64:  # the counts stay one entry per distinct hash
+            self.hashes = [_merged(self.hashes)]
+            self.alloc_hashes = [_merged(self.alloc_hashes)]
+
+    def other_events(self) -> pa.Table:
+        return pa.concat_tables(self.others) if self.others else STAGED_EVENTS.empty_table()
+
+    def close(self) -> None:
+        self.hashes = [_merged(self.hashes)]
+        self.alloc_hashes = [_merged(self.alloc_hashes)]
+
+
+def _merged(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Counts per value, summed over the parts."""
+    if not parts:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    v = np.concatenate([p[0] for p in parts])
+    c = np.concatenate([p[1] for p in parts])
+    u, inv = np.unique(v, return_inverse=True)
+    return u, np.bincount(inv, weights=c, minlength=len(u)).astype(np.int64)
+
+
 def collect_info(path: Path) -> dict[str, Any]:
     """Everything `info` prints, as plain data (also the --json output). The tables are
-    read as `process` reads them (memtrack.process.read: bad rows counted and skipped)."""
+    read as `process` reads them (memtrack.process.read: bad rows counted and skipped),
+    the events a batch at a time."""
     from memtrack.process.read import read_artifact
 
     art = Artifact.open(path)
     m = art.manifest
     tables: dict[str, Any] = {}
-    read = read_artifact(art)
+    tally = EventTally()
+    read = read_artifact(art, tally)
     for name in TABLES:
         t = getattr(read, name, None)  # stack_copies: a debug table process never reads
         bad = read.bad_rows.get(name, 0)
-        rows = (t if t is not None else art.read(name, required=False).table).num_rows
+        rows = tally.n if name == "events" else (
+            t if t is not None else art.read(name, required=False).table).num_rows
         tables[name] = {"rows": rows + bad, "truncated": name in art.truncated,
                         "bad_rows": bad}
     ev = read.events
-    kinds: dict[str, int] = {}
-    if ev.num_rows:
-        counts = pc.value_counts(ev["kind"]).to_pylist()
-        for c in counts:
-            try:
-                kinds[EventKind(c["values"]).name.lower()] = c["counts"]
-            except ValueError:
-                kinds[f"unknown({c['values']})"] = c["counts"]
+    kinds = {EventKind(k).name.lower(): int(tally.kinds[k]) for k in EventKind
+             if tally.kinds[k]}
     return {
         "artifact": str(path),
         "manifest": m.to_dict(),
@@ -47,13 +100,14 @@ def collect_info(path: Path) -> dict[str, Any]:
         "event_kinds": kinds,
         "losses": m.losses,
         "modules": art.modules(),
-        "peak_rss": peak_rss(art, read.rss, ev, read.processes),
-        "stack_records": stack_records(read.stacks, ev, read.py_stacks),
+        "peak_rss": peak_rss(art, read.rss, ev, read.processes, tally.first_seen),
+        "stack_records": stack_records(read.stacks, tally, read.py_stacks),
         "warnings": art.warnings,
     }
 
 
-def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[str, Any]]:
+def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any,
+             first_seen: dict[int, int] | None = None) -> list[dict[str, Any]]:
     """Per process: its name and peak resident bytes (total and by member) with the time
     of the total's peak in seconds from the capture's start."""
     from memtrack.process.lifecycle import lifecycle
@@ -61,7 +115,7 @@ def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[
 
     if not rss.num_rows:
         return []
-    peaks = peaks_by_pid(rss_peaks(effective_rss(rss, lifecycle(events))))
+    peaks = peaks_by_pid(rss_peaks(effective_rss(rss, lifecycle(events, first_seen=first_seen))))
     procs = processes.sort_by([("ts", "ascending")])
     names = dict(zip(procs["pid"].to_pylist(), procs["comm"].to_pylist(), strict=True))
     start = art.manifest.start_ns
@@ -76,22 +130,22 @@ def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any) -> list[dict[
     return rows
 
 
-def stack_records(stacks: Any, events: Any, py_stacks: Any = None, top: int = 10
+def stack_records(stacks: Any, tally: EventTally, py_stacks: Any = None, top: int = 10
                   ) -> dict[str, Any]:
     """Stack records: how many, how many were cut at the budget, distinct hashes, the
     allocations without a stack, and the `top` most frequent stacks by allocations
     referencing them (a Python stack counts for the native record it extends)."""
-    import numpy as np
-
     from memtrack.process.pyframes import native_hashes
 
     hashes = stacks.column("hash").to_numpy()
-    h = events.column("stack_hash").to_numpy() if events.num_rows else np.zeros(0, np.uint64)
-    if py_stacks is not None:
-        h = native_hashes(py_stacks, h)
-    kinds = events.column("kind").to_numpy() if events.num_rows else np.zeros(0, np.uint8)
-    alloc = np.isin(kinds, [int(k) for k in ALLOC_KINDS])
-    used, counts = np.unique(h[h != 0], return_counts=True)
+
+    def native(counts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        h, c = counts
+        return _merged([(native_hashes(py_stacks, h) if py_stacks is not None else h, c)])
+
+    seen, seen_n = native(_merged(tally.hashes))
+    allocs, allocs_n = native(_merged(tally.alloc_hashes))
+    used, counts = seen[seen != 0], seen_n[seen != 0]
     order = np.argsort(-counts, kind="stable")[:top]
     first: dict[int, int] = {}  # hash -> its first record
     if hashes.size:
@@ -110,8 +164,8 @@ def stack_records(stacks: Any, events: Any, py_stacks: Any = None, top: int = 10
         "cut": int(pc.sum(stacks.column("truncated")).as_py() or 0),
         "distinct_hashes": int(np.unique(hashes).size),
         "payload_bytes": int(pc.sum(pc.binary_length(stacks.column("payload"))).as_py() or 0),
-        "allocations": int(alloc.sum()),
-        "allocations_without_stack": int((alloc & (h == 0)).sum()),
+        "allocations": int(allocs_n.sum()),
+        "allocations_without_stack": int(allocs_n[allocs == 0].sum()),
         "unresolved_hashes": int(np.setdiff1d(used, hashes).size),
         "top": rows,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import duckdb
 import numpy as np
@@ -155,11 +156,23 @@ def _mapping_build_ids(t: pa.Table) -> tuple[pa.Table, int]:
     return t.set_column(i, "build_id", pc.if_else(bad, pa.scalar(None, pa.string()), bid)), n
 
 
-def read_artifact(art: Artifact, spill: EventSpill | None = None,
+class EventSink(Protocol):
+    """What takes the events a batch at a time: memtrack.process.spill.EventSpill, or
+    `info`'s tally."""
+
+    def add(self, batch: pa.RecordBatch) -> None: ...
+
+    def other_events(self) -> pa.Table: ...
+
+    def close(self) -> None: ...
+
+
+def read_artifact(art: Artifact, spill: EventSink | None = None,
                   con: duckdb.DuckDBPyConnection | None = None) -> ArtifactTables:
     """Every file of `art` (events required, the others empty where missing). With a
-    spill, the events go to it a batch at a time, in time order (sorted by DuckDB in
-    `con` first when they are not), and `events` keeps the other kinds only."""
+    spill, the events go to it a batch at a time (an EventSpill's in time order: sorted
+    by DuckDB in `con` first when they are not), and `events` keeps the other kinds
+    only."""
     bad_rows: dict[str, int] = {}
     out: dict[str, pa.Table] = {}
     for name in ROW_RULES:
@@ -205,7 +218,7 @@ def _valid(art: Artifact, counts: dict[str, int]) -> Iterator[pa.RecordBatch]:
             yield from t.to_batches()
 
 
-def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
     """The artifact's valid events into `spill`; counts of the rows left out. Events in
     time order (as capture writes them) are not staged: `spilled_events` reads them
     again; others are sorted by DuckDB and staged in that order."""
@@ -214,6 +227,7 @@ def _spill(art: Artifact, spill: EventSpill, con: duckdb.DuckDBPyConnection) -> 
         for chunk in rechunk(_valid(art, counts), EVENTS, SLICE_ROWS):
             spill.add(chunk.combine_chunks().to_batches()[0])  # a call's cost, per event
     except OutOfOrder:
+        assert isinstance(spill, EventSpill)  # the one that wants them in order
         spill.reset()
         spill.stage_events = True
         # stable: a thread's own order is kept among equal times (seq: the file's order)
