@@ -104,9 +104,10 @@ def test_frames_table_types(artifact: tuple[Path, list[int]]) -> None:
     path, _ = artifact
     art = Artifact.open(path)
     res = unwind(decode(art).table, art.read("mappings").table, ModuleStore(path))
+    label = pa.dictionary(pa.int32(), pa.string())  # strings of few values: per frame an index
     assert res.stack_frames.schema.types == [
-        pa.uint64(), pa.uint32(), pa.uint16(), pa.uint64(), pa.string(), pa.string(),
-        pa.string(), pa.uint64(), pa.string()]
+        pa.uint64(), pa.uint32(), pa.uint16(), pa.uint64(), label, label, label, pa.uint64(),
+        label]
     assert res.stack_frames.column("reason").null_count == res.stack_frames.num_rows
     assert res.stacks.column_names[:5] == ["stack_hash", "pid", "depth", "truncated",
                                            "complete"]

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -40,7 +39,7 @@ from memtrack.process.read import read_artifact, spilled_events
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
 from memtrack.process.spill import EventSpill, buckets_for
-from memtrack.process.unwind import UnwoundStacks
+from memtrack.process.unwind import UnwoundStacks, module_paths
 from memtrack.schema import FORMAT_VERSION, loss_lines, table_file
 from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.schema.stages import (
@@ -317,12 +316,8 @@ def modules_table(mappings: pa.Table, stack_frames: pa.Table, store: ModuleStore
     """One row per build id mapped or met while unwinding (a few hundred at most)."""
     seen: dict[str, str] = {}
     for tbl in (mappings, stack_frames):
-        bids = tbl.column("build_id")
-        paths = tbl.column("path")
-        valid = pc.is_valid(bids)
-        pairs = pa.table({"b": bids.filter(valid), "p": paths.filter(valid)})
-        for row in pairs.group_by("b", use_threads=False).aggregate([("p", "first")]).to_pylist():
-            seen.setdefault(row["b"], row["p_first"] or "")
+        for bid, path in module_paths(tbl).items():
+            seen.setdefault(bid, path or "")
     art_dir = artifact_path.resolve()
     rows: dict[str, list[Any]] = {k: [] for k in MODULES.names}
     for i, (bid, path) in enumerate(sorted(seen.items())):

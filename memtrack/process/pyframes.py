@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.process.unwind import module_paths
 from memtrack.schema.stackrecord import ragged
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
@@ -102,11 +103,8 @@ def eval_ranges(store: ModuleStore, frames: pa.Table) -> dict[str, tuple[int, in
     from memtrack.elf.image import ElfImage, ElfReadError
 
     out: dict[str, tuple[int, int]] = {}
-    pairs = frames.select(["build_id", "path"]).drop_null().group_by(
-        ["build_id"], use_threads=False).aggregate([("path", "first")])
-    for bid, path in zip(pairs.column("build_id").to_pylist(),
-                         pairs.column("path_first").to_pylist(), strict=True):
-        mod = store.get(bid, path)
+    for bid, path in module_paths(frames).items():
+        mod = store.get(bid, path or "")
         if mod is None:
             continue
         try:

@@ -112,16 +112,19 @@ UNWOUND_STACKS = pa.schema([
 # unwind: the physical frames of each stack, outward from depth 0 (-> `stack_frames`),
 # each normalized to its module and the ELF virtual address looked up (pc - 1 for a
 # return address).
+# A string column of few values (labels, a module's build id and path per frame), as a
+# dictionary: a frame costs an index, not its strings.
+LABEL = pa.dictionary(pa.int32(), pa.string())
 UNWOUND_STACK_FRAMES = pa.schema([
     ("stack_hash", pa.uint64()),
     ("pid", pa.uint32()),
     ("depth", pa.uint16()),
     ("address", pa.uint64()),  # the runtime pc / return address
-    ("method", pa.string()),  # Method
-    ("build_id", pa.string()),  # null: no module identified (`reason` says why)
-    ("path", pa.string()),  # where the module was mapped
+    ("method", LABEL),  # Method
+    ("build_id", LABEL),  # null: no module identified (`reason` says why)
+    ("path", LABEL),  # where the module was mapped
     ("lookup_vaddr", pa.uint64()),  # null where normalization failed
-    ("reason", pa.string()),  # Unresolved from normalization, null when it succeeded
+    ("reason", LABEL),  # Unresolved from normalization, null when it succeeded
 ])
 
 # symbolize (memtrack.symbolize): one row per (input location, inline level), innermost

@@ -33,6 +33,7 @@ def symbolize(store: ModuleStore, build_ids: pa.Array, vaddrs: np.ndarray, *,
 def symbolize_frames(store: ModuleStore, stack_frames: pa.Table) -> pa.Table:
     """symbolize() of the normalized stack frames of the unwind stage
     (UNWOUND_STACK_FRAMES); `row` is the stack frame's row."""
-    return symbolize(store, stack_frames.column("build_id").combine_chunks(),
+    return symbolize(store, stack_frames.column("build_id").cast(pa.string()).combine_chunks(),
                      stack_frames.column("lookup_vaddr").fill_null(0).to_numpy()
-                     .astype(np.uint64), paths=stack_frames.column("path").combine_chunks())
+                     .astype(np.uint64),
+                     paths=stack_frames.column("path").cast(pa.string()).combine_chunks())

@@ -156,8 +156,13 @@ class AddressSpaces:
 
 
 def _take(col: pa.Array, row: np.ndarray) -> pa.Array:
-    idx = pa.array(row, type=pa.int64(), mask=np.asarray(row) < 0)
-    return col.take(idx)
+    """The values of mapping rows (null for row -1), as a dictionary of the distinct
+    values: a frame costs an index, not a copy of its module's strings."""
+    enc = col.dictionary_encode()
+    codes = enc.indices.fill_null(-1).to_numpy().astype(np.int32)
+    row = np.asarray(row, dtype=np.int64)
+    at = np.where(row >= 0, codes[np.maximum(row, 0)] if len(codes) else -1, -1)
+    return pa.DictionaryArray.from_arrays(pa.array(at, pa.int32(), mask=at < 0), enc.dictionary)
 
 
 @dataclass

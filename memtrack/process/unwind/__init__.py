@@ -24,7 +24,8 @@ from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
 from memtrack.symbolize.normalize import Normalizer
 
-__all__ = ["METHODS", "STOPS", "Unwinder", "UnwoundStacks", "first_records", "unwind"]
+__all__ = ["METHODS", "STOPS", "Unwinder", "UnwoundStacks", "first_records", "module_paths",
+           "unwind"]
 
 
 @dataclass
@@ -33,6 +34,20 @@ class UnwoundStacks:
     stack_frames: pa.Table  # UNWOUND_STACK_FRAMES, by stack and depth
     counters: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # modules that could not be used
+
+
+def module_paths(table: pa.Table) -> dict[str, str | None]:
+    """Each build id of a table of frames or mappings (build_id, path; strings or
+    dictionaries), with the path of its first row, in the order first met."""
+    bids = table.column("build_id").combine_chunks()
+    if not pa.types.is_dictionary(bids.type):
+        bids = bids.dictionary_encode()
+    codes = bids.indices.fill_null(-1).to_numpy()
+    ok = np.flatnonzero(codes >= 0)
+    rows = pa.array(np.sort(ok[np.unique(codes[ok], return_index=True)[1]]))
+    names = bids.dictionary.take(bids.indices.take(rows)).to_pylist()
+    paths = table.column("path").take(rows).cast(pa.string()).to_pylist()
+    return dict(zip(names, paths, strict=True))
 
 
 def first_records(records: pa.Table, seen: np.ndarray | None = None

@@ -534,7 +534,6 @@ class Walk:
 
 
 def _labels(codes: np.ndarray, labels: list[str]) -> pa.Array:
-    """Codes as their labels (strings); negative codes as nulls."""
+    """Codes as their labels (a dictionary of strings); negative codes as nulls."""
     c = np.asarray(codes).astype(np.int32)
-    return pa.DictionaryArray.from_arrays(pa.array(c, mask=c < 0), pa.array(labels)).cast(
-        pa.string())
+    return pa.DictionaryArray.from_arrays(pa.array(c, mask=c < 0), pa.array(labels))
