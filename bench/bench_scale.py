@@ -7,11 +7,12 @@ demo's Python workload, the C++ std::map program, sqlite3 at the issue's size: 3
 inserts, ~730 k allocations) and sqlite3 with 300 k inserts (~6.6 M allocations).
 
     .venv/bin/python bench/bench_scale.py [--events 1M,10M] [--stacks 100k] [--big]
-        [--captures] [--keep DIR] [--rss-cap MiB] [--no-warm]
+        [--captures] [--keep DIR] [--rss-cap MiB] [--no-warm] [--busy]
 
 --big adds the 50 M case (run it alone: ~6 GB of disk for the artifact and the run
 database, ~4 GB more for the spill while it runs, and minutes of both cores); --rss-cap
-kills a run whose process tree goes over it.
+kills a run whose process tree goes over it; --busy runs everything beside two CPU-bound
+processes (a CI runner's lot), the baselines too.
 Every time is printed with its ratio to a baseline measured in the same run: reading
 events.arrow and sorting it by time, the least any processing must do. Peak RSS is the
 largest sum of the resident sets of `memtrack process` and its workers, sampled every
@@ -22,6 +23,7 @@ the same stacks). The machine's load average is printed before and after.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
@@ -168,11 +170,21 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="write the artifacts here and keep them")
     ap.add_argument("--rss-cap", type=float, help="MiB: kill a run whose tree goes over")
     ap.add_argument("--no-warm", action="store_true", help="caches already warm: no warm-up")
+    ap.add_argument("--busy", action="store_true", help="beside two CPU-bound processes")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.load import cpu_hogs
+
+    with cpu_hogs(2) if args.busy else contextlib.nullcontext():
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     sizes = [count(s) for s in args.events.split(",")] + ([count("50M")] if args.big else [])
     tmp = args.keep or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    print(f"load average before: {loadavg()} ({os.cpu_count()} cores)")
+    print(f"load average before: {loadavg()} ({os.cpu_count()} cores)"
+          + (", beside two CPU-bound processes" if args.busy else ""))
     rows, speed = [], []
     try:
         for n in sizes:

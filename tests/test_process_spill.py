@@ -14,6 +14,7 @@ from support import synth
 from test_process_jobs import checksums
 from test_process_jobs import synth as synth_artifact
 
+import memtrack.process.pair as pair_module
 import memtrack.process.pipeline as pipeline
 from memtrack.process.lifecycle import lifecycle
 from memtrack.process.pair import pair
@@ -25,16 +26,18 @@ from memtrack.schema.enums import EndReason
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_buckets_pair_as_one(seed: int) -> None:
-    """What crosses buckets (a realloc's old and new block, a forked child's copies of
-    its parent's blocks, copies of copies, the heap timeline) comes out as with one."""
+def test_buckets_pair_as_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What crosses buckets and event ranges (a realloc's old and new block, a forked
+    child's copies of its parent's blocks, copies of copies, the heap timeline's running
+    sum) comes out as with one bucket and one range."""
     ev = sort_events(synth.random_events(seed))
     life = lifecycle(ev)
     one = pair(ev, life, buckets=1)
     a = one.allocations
     assert one.counters["allocations_inherited"] > 0
     assert a["realloc_of"].null_count < a.num_rows
-    for buckets in (4, 64):
+    monkeypatch.setattr(pair_module, "RANGE_EVENTS", 300)  # ten ranges
+    for buckets in (1, 4, 64):
         many = pair(ev, life, buckets=buckets)
         assert many.allocations.equals(a), buckets
         assert many.heap_timeline.equals(one.heap_timeline), buckets
@@ -43,12 +46,12 @@ def test_buckets_pair_as_one(seed: int) -> None:
 
 def test_buckets_hold_every_operation_of_an_address() -> None:
     addr = np.arange(1, 100_000, dtype=np.uint64) * 16
-    for buckets in (1, 8, 1024):
+    for buckets in (1, 8, 256):
         b = bucket_of(addr, buckets)
         assert b.max() < buckets and (bucket_of(addr.copy(), buckets) == b).all()
         if buckets > 1:  # spread: no bucket holds more than twice its share
             assert np.bincount(b, minlength=buckets).max() < 2 * len(addr) / buckets
-    assert buckets_for(0) == 1 and buckets_for(5 << 20) == 8 and buckets_for(1 << 40) == 1024
+    assert buckets_for(0) == 1 and buckets_for(5 << 20) == 8 and buckets_for(1 << 40) == 256
 
 
 def test_realloc_chain_across_buckets() -> None:

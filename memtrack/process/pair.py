@@ -41,11 +41,11 @@ from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
 BUCKET_OPS = 1 << 20  # blocks and frees sorted at a time within a bucket (by address)
 
-# A bucket's rows: ALLOCATIONS without what crosses buckets;
-# an inherited copy has no alloc_id yet but the key it is made from: the fork that made
-# it (its index among the forks whose children inherit, in event order), its generation
-# (1: a copy of the parent's own allocation) and the allocation it copies (origin); a
-# copy of a copy names the fork that made the copy it copies (src_fork).
+# A bucket's rows: ALLOCATIONS without what crosses buckets; an inherited copy has no
+# alloc_id yet but the key it is made from: the fork that made it (its index among the
+# forks whose children inherit, in event order), its generation (1: a copy of the
+# parent's own allocation) and the allocation it copies (origin); a copy of a copy
+# names the fork that made the copy it copies (src_fork).
 BLOCK_ROWS = pa.schema([
     ("alloc_id", pa.uint64()), *[f for f in ALLOCATIONS if f.name not in (
         "alloc_id", "realloc_of", "inherited_from")],
@@ -87,7 +87,7 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     by alloc_id) to `allocations` and the heap timeline (HEAP_TIMELINE, in event order)
     to `timeline`, a table at a time; returns the counters.
 
-    A bucket's rows go to streams by their event's range (CHANGES_PER_RANGE events), the
+    A bucket's rows go to streams by their event's range (RANGE_EVENTS events or more), the
     allocations and, for each realloc, the block it freed; a range at a time, they are
     put in order and the realloc's link made. The inherited copies (a few at most: the
     blocks alive at a fork whose child touches its heap) are kept in memory and given
@@ -107,7 +107,8 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
                 "frees_at_thread_exit": 0, "allocations_reused_without_free": 0,
                 "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
-    ranges = -(-spill.n // CHANGES_PER_RANGE)
+    span = max(RANGE_EVENTS, -(-spill.n // MAX_RANGES))  # events of a range
+    ranges = -(-spill.n // span)
     changes = spill.streams(CHANGES, "changes", ranges)
     blocks = spill.streams(BLOCK_ROWS, "blocks", ranges)
     freed = spill.streams(REALLOC_FREED, "freed", ranges)
@@ -121,14 +122,14 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
         del ops
         for k, v in got.items():
             counters[k] += v
-        _changes(rows, changes)
+        _changes(rows, changes, span)
         real = rows.column("fork").null_count == rows.num_rows
         if not real:
             is_copy = pc.is_valid(rows.column("fork"))
             copies.append(rows.filter(is_copy))
         _by_range(rows if real else rows.filter(pc.invert(is_copy)),
-                  rows.column("event_id").to_numpy() if real else None, blocks)
-        _realloc_freed(rows, freed)
+                  rows.column("event_id").to_numpy() if real else None, blocks, span)
+        _realloc_freed(rows, freed, span)
         del rows
     counters["frees_unmatched"] -= counters["frees_at_thread_exit"]
     copy_rows, copy_ids = _copies(copies, spill.allocations)
@@ -150,12 +151,13 @@ REALLOC_FREED = pa.schema([("event_id", pa.int64()), ("alloc_id", pa.int64()),
                            ("fork", pa.int64()), ("origin", pa.int64())])
 
 
-def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream]) -> None:
+def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream], span: int
+              ) -> None:
     """Rows to the streams of their event's range (`ev`: the rows' event ids)."""
     if not rows.num_rows:
         return
     ev = rows.column("event_id").to_numpy() if ev is None else ev
-    r = (ev // CHANGES_PER_RANGE).astype(np.int64)
+    r = (ev // span).astype(np.int64)
     order = np.argsort(r, kind="stable")
     at = np.searchsorted(r[order], np.arange(len(streams) + 1))
     rows = rows.take(pa.array(order))
@@ -164,7 +166,7 @@ def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream]) -> N
             streams[k].write(b)
 
 
-def _realloc_freed(rows: pa.Table, streams: list[Stream]) -> None:
+def _realloc_freed(rows: pa.Table, streams: list[Stream], span: int) -> None:
     """The blocks of a bucket that a realloc freed, by the realloc's event."""
     reason = rows.column("end_reason").to_numpy()
     i = np.flatnonzero(reason == END_REALLOC)
@@ -177,7 +179,7 @@ def _realloc_freed(rows: pa.Table, streams: list[Stream]) -> None:
         "fork": pc.fill_null(t.column("fork"), -1),
         "origin": pc.fill_null(t.column("origin").cast(pa.int64()), 0),
     }, schema=REALLOC_FREED)
-    _by_range(out, None, streams)
+    _by_range(out, None, streams, span)
 
 
 def _copies(parts: list[pa.Table], allocations: int) -> tuple[pa.Table, _CopyIds]:
@@ -258,10 +260,11 @@ def _allocation_rows(t: pa.Table, realloc_of: pa.Array, inherited_from: pa.Array
 # A change of a process's heap bytes: +size at a block's start, -size where it ends.
 CHANGES = pa.schema([("event_id", pa.int64()), ("pid", pa.int64()), ("ts", pa.uint64()),
                      ("delta", pa.int64())])
-CHANGES_PER_RANGE = 1 << 20  # events whose changes are put in order at a time
+RANGE_EVENTS = 1 << 20  # events whose rows are put in order at a time, at least
+MAX_RANGES = 128  # a range's three streams are open files: ranges grow, not their number
 
 
-def _changes(rows: pa.Table, ranges: list[Stream]) -> None:
+def _changes(rows: pa.Table, ranges: list[Stream], span: int) -> None:
     """A bucket's changes, each to the stream of its event's range."""
     ev = rows.column("event_id").to_numpy().astype(np.int64)
     ended = pc.is_valid(rows.column("end_event_id")).to_numpy(zero_copy_only=False)
@@ -273,7 +276,7 @@ def _changes(rows: pa.Table, ranges: list[Stream]) -> None:
                         rows.column("end_ts").to_numpy()[ended]])
     d = np.concatenate([size, -size[ended]])
     p = np.concatenate([pid, pid[ended]])
-    r = e // CHANGES_PER_RANGE
+    r = e // span
     order = np.argsort(r, kind="stable")
     bounds = np.searchsorted(r[order], np.arange(len(ranges) + 1))
     for k in np.flatnonzero(np.diff(bounds)).tolist():

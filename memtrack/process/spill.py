@@ -41,7 +41,7 @@ OPS = pa.schema([
     ("prev", pa.int64()),
 ])  # fmt: skip
 OPS_PER_BUCKET = 1 << 20  # the heap operations pair holds at a time, about
-MAX_BUCKETS = 1024
+MAX_BUCKETS = 256  # each an open file while read writes it
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _LIFECYCLE = (EventKind.FORK, EventKind.EXEC, EventKind.EXIT)
 
