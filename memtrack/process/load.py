@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,6 +217,8 @@ class RunDatabase:
         self.copy_in("src_stacks", stacks)
         self.copy_in("src_stack_frames", stack_frames)
         self.con.execute(STACKS_SQL)
+        self.stack_ids = self.con.execute("SELECT stack_hash, stack_id FROM stacks"
+                                          ).to_arrow_table()
         return self.con.execute(KNOWN_SQL).to_arrow_table()
 
     def frames(self, known: pa.Table, symbolized: pa.Table,
@@ -247,30 +250,22 @@ class RunDatabase:
         touches)."""
         con = self.con.cursor() if aside else self.con
         try:
-            ids = con.execute("SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
             for chunk in chunks:
-                con.register("src_events", with_stack_ids(chunk, ids))
-                con.execute(INSERTS["events"])
-                con.unregister("src_events")
+                self.insert(con, "events", chunk)
         finally:
             if aside:
                 con.close()
 
-    def heap_timeline(self, chunk: pa.Table) -> None:
-        """Load the next rows of the heap timeline (HEAP_TIMELINE, in event order)."""
-        self.con.register("src_heap_timeline", chunk)
-        self.con.execute(INSERTS["heap_timeline"])
-        self.con.unregister("src_heap_timeline")
-
-    def allocations(self, chunk: pa.Table) -> None:
-        """Load the next allocations (ALLOCATIONS, by alloc_id; after `stacks`: each with
-        its stack's id)."""
-        if self.stack_ids is None:
-            self.stack_ids = self.con.execute(
-                "SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
-        self.con.register("src_allocations", with_stack_ids(chunk, self.stack_ids))
-        self.con.execute(INSERTS["allocations"])
-        self.con.unregister("src_allocations")
+    def insert(self, con: duckdb.DuckDBPyConnection, name: str, chunk: pa.Table) -> None:
+        """Load the next rows of events, allocations (ALLOCATIONS, by alloc_id) or the
+        heap timeline (HEAP_TIMELINE, in event order) on `con`; after `stacks`: each
+        event and allocation with its stack's id."""
+        if name != "heap_timeline":
+            assert self.stack_ids is not None, "stacks first"
+            chunk = with_stack_ids(chunk, self.stack_ids)
+        con.register(f"src_{name}", chunk)
+        con.execute(INSERTS[name])
+        con.unregister(f"src_{name}")
 
     def lives(self, life: Lifecycle) -> None:
         """Load processes (each pid's last life) and threads (after `events`)."""
@@ -333,8 +328,8 @@ def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, s
         with timed("load"):
             out = db.frames(known, symbolized, tables.python_locations)
             db.events([tables.events])
-            db.allocations(tables.allocations)
-            db.heap_timeline(tables.heap_timeline)
+            db.insert(db.con, "allocations", tables.allocations)
+            db.insert(db.con, "heap_timeline", tables.heap_timeline)
             db.lives(tables.life)
             db.table("mappings", tables.mappings)
             db.table("rss", tables.rss)
@@ -345,6 +340,32 @@ def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, s
         db.abandon()
         raise
     return out
+
+
+class Aside:
+    """Inserts into a run database on a connection of its own, in a thread, so that the
+    caller goes on while one runs; the next waits for it (chunks never pile up)."""
+
+    def __init__(self, db: RunDatabase) -> None:
+        self.db, self.con = db, db.con.cursor()
+        self.pool = ThreadPoolExecutor(1)
+        self.pending: Future[None] | None = None
+
+    def insert(self, name: str, chunk: pa.Table) -> None:
+        self.wait()
+        self.pending = self.pool.submit(self.db.insert, self.con, name, chunk)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown()
+            self.con.close()
 
 
 def with_stack_ids(table: pa.Table, stacks: pa.Table) -> pa.Table:

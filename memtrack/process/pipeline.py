@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from memtrack.process import metadata
 from memtrack.process.addrspace import inherited_mappings
 from memtrack.process.decode import DEFAULT_MAX_BYTES
-from memtrack.process.load import RunDatabase, meta_rows
+from memtrack.process.load import Aside, RunDatabase, meta_rows
 from memtrack.process.pair import pair_spilled
 from memtrack.process.parallel import default_jobs, unwind_records
 from memtrack.process.pyframes import merge as merge_python
@@ -253,15 +254,19 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     with st.stage("load"):
         loaded = db.frames(known, symbolized, merged.locations)
     del known, symbolized, merged
-    # the events go into the database beside pair (DuckDB's threads and numpy's share
-    # the cores; pair reads the buckets, the copy the staged events)
+    # the events go into the database beside pair, and pair's rows as it hands them
+    # over, each on a connection of its own (DuckDB's threads and numpy's share the
+    # cores; pair reads the buckets, the events' copy the artifact)
     with ThreadPoolExecutor(1) as aside:
         copied = aside.submit(db.events, spilled_events(art, spill), aside=True)
+        rows = Aside(db)
         try:
             counters = st.run("pair", lambda: pair_spilled(
-                spill, res.life, m.end_ns or None, db.allocations, db.heap_timeline))
+                spill, res.life, m.end_ns or None, partial(rows.insert, "allocations"),
+                partial(rows.insert, "heap_timeline")))
         finally:
             with st.stage("load"):
+                rows.close()
                 copied.result()
     summary.add(counters)
     summary.allocations = counters["allocations"]
