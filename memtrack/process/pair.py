@@ -267,8 +267,9 @@ MAX_RANGES = 128  # a range's three streams are open files: ranges grow, not the
 def _changes(rows: pa.Table, ranges: list[Stream], span: int) -> None:
     """A bucket's changes, each to the stream of its event's range."""
     ev = rows.column("event_id").to_numpy().astype(np.int64)
-    ended = pc.is_valid(rows.column("end_event_id")).to_numpy(zero_copy_only=False)
-    end = rows.column("end_event_id").to_numpy(zero_copy_only=False)
+    end_col = rows.column("end_event_id")
+    ended = pc.is_valid(end_col).to_numpy(zero_copy_only=False)
+    end = pc.fill_null(end_col, 0).to_numpy()  # not a float array with NaNs
     size = rows.column("size").to_numpy().astype(np.int64)
     pid = rows.column("pid").to_numpy().astype(np.int64)
     e = np.concatenate([ev, end[ended].astype(np.int64)])
@@ -276,6 +277,10 @@ def _changes(rows: pa.Table, ranges: list[Stream], span: int) -> None:
                         rows.column("end_ts").to_numpy()[ended]])
     d = np.concatenate([size, -size[ended]])
     p = np.concatenate([pid, pid[ended]])
+    if len(ranges) == 1:
+        ranges[0].write(pa.RecordBatch.from_arrays(
+            [pa.array(e), pa.array(p), pa.array(t), pa.array(d)], schema=CHANGES))
+        return
     r = e // span
     order = np.argsort(r, kind="stable")
     bounds = np.searchsorted(r[order], np.arange(len(ranges) + 1))
