@@ -2,19 +2,23 @@
 
 Read hands the events over a batch at a time, in time order; the spill numbers them
 (event_id, and alloc_id: an allocation's rank among the allocations) and writes:
-- every event to one staged stream (load copies it into the run database);
+- every event to one staged stream when read had to sort them (`stage_events`; events
+  that came in time order are read from the artifact again by load instead);
 - every heap operation (an allocation's block, a free's or a realloc's freed address)
   to one of `buckets` streams chosen by a hash of its address, with what pairing needs
   of it: every operation of an address falls in one bucket, so that pair matches the
   buckets one at a time (memtrack.process.pair);
 - and keeps what is small: the other events (lifecycle, address space, regions: a few
-  per process), each pid's first time, counts, and which forked children touched their
-  heap before their next exec or exit (`busy`: only those inherit their parent's blocks).
+  per process), each pid's first time, counts, each thread's last allocation and free
+  before each of its exits (`exits`: glibc's thread-exit frees), and which forked
+  children touched their heap before their next exec or exit (`busy`: only those
+  inherit their parent's blocks).
 
 For each free it also records the previous heap event of its thread (`prev`): a block
 is temporary (heaptrack's definition) when the free that ends it comes straight after it
 in its thread. The streams are uncompressed Arrow IPC files in a scratch directory next
-to the run database (deleted with it), or lists in memory for a table already in memory.
+to the run database being written (removed when process ends, however it ends), or
+lists in memory for a table already in memory (`pair` on a table, the tests).
 """
 
 from __future__ import annotations
