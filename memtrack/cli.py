@@ -224,7 +224,12 @@ def process(
                                           "(off: native frames only).")] = "on",
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables (and/or a run
-    dataset)."""
+    dataset).
+
+    The memory it needs grows with the distinct stacks, not with the events: the events
+    go through scratch files beside the output while it runs (about 100 bytes an event,
+    removed at the end).
+    """
     from memtrack.commands import process as cmd
 
     call(cmd.run, artifact, output, parquet=parquet,
