@@ -22,7 +22,7 @@ from memtrack.process.read import read_artifact, sort_events, spilled_events
 from memtrack.process.spill import EventSpill, bucket_of, buckets_for
 from memtrack.schema import table_file
 from memtrack.schema.artifact import Artifact, ArtifactError
-from memtrack.schema.enums import EndReason
+from memtrack.schema.enums import CLONE_VM, EndReason, EventKind
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -42,6 +42,48 @@ def test_buckets_pair_as_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None
         assert many.allocations.equals(a), buckets
         assert many.heap_timeline.equals(one.heap_timeline), buckets
         assert many.counters == one.counters, buckets
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_spans_of_time_pair_as_whole(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket too big for one match (an address handed out again and again) is matched
+    a span of time at a time, its open blocks and last frees carried over: the tables of
+    the whole bucket. (Children that inherit need the whole history: vforks here.)"""
+    ev = synth.random_events(seed, 6000)
+    flags = ev.column("flags").to_numpy().copy()
+    flags[ev.column("kind").to_numpy() == EventKind.FORK] |= CLONE_VM
+    ev = sort_events(ev.set_column(ev.schema.get_field_index("flags"), "flags",
+                                   pa.array(flags)))
+    life = lifecycle(ev)
+    ev = pa.Table.from_batches(ev.to_batches(max_chunksize=97))  # spans end at batches
+    whole = pair(ev, life, buckets=2)
+    spans = []
+    match = pair_module._match_bucket
+    monkeypatch.setattr(pair_module, "_match_bucket", lambda *a, **k: spans.append(
+        k.get("carried", 0)) or match(*a, **k))
+    monkeypatch.setattr(pair_module, "OPS_PER_BUCKET", 50)
+    cut = pair(ev, life, buckets=2)
+    assert len(spans) > 20 and max(spans) > 0  # spans, with blocks carried between them
+    assert cut.allocations.equals(whole.allocations)
+    assert cut.heap_timeline.equals(whole.heap_timeline)
+    assert cut.counters == whole.counters
+
+
+def test_one_address_again_and_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A malloc/free loop on one address (no process boundary at all), a span at a time:
+    every block freed by the next free, the last one left open."""
+    rows = [(1000 + i, 100, 100, synth.K.MALLOC if i % 2 == 0 else synth.K.FREE, 0, 0x40,
+             0, 16 if i % 2 == 0 else 0, 0) for i in range(2001)]
+    ev = sort_events(synth.events_table(rows))
+    ev = pa.Table.from_batches(ev.to_batches(max_chunksize=64))
+    whole = pair(ev, lifecycle(ev))
+    monkeypatch.setattr(pair_module, "OPS_PER_BUCKET", 100)
+    cut = pair(ev, lifecycle(ev))
+    assert cut.allocations.equals(whole.allocations) and cut.counters == whole.counters
+    reasons = cut.allocations["end_reason"].to_pylist()
+    assert reasons == [EndReason.FREE] * 1000 + [EndReason.END]
+    assert cut.allocations["temporary"].to_pylist() == [True] * 1000 + [False]
+    assert cut.heap_timeline["heap_bytes"].to_pylist() == [16, 0] * 1000 + [16]
 
 
 def test_buckets_hold_every_operation_of_an_address() -> None:

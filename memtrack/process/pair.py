@@ -26,7 +26,7 @@ freed, the copies' ids, the heap timeline. Memory holds a bucket or a range at a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +34,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.process.spill import EventSpill, Stream, buckets_for
+from memtrack.process.spill import (
+    OPS,
+    OPS_PER_BUCKET,
+    EventSpill,
+    Stream,
+    buckets_for,
+    rechunk,
+    split,
+)
 from memtrack.schema.enums import CLONE_VM, EndReason, EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
@@ -113,13 +121,12 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     blocks = spill.streams(BLOCK_ROWS, "blocks", ranges)
     freed = spill.streams(REALLOC_FREED, "freed", ranges)
     copies: list[pa.Table] = []
-    for stream in spill.ops:
-        ops = stream.table()
-        stream.remove()
-        if not ops.num_rows:
-            continue
-        rows, got = _match_bucket(ops, bounds, forks, exits, end_ts)
-        del ops
+    # a bucket too big is split again by address where children inherit, else matched
+    # a span of time at a time
+    matched = (m for bucket in spill.ops
+               for stream in (split(bucket, spill) if len(forks.ev) else [bucket])
+               for m in _matched(stream, bounds, forks, exits, end_ts))
+    for rows, got in matched:
         for k, v in got.items():
             counters[k] += v
         _changes(rows, changes, span)
@@ -377,10 +384,41 @@ class _Bounds:
         return np.where((j < len(self.key)) & (self.pid[jc] == p), jc, -1)
 
 
+def _matched(stream: Stream, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
+             end_ts: int) -> Iterator[tuple[pa.Table, dict[str, int]]]:
+    """The BLOCK_ROWS of one bucket and their counters: matched whole when children
+    inherit (the copies need their parent's whole history), else a span of time at a
+    time (about OPS_PER_BUCKET operations: an address handed out again and again, as a
+    malloc/free loop's, is in one bucket however many its operations), the blocks still
+    open and each address's last free carried from one span to the next."""
+    if len(forks.ev) or stream.rows <= 2 * OPS_PER_BUCKET:
+        ops = stream.table()
+        stream.remove()
+        if ops.num_rows:
+            rows, got, _ = _match_bucket(ops, bounds, forks, exits, end_ts)
+            yield rows, got
+        return
+    carry = OPS.empty_table()
+    spans = rechunk(stream.batches(), OPS, OPS_PER_BUCKET)  # the batches are in time order
+    span = next(spans, None)
+    while span is not None:
+        after = next(spans, None)
+        until = None if after is None else int(pc.min(after.column("event_id")).as_py())
+        rows, got, carry = _match_bucket(pa.concat_tables([carry, span]), bounds, forks,
+                                         exits, end_ts, carried=carry.num_rows, until=until)
+        yield rows, got
+        span = after
+    stream.remove()
+
+
 def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
-                  end_ts: int) -> tuple[pa.Table, dict[str, int]]:
-    """The BLOCK_ROWS of one bucket's operations (memtrack.process.spill.OPS), and its
-    counters."""
+                  end_ts: int, carried: int = 0, until: int | None = None
+                  ) -> tuple[pa.Table, dict[str, int], pa.Table]:
+    """The BLOCK_ROWS of one bucket's operations (memtrack.process.spill.OPS), its
+    counters, and what the next span of time needs (OPS rows). Matched a span at a time
+    (no forks whose children inherit): the first `carried` rows are the previous span's
+    open blocks and last frees, `until` the next span's first event (None: the last);
+    a block still open that may end after it is carried on, not a row yet."""
     col = {c: ops.column(c).to_numpy() for c in (
         "event_id", "pid", "tid", "ts", "kind", "addr", "alloc_id", "prev")}  # fmt: skip
     ev, is_block = col["event_id"], col["alloc_id"] >= 0
@@ -389,17 +427,29 @@ def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarr
     fi = np.flatnonzero(~is_block)
     fi = fi[np.argsort(ev[fi], kind="stable")]
     f_ev, f_rf = ev[fi], col["kind"][fi] == EventKind.REALLOC
+    old_f = fi < carried  # a carried free: its address's last operation so far
     m = _Matcher(bounds, f_ev, col["pid"][fi], col["addr"][fi], f_rf)
     m.allocations(ev[bi], col["pid"][bi], col["addr"][bi])
     m.inherit(forks)
-    lone = ~m.f_matched & ~f_rf
+    lone = ~m.f_matched & ~f_rf & ~old_f
     at_exit = int(_thread_exit_frees(f_ev[lone], m.f_after_free[lone], col["tid"][fi][lone],
                                      col["pid"][fi][lone], exits).sum())
-    counters = {"frees_unmatched": int((~m.f_matched).sum()), "frees_at_thread_exit": at_exit}
+    counters = {"frees_unmatched": int((~m.f_matched & ~old_f).sum()),
+                "frees_at_thread_exit": at_exit}
     del lone
     b, fork = m.gathered()
-    del m
     nr = len(bi)
+    final = np.ones(len(b.ev), bool)
+    carry = ops.slice(0, 0)
+    if until is not None:  # the blocks that may end after this span, the last frees
+        final = (b.free >= 0) | (b.reason == END_REUSED) | ((b.end >= 0) & (b.end < until))
+        j = bounds.next_boundary(col["pid"][fi], f_ev)
+        goes_on = j < 0  # no boundary ends the free's process instance, or one after
+        if len(bounds.eid):
+            goes_on |= bounds.eid[np.maximum(j, 0)] >= until
+        live = m.f_last & goes_on
+        carry = ops.take(pa.array(np.concatenate([bi[~final], fi[live]])))
+    del m
     inherited = b.src >= 0
     o = bi[b.origin]  # each block's allocation, as a row of ops
     # an event's time: the frees', the allocations', the boundaries' and the forks'
@@ -422,9 +472,9 @@ def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarr
                                          else False)
     counters.update({
         "allocations_inherited": int(inherited.sum()),
-        "reallocs": int((col["kind"][bi] == EventKind.REALLOC).sum()),
-        "allocations_reused_without_free": int((b.reason == END_REUSED).sum()),
-        "allocations_not_freed": int((b.reason[:nr] >= END_EXEC).sum()),
+        "reallocs": int(((col["kind"][bi] == EventKind.REALLOC) & (bi >= carried)).sum()),
+        "allocations_reused_without_free": int(((b.reason == END_REUSED) & final).sum()),
+        "allocations_not_freed": int(((b.reason[:nr] >= END_EXEC) & final[:nr]).sum()),
     })
 
     def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
@@ -458,7 +508,7 @@ def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarr
         "origin": nullable(col["alloc_id"][o], inherited, pa.uint64()),
         "src_fork": nullable(b.src_fork, b.gen > 1, pa.int64()),
     }, schema=BLOCK_ROWS)
-    return rows, counters
+    return (rows if final.all() else rows.filter(pa.array(final))), counters, carry
 
 
 def _thread_exit_frees(free_eid: np.ndarray, freed_before: np.ndarray, tid: np.ndarray,
@@ -531,6 +581,7 @@ class _Matcher:
         self.f_inst = bounds.instance(f_pid, f_ev)
         self.f_matched = np.zeros(len(f_ev), bool)
         self.f_after_free = np.zeros(len(f_ev), bool)  # the address's last op was a free
+        self.f_last = np.zeros(len(f_ev), bool)  # the last operation of its address
 
     def allocations(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray) -> None:
         n = len(ev)
@@ -644,6 +695,7 @@ class _Matcher:
             prev_free[1:] = same_next[:-1] & ~is_a[:-1]
         self.f_matched[s_ref[~is_a]] = prev_is_alloc[~is_a]
         self.f_after_free[s_ref[~is_a]] = prev_free[~is_a]
+        self.f_last[s_ref[~is_a]] = ~same_next[~is_a]
         del prev_is_alloc, prev_free, same_next
         b = s_ref[is_a]
         f_rows, u_rows = freed[is_a], reused[is_a]

@@ -46,7 +46,7 @@ OPS = pa.schema([
 ])  # fmt: skip
 OPS_PER_BUCKET = 1 << 20  # the heap operations pair holds at a time, about
 MAX_BUCKETS = 256  # each an open file while read writes it
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_HASHES = [np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD)]
 _LIFECYCLE = (EventKind.FORK, EventKind.EXEC, EventKind.EXIT)
 
 
@@ -60,13 +60,33 @@ def buckets_for(ops: int) -> int:
     return 1 << (want - 1).bit_length()
 
 
-def bucket_of(addr: np.ndarray, buckets: int) -> np.ndarray:
+def bucket_of(addr: np.ndarray, buckets: int, level: int = 0) -> np.ndarray:
     """Each address's bucket: a multiplicative hash of addr >> 4 (blocks are 16-byte
-    aligned), its top bits."""
+    aligned), its top bits; `level` > 0: another hash, to split a bucket again."""
     if buckets == 1:
         return np.zeros(len(addr), np.uint16)
     shift = np.uint64(64 - (buckets.bit_length() - 1))
-    return ((addr >> np.uint64(4)) * _GOLDEN >> shift).astype(np.uint16)
+    return ((addr >> np.uint64(4)) * _HASHES[level % len(_HASHES)] >> shift).astype(np.uint16)
+
+
+def split(stream: Stream, spill: EventSpill, level: int = 1) -> list[Stream]:
+    """A bucket the estimate made too big (a file that compressed far better than
+    most), split again by another hash of the address into buckets of about
+    OPS_PER_BUCKET, each of them split again if it is still too big; read a batch at
+    a time."""
+    if stream.rows <= 2 * OPS_PER_BUCKET or level >= len(_HASHES):
+        return [stream]
+    n = buckets_for(stream.rows)
+    parts = spill.streams(OPS, f"{stream.path.stem if stream.path else 'ops'}.{level}", n)
+    for batch in stream.batches():
+        b = bucket_of(batch.column("addr").to_numpy(), n, level)
+        order = np.argsort(b, kind="stable")
+        at = np.searchsorted(b[order], np.arange(n + 1))
+        batch = batch.take(pa.array(order))
+        for k in np.flatnonzero(np.diff(at)).tolist():
+            parts[k].write(batch.slice(at[k], at[k + 1] - at[k]))
+    stream.remove()
+    return [s for p in parts for s in split(p, spill, level + 1)]
 
 
 class Stream:
