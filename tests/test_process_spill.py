@@ -16,6 +16,7 @@ from test_process_jobs import synth as synth_artifact
 
 import memtrack.process.pair as pair_module
 import memtrack.process.pipeline as pipeline
+import memtrack.process.spill as spill_module
 from memtrack.process.lifecycle import lifecycle
 from memtrack.process.pair import pair
 from memtrack.process.read import read_artifact, sort_events, spilled_events
@@ -42,6 +43,10 @@ def test_buckets_pair_as_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None
         assert many.allocations.equals(a), buckets
         assert many.heap_timeline.equals(one.heap_timeline), buckets
         assert many.counters == one.counters, buckets
+    # a bucket too big where children inherit: split again by another hash of the address
+    monkeypatch.setattr(spill_module, "OPS_PER_BUCKET", 40)
+    again = pair(ev, life, buckets=2)
+    assert again.allocations.equals(a) and again.counters == one.counters
 
 
 @pytest.mark.parametrize("seed", range(6))
