@@ -7,7 +7,7 @@ demo's Python workload, the C++ std::map program, sqlite3 at the issue's size: 3
 inserts, ~730 k allocations) and sqlite3 with 300 k inserts (~6.6 M allocations).
 
     .venv/bin/python bench/bench_scale.py [--events 1M,10M] [--stacks 100k] [--big]
-        [--captures] [--keep DIR] [--rss-cap MiB] [--no-warm] [--busy]
+        [--captures] [--keep DIR] [--rss-cap MiB] [--no-warm] [--busy] [--hot N]
 
 --big adds the 50 M case (run it alone: ~6 GB of disk for the artifact and the run
 database, ~4 GB more for the spill while it runs, and minutes of both cores); --rss-cap
@@ -132,6 +132,22 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def hot_artifact(path: Path, n: int) -> None:
+    """n events of one thread's malloc(16)/free loop that gets one address every time."""
+    from support import synth
+
+    from memtrack.schema import EVENTS
+
+    i = np.arange(n)
+    kind = np.where(i % 2 == 0, 1, 5).astype(np.uint8)
+    synth.write_artifact(path, pa.table({
+        "ts": (1000 + i).astype(np.uint64), "pid": np.full(n, 100, np.uint32),
+        "tid": np.full(n, 100, np.uint32), "kind": kind, "allocator": np.ones(n, np.uint8),
+        "flags": np.zeros(n, np.uint64), "addr": np.full(n, 0x5000, np.uint64),
+        "old_addr": np.zeros(n, np.uint64), "size": np.where(kind == 1, 16, 0).astype(np.uint64),
+        "stack_hash": np.zeros(n, np.uint64)}, schema=EVENTS))
+
+
 def capture(tmp: Path) -> dict[str, Path]:
     """The three captures of the issue, through the command line (root)."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -171,6 +187,8 @@ def main() -> None:
     ap.add_argument("--rss-cap", type=float, help="MiB: kill a run whose tree goes over")
     ap.add_argument("--no-warm", action="store_true", help="caches already warm: no warm-up")
     ap.add_argument("--busy", action="store_true", help="beside two CPU-bound processes")
+    ap.add_argument("--hot", type=count, help="also N events of a malloc/free loop on one "
+                    "address (one bucket however many its operations)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     from support.load import cpu_hogs
@@ -212,6 +230,14 @@ def measure(args: argparse.Namespace) -> None:
             if not args.keep:
                 shutil.rmtree(art)
         caps = {}
+        if args.hot:
+            art = tmp / f"hot-{args.hot}.memtrack"
+            if not (art / "manifest.json").is_file():
+                hot_artifact(art, args.hot)
+            caps[f"one address {args.hot // 10**6}M"] = (
+                baseline(art), run_process(art, tmp / "cap.duckdb", None))
+            if not args.keep:
+                shutil.rmtree(art)
         if args.captures:
             for name, art in capture(tmp).items():
                 caps[name] = (baseline(art), run_process(art, tmp / "cap.duckdb", None))
