@@ -21,7 +21,8 @@ How: the heap operations come in buckets by address (memtrack.process.spill), an
 bucket is matched on its own with numpy (an address's blocks, frees and inherited copies
 all fall in one); its rows go to streams by event range, which are put in order one
 range at a time, where what crosses buckets is joined: a realloc's link to the block it
-freed, the copies' ids, the heap timeline. Memory holds a bucket or a range at a time.
+freed, the copies' ids, the heap timeline. Memory holds a bucket (a span of time of a
+bucket too big) or a range at a time, and the inherited copies.
 """
 
 from __future__ import annotations
@@ -95,11 +96,11 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     by alloc_id) to `allocations` and the heap timeline (HEAP_TIMELINE, in event order)
     to `timeline`, a table at a time; returns the counters.
 
-    A bucket's rows go to streams by their event's range (RANGE_EVENTS events or more), the
-    allocations and, for each realloc, the block it freed; a range at a time, they are
-    put in order and the realloc's link made. The inherited copies (a few at most: the
-    blocks alive at a fork whose child touches its heap) are kept in memory and given
-    their ids once every bucket is matched."""
+    A bucket's rows go to streams by their event's range (RANGE_EVENTS events or more):
+    the allocations and, for each realloc, the block it freed; a range at a time, they are
+    put in order and the realloc's link made. The inherited copies (the blocks alive at
+    a fork whose child touches its heap) are kept in memory and given their ids once
+    every bucket is matched."""
     if end_ts is None or end_ts < spill.last_ts:
         end_ts = spill.last_ts
     bounds = _Bounds(life, spill.n)
