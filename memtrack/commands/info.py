@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from memtrack.commands import CommandError
-from memtrack.process.spill import STAGED_EVENTS
+from memtrack.process.spill import OtherEvents
 from memtrack.schema import ALLOC_KINDS, TABLES, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactError
 
@@ -29,7 +29,7 @@ class EventTally:
         self.n = 0
         self.kinds = np.zeros(256, np.int64)
         self.first_seen: dict[int, int] = {}
-        self.others: list[pa.Table] = []
+        self.others = OtherEvents()
         self.hashes: list[tuple[np.ndarray, np.ndarray]] = []  # per batch: (hash, count)
         self.alloc_hashes: list[tuple[np.ndarray, np.ndarray]] = []
 
@@ -45,17 +45,14 @@ class EventTally:
         pids, at = np.unique(pid[order], return_index=True)
         for p, t in zip(pids.tolist(), ts[order][at].tolist(), strict=True):
             self.first_seen[p] = min(self.first_seen.get(p, t), t)
-        other = np.flatnonzero(kind >= EventKind.MMAP)
-        if len(other):
-            self.others.append(pa.Table.from_batches([batch]).take(pa.array(other)).add_column(
-                0, "event_id", pa.array((other + self.n).astype(np.uint64))))
+        self.others.add(batch, kind, self.n)
         self.n += batch.num_rows
         if len(self.hashes) > 64:  # the counts stay one entry per distinct hash
             self.hashes = [_merged(self.hashes)]
             self.alloc_hashes = [_merged(self.alloc_hashes)]
 
     def other_events(self) -> pa.Table:
-        return pa.concat_tables(self.others) if self.others else STAGED_EVENTS.empty_table()
+        return self.others.table()
 
     def close(self) -> None:
         self.hashes = [_merged(self.hashes)]

@@ -176,18 +176,16 @@ def read_artifact(art: Artifact, spill: EventSink | None = None,
     bad_rows: dict[str, int] = {}
     out: dict[str, pa.Table] = {}
     for name in ROW_RULES:
-        if name == "events" and spill is not None:
-            continue
-        out[name], bad_rows[name] = checked(
-            name, art.read(name, required=name == "events").table)
+        if name != "events":
+            out[name], bad_rows[name] = checked(name, art.read(name, required=False).table)
     out["mappings"], bad_rows["mappings_build_id"] = _mapping_build_ids(out["mappings"])
+    counts: dict[str, int] = {}
     if spill is None:
-        events, bad = _valid_kinds(out["events"])
-        events = sort_events(events)
+        events = sort_events(pa.Table.from_batches(list(_valid(art, counts)), schema=EVENTS))
     else:
-        counts = _spill(art, spill, con or duckdb.connect())
-        bad_rows["events"], bad = counts["bad_rows"], counts["bad_kind"]
+        _spill(art, spill, con or duckdb.connect(), counts)
         events = spill.other_events()
+    bad_rows["events"], bad = counts["bad_rows"], counts["bad_kind"]
     return ArtifactTables(
         events=events, mappings=out["mappings"], processes=out["processes"],
         rss=out["rss"], faults=out["faults"], stacks=out["stacks"],
@@ -218,11 +216,11 @@ def _valid(art: Artifact, counts: dict[str, int]) -> Iterator[pa.RecordBatch]:
             yield from t.to_batches()
 
 
-def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
-    """The artifact's valid events into `spill`; counts of the rows left out. Events in
+def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
+           counts: dict[str, int]) -> None:
+    """The artifact's valid events into `spill`, `counts` of the rows left out. Events in
     time order (as capture writes them) are not staged: `spilled_events` reads them
     again; others are sorted by DuckDB and staged in that order."""
-    counts = {"bad_rows": 0, "bad_kind": 0}
     try:
         for chunk in rechunk(_valid(art, counts), EVENTS, SLICE_ROWS):
             spill.add(chunk.combine_chunks().to_batches()[0])  # a call's cost, per event
@@ -249,7 +247,6 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection) -> d
                 spill.add(b)
         con.execute("DROP TABLE read_unsorted")
     spill.close()
-    return counts
 
 
 def spilled_events(art: Artifact, spill: EventSpill) -> Iterator[pa.Table]:

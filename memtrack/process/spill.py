@@ -184,6 +184,25 @@ class _Threads:
         return out
 
 
+class OtherEvents:
+    """The events of kinds other than the heap's (lifecycle, address space, regions: a
+    few per process), gathered from batches with their event_id."""
+
+    def __init__(self) -> None:
+        self.parts: list[pa.Table] = []
+
+    def add(self, batch: pa.RecordBatch, kind: np.ndarray, first_eid: int) -> None:
+        other = np.flatnonzero(kind >= EventKind.MMAP)
+        if len(other):
+            self.parts.append(pa.Table.from_batches([batch]).take(pa.array(other)).add_column(
+                0, "event_id", pa.array((other + first_eid).astype(np.uint64))))
+
+    def table(self) -> pa.Table:
+        """In event order (STAGED_EVENTS)."""
+        return pa.concat_tables(self.parts).cast(STAGED_EVENTS) if self.parts \
+            else STAGED_EVENTS.empty_table()
+
+
 class _LastOf:
     """Per thread id, the last event of some kind so far (tids sorted)."""
 
@@ -234,7 +253,7 @@ class EventSpill:
         self.staged = Stream(STAGED_EVENTS, directory / "events.arrow" if directory else None)
         self.ops = [Stream(OPS, directory / f"ops-{k}.arrow" if directory else None)
                     for k in range(buckets)]
-        self.others: list[pa.Table] = []  # events of the other kinds
+        self.others = OtherEvents()
         self.n = 0
         self.allocations = 0
         self.frees = 0
@@ -310,10 +329,7 @@ class EventSpill:
         for k in range(len(bounds) - 1):
             if bounds[k + 1] > bounds[k]:
                 self.ops[k].write(ops.slice(bounds[k], bounds[k + 1] - bounds[k]))
-        other = np.flatnonzero(kind >= EventKind.MMAP)
-        if len(other):
-            self.others.append(pa.Table.from_batches([batch]).take(pa.array(other))
-                               .add_column(0, "event_id", pa.array(eid[other].astype(np.uint64))))
+        self.others.add(batch, kind, self.n)
         self.n += n
         self.last_ts = int(ts[-1])
 
@@ -361,9 +377,7 @@ class EventSpill:
 
     def other_events(self) -> pa.Table:
         """The events of kinds other than the heap's, with event_id, in event order."""
-        schema = STAGED_EVENTS
-        return pa.concat_tables(self.others).cast(schema) if self.others \
-            else schema.empty_table()
+        return self.others.table()
 
     def close(self) -> None:
         self.staged.close()
