@@ -43,6 +43,10 @@ def test_buckets_pair_as_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None
         assert many.allocations.equals(a), buckets
         assert many.heap_timeline.equals(one.heap_timeline), buckets
         assert many.counters == one.counters, buckets
+    # events handed to the spill in small batches: what it carries from one to the next
+    # (each thread's last heap event, last allocation and free before its exit)
+    small = pair(pa.Table.from_batches(ev.to_batches(max_chunksize=37)), life, buckets=4)
+    assert small.allocations.equals(a) and small.counters == one.counters
     # a bucket too big where children inherit: split again by another hash of the address
     monkeypatch.setattr(spill_module, "OPS_PER_BUCKET", 40)
     again = pair(ev, life, buckets=2)

@@ -38,6 +38,7 @@ from memtrack.process.lifecycle import Lifecycle
 from memtrack.process.spill import (
     OPS,
     OPS_PER_BUCKET,
+    Carry,
     EventSpill,
     Stream,
     buckets_for,
@@ -299,11 +300,10 @@ def _changes(rows: pa.Table, ranges: list[Stream], span: int) -> None:
 
 
 class _Carry:
-    """Each process's heap bytes so far, across the ranges of changes (pids sorted)."""
+    """Each process's heap bytes so far, across the ranges of changes."""
 
     def __init__(self) -> None:
-        self.pids = np.zeros(0, np.int64)
-        self.bytes = np.zeros(0, np.int64)
+        self.bytes = Carry()
 
     def timeline(self, changes: pa.Table) -> pa.Table:
         """HEAP_TIMELINE rows of one range of changes: one per (pid, event) that changed,
@@ -325,12 +325,8 @@ class _Carry:
         start[1:] = ps[1:] != ps[:-1]
         begin = np.maximum.accumulate(np.where(start, np.arange(len(ps)), 0))
         heap = run - np.where(begin > 0, run[np.maximum(begin - 1, 0)], 0)
-        if len(self.pids):
-            k = np.minimum(np.searchsorted(self.pids, ps), len(self.pids) - 1)
-            heap += np.where(self.pids[k] == ps, self.bytes[k], 0)
-        last = np.flatnonzero(np.append(ps[1:] != ps[:-1], True))
-        self.pids, keep = np.unique(np.concatenate([ps[last], self.pids]), return_index=True)
-        self.bytes = np.concatenate([heap[last], self.bytes])[keep]
+        heap += self.bytes.get(ps)[0]
+        self.bytes.update(ps, heap)
         out = np.empty(len(heap), np.int64)
         out[by_pid] = heap
         return pa.table({"pid": pa.array(p.astype(np.uint32)),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -153,12 +152,39 @@ def rechunk(batches: Iterable[pa.RecordBatch], schema: pa.Schema, rows: int = 1 
         yield pa.Table.from_batches(held, schema=schema)
 
 
-@dataclass
-class _Threads:
-    """Each thread's last heap event so far (thread key pid << 32 | tid, sorted)."""
+class Carry:
+    """A value per key carried from batch to batch, the newest kept (keys sorted)."""
 
-    keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-    last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    def __init__(self) -> None:
+        self.keys: np.ndarray | None = None
+        self.values = np.zeros(0, np.int64)
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's value, and whether it has one (the value is 0 where not)."""
+        if self.keys is None or not len(self.keys) or not len(keys):
+            return np.zeros(len(keys), np.int64), np.zeros(len(keys), bool)
+        j = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
+        found = self.keys[j] == keys
+        return np.where(found, self.values[j], 0), found
+
+    def update(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Keep the last value of each key of `keys` (sorted; a key's values in order)."""
+        if not len(keys):
+            return
+        last = np.flatnonzero(np.append(keys[1:] != keys[:-1], True))
+        if self.keys is None:
+            self.keys, self.values = keys[last], values[last].astype(np.int64)
+            return
+        both = np.concatenate([keys[last], self.keys])
+        self.keys, at = np.unique(both, return_index=True)  # the batch's first: the newest
+        self.values = np.concatenate([values[last], self.values])[at]
+
+
+class _Threads:
+    """Each thread's last heap event so far (thread key pid << 32 | tid)."""
+
+    def __init__(self) -> None:
+        self.last = Carry()
 
     def previous(self, key: np.ndarray, eid: np.ndarray) -> np.ndarray:
         """For heap events (thread keys, event ids, in event order): each one's previous
@@ -170,15 +196,9 @@ class _Threads:
         same[1:] = k[1:] == k[:-1]
         prev[1:][same[1:]] = e[:-1][same[1:]]
         first = np.flatnonzero(~same)
-        if len(self.keys) and len(first):
-            j = np.minimum(np.searchsorted(self.keys, k[first]), len(self.keys) - 1)
-            hit = self.keys[j] == k[first]
-            prev[first[hit]] = self.last[j[hit]]
-        last = np.flatnonzero(np.append(k[1:] != k[:-1], True)) if len(k) else first
-        keys = np.concatenate([k[last], self.keys])
-        vals = np.concatenate([e[last], self.last])
-        uk, at = np.unique(keys, return_index=True)  # the batch's first: the newest
-        self.keys, self.last = uk, vals[at]
+        before, found = self.last.get(k[first])
+        prev[first[found]] = before[found]
+        self.last.update(k, e)
         out = np.empty(len(k), np.int64)
         out[order] = prev
         return out
@@ -204,11 +224,10 @@ class OtherEvents:
 
 
 class _LastOf:
-    """Per thread id, the last event of some kind so far (tids sorted)."""
+    """Per thread id, the last event of some kind so far."""
 
     def __init__(self) -> None:
-        self.tids = np.zeros(0, np.int64)
-        self.last = np.zeros(0, np.int64)
+        self.last = Carry()
 
     def before(self, tid: np.ndarray, eid: np.ndarray, at_tid: np.ndarray,
                at_eid: np.ndarray) -> np.ndarray:
@@ -225,18 +244,11 @@ class _LastOf:
             jc = np.maximum(j, 0)
             hit = (j >= 0) & (key[jc] >> np.uint64(32) == at_tid)
             out[hit] = (key[jc][hit] & low).astype(np.int64) + base
-        if len(self.tids):
-            miss = np.flatnonzero(out < 0)
-            k = np.minimum(np.searchsorted(self.tids, at_tid[miss]), len(self.tids) - 1)
-            found = self.tids[k] == at_tid[miss]
-            out[miss[found]] = self.last[k[found]]
-        if len(key):
-            t = key >> np.uint64(32)
-            last = np.flatnonzero(np.append(t[1:] != t[:-1], True))
-            tids = np.concatenate([t[last].astype(np.int64), self.tids])
-            vals = np.concatenate([(key[last] & low).astype(np.int64) + base, self.last])
-            self.tids, at_first = np.unique(tids, return_index=True)
-            self.last = vals[at_first]
+        miss = np.flatnonzero(out < 0)
+        earlier, found = self.last.get(at_tid[miss].astype(np.int64))
+        out[miss[found]] = earlier[found]
+        self.last.update((key >> np.uint64(32)).astype(np.int64),
+                         (key & low).astype(np.int64) + base)
         return out
 
 
