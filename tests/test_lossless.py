@@ -147,6 +147,41 @@ def test_tiny_events_ring_pauses_and_loses_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.bpf
+def test_sigcont_from_outside_does_not_undo_a_pause(tmp_path: Path) -> None:
+    """A SIGCONT sent to a paused program (a shell's `bg`, a supervisor; the drain's own
+    resume racing with a thread still running) cancels its pending stop: the next
+    producer that finds the ring above its watermark stops it again. Before, the program
+    ran free until the drain's next round and most of its events were lost."""
+    exe = build(["capture/threads.c"], libs=("-lpthread",))
+    out = tmp_path / "t.memtrack"
+    p = subprocess.Popen([*MEMTRACK, "capture", "-o", str(out), "--stacks", "off", "--rss",
+                          "off", "--modules", "off", "--events-ring-pages", "4",
+                          "--fail-on-loss", "--", str(exe), "20000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    tids = [int(p.stdout.readline().split()[2]) for _ in range(4)]  # the threads run
+    pid = int(re.search(r"^Tgid:\s+(\d+)", Path(f"/proc/{tids[0]}/status").read_text(),
+                        re.M)[1])
+    sent = 0
+    while p.poll() is None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            sent += 1
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr
+    assert sent > 20 and "LOST" not in stderr
+    art = Artifact.open(out)
+    assert art.manifest.nonzero_losses() == {}
+    assert art.manifest.backpressure["pauses"]["events"] > sent // 2
+    ev = art.read("events").table
+    mine = np.isin(ev["tid"].to_numpy(), tids)
+    assert Counter(ev.filter(mine)["kind"].to_pylist())[M] == 4 * 20000
+
+
+@pytest.mark.bpf
 def test_small_stack_ring_pauses_and_loses_nothing(tmp_path: Path) -> None:
     """Eight threads whose every allocation writes a stack record (--stack-copies: its
     raw copy too), through the smallest stack ring capture accepts: the stack ring

@@ -62,8 +62,8 @@ static __always_inline int mt_is_tracked(u32 tgid) {
 }
 
 /* Backpressure (--on-ring-full pause): a producer that finds a ring's unconsumed data
- * at or above its high watermark is stopped (SIGSTOP to its process, once: mt_paused
- * holds the pids stopped and when) and its current record is still written; the
+ * at or above its high watermark is stopped (SIGSTOP to its process; mt_paused holds
+ * the pids stopped and since when) and its current record is still written; the
  * session's drain resumes it once the rings are below their low watermark. Every ring
  * write calls mt_backpressure(its MT_RING_* id) first. The session puts each ring in
  * mt_rings (bcc 0.26 has no ring.ringbuf_query(): an array of maps gives the helper
@@ -92,15 +92,20 @@ static __always_inline void mt_backpressure(int ring) {
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     if (!mt_is_tracked(pid))
         return;
+    /* mt_paused keeps the first stop (when; and the pause is counted once), but every
+     * producer that runs while the ring is above its watermark stops its process again:
+     * a SIGCONT sent meanwhile (by anyone: a shell's `bg`, a supervisor, the drain's
+     * resume racing with a thread still in flight) cancels a pending stop, and a second
+     * SIGSTOP to a process stopping already changes nothing. */
     u64 now = bpf_ktime_get_ns();
-    if (mt_paused.insert(&pid, &now))
-        return; /* stopped already, not resumed yet */
+    int first = mt_paused.insert(&pid, &now) == 0;
     if (bpf_send_signal(MT_SIGSTOP)) {
         /* an exiting task cannot be stopped: let another of its threads try */
-        mt_paused.delete(&pid);
+        if (first)
+            mt_paused.delete(&pid);
         return;
     }
-    u64 *n = mt_pauses.lookup(&ring);
+    u64 *n = first ? mt_pauses.lookup(&ring) : 0;
     if (n)
         (*n)++;
 }
