@@ -5,8 +5,9 @@
 The workload is the PYTHONMALLOC=malloc dict/list loop (fixtures/lossless/dictloop.py)
 with stacks on, while two CPU hogs keep both cores busy (a busy runner). Each round
 runs, interleaved: the bare loop, then `memtrack capture --on-ring-full pause` and
-`--on-ring-full drop` from the command line, with the default rings and with 256 KiB
-events and stack rings (which the loaded program fills). The hogs run while the
+`--on-ring-full drop` from the command line, with the default rings and with small
+ones (which the loaded program fills): a 256 KiB events ring and the smallest stack
+ring capture accepts with the default stack budget, at least 256 KiB. The hogs run while the
 program runs (the bare loop, or from the capture's spawn to its end): BPF compilation
 before the spawn takes 10-100 s on a loaded 2-core machine and would drown the
 difference between the modes, which lies in the run. Printed per configuration
@@ -33,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from memtrack.capture.drain import min_ring_pages
+from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.stacks import record_words
 from memtrack.schema import is_loss
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +45,14 @@ from support.load import cpu_hogs  # noqa: E402
 
 LOOP = ROOT / "fixtures" / "lossless" / "dictloop.py"
 MEMTRACK = [sys.executable, "-m", "memtrack.cli", "capture"]
-SMALL = ["--events-ring-pages", "64", "--stacks-ring-pages", "64"]
+
+
+def small_rings() -> list[str]:
+    """A 256 KiB events ring; a stack ring of 256 KiB or the smallest that pause mode
+    accepts for the default stack records."""
+    stacks = max(64, min_ring_pages(record_words(CaptureOptions().stack_budget, False) * 8,
+                                    os.cpu_count() or 1))
+    return ["--events-ring-pages", "64", "--stacks-ring-pages", str(stacks)]
 
 
 def bare(loops: int) -> float:
@@ -124,7 +135,7 @@ def main() -> None:
     if args.only_bpf:
         bpf_cost()
         return
-    configs = {"default rings": [], "256 KiB rings": SMALL}
+    configs = {"default rings": [], "small rings": small_rings()}
     results: dict[tuple[str, str], list[dict]] = {}
     bares: list[float] = []
     with tempfile.TemporaryDirectory() as d:

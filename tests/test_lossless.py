@@ -5,7 +5,6 @@ capture is killed, and a status line that stays out of the program's output."""
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import shutil
@@ -67,13 +66,12 @@ def started(out: Path) -> int:
 def min_stack_ring_pages() -> int:
     """The smallest --stacks-ring-pages capture accepts here in pause mode with
     --stack-copies."""
-    from memtrack.capture.drain import min_ring_bytes
+    from memtrack.capture.drain import min_ring_pages
     from memtrack.capture.parts import CaptureOptions
     from memtrack.capture.stacks import record_words
 
-    record = record_words(CaptureOptions().stack_budget, True) * 8
-    need = -(-min_ring_bytes(record, os.cpu_count() or 1) // mmap.PAGESIZE)
-    return 1 << (need - 1).bit_length()
+    return min_ring_pages(record_words(CaptureOptions().stack_budget, True) * 8,
+                          os.cpu_count() or 1)
 
 
 def printed_pauses(stderr: str, ring: str) -> int:

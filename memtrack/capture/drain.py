@@ -23,6 +23,7 @@ and the manifest's `drain` section records it for every capture.
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import threading
 import time
@@ -50,6 +51,12 @@ def min_ring_bytes(max_record: int, cpus: int) -> int:
     """The smallest ring whose headroom above the high watermark holds what the
     producers write between crossing it and being stopped."""
     return HIGH_WATERMARK * IN_FLIGHT * max(cpus, 1) * (max_record + 8)
+
+
+def min_ring_pages(max_record: int, cpus: int) -> int:
+    """min_ring_bytes as a ring size the kernel takes: a power of two of pages."""
+    need = -(-min_ring_bytes(max_record, cpus) // mmap.PAGESIZE)
+    return 1 << (need - 1).bit_length()
 
 
 @dataclass

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
 from memtrack.capture.cmdenv import command_environment
-from memtrack.capture.drain import min_ring_bytes
+from memtrack.capture.drain import min_ring_pages
 from memtrack.capture.parts import ON_RING_FULL, CaptureOptions
 from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker, find_command
 from memtrack.schema import EVENT_DTYPE
@@ -26,11 +25,11 @@ def check_options(options: CaptureOptions) -> None:
              record_words(options.stack_budget, options.stack_copies) * 8)):
         if pages <= 0 or pages & (pages - 1):
             raise CaptureError(f"{name} {pages}: must be a power of two (pages)")
-        need = -(-min_ring_bytes(record, cpus) // mmap.PAGESIZE)
+        need = min_ring_pages(record, cpus)
         if options.on_ring_full == "pause" and pages < need and (
                 name != "--stacks-ring-pages" or options.stacks):
             raise CaptureError(f"{name} {pages}: too small to pause the producers in time "
-                               f"on {cpus} CPUs (at least {1 << (need - 1).bit_length()})")
+                               f"on {cpus} CPUs (at least {need})")
     if options.probe_placement not in ("auto", "entry"):
         raise CaptureError(f"--probe-placement {options.probe_placement}: "
                            "expected auto or entry")
