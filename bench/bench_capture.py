@@ -37,6 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bpfstats import bpf_stats, prog_stats  # noqa: E402
 from conftest import build  # noqa: E402
 
 from memtrack.capture.bcc_compat import attach_uprobe  # noqa: E402
@@ -46,19 +47,6 @@ from memtrack.capture.ringbuf import RingReader  # noqa: E402
 from memtrack.capture.tracker import Tracker  # noqa: E402
 from memtrack.schema import EVENT_DTYPE, EVENTS, EventKind  # noqa: E402
 from memtrack.schema.artifact import TableWriter  # noqa: E402
-
-STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
-
-
-def prog_stats(fd: int) -> tuple[int, int]:
-    run_time = run_cnt = 0
-    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k == "run_time_ns":
-            run_time = int(v)
-        elif k == "run_cnt":
-            run_cnt = int(v)
-    return run_time, run_cnt
 
 
 def run_loop(cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -94,9 +82,7 @@ def captured_loop(tracker: Tracker, cmd: list[str], env: dict[str, str] | None =
 
 def bench_probes(loop: Path, n: int) -> None:
     print("1. BPF run time per probe hit (bpf_stats)")
-    old = STATS.read_text().strip()
-    STATS.write_text("1")
-    try:
+    with bpf_stats():
         for stacks in (False, True):
             with Tracker(CaptureOptions(stacks=stacks, rss=False, modules=False)) as t, \
                     tempfile.TemporaryDirectory() as d:
@@ -112,8 +98,6 @@ def bench_probes(loop: Path, n: int) -> None:
         floor = empty_program_cost(loop, n)
         print(f"   floor: an empty program measured the same way costs {floor:.0f} ns/hit "
               "(bpf_stats' own clock reads)")
-    finally:
-        STATS.write_text(old)
 
 
 def empty_program_cost(loop: Path, n: int) -> float:

@@ -94,6 +94,7 @@ def captured(loops: int, mode: str, rings: list[str], out: Path) -> dict:
 def bpf_cost(allocs: int = 200_000, repeat: int = 2) -> None:
     sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
     import bench_capture as bc
+    from bpfstats import bpf_stats, prog_stats
 
     from memtrack.capture.parts import CaptureOptions
     from memtrack.capture.tracker import Tracker
@@ -101,19 +102,15 @@ def bpf_cost(allocs: int = 200_000, repeat: int = 2) -> None:
     loop = bc.build(["capture/loop.c"])
     names = ("mt_ret", "mt_f_libc_free")
     per: dict[tuple[str, str], list[float]] = {}
-    old = bc.STATS.read_text().strip()
-    bc.STATS.write_text("1")
-    try:
+    with bpf_stats():
         for _ in range(repeat):
             for mode in ("drop", "pause"):
                 opts = CaptureOptions(stacks=False, rss=False, modules=False, on_ring_full=mode)
                 with Tracker(opts) as t, tempfile.TemporaryDirectory() as d:
                     bc.captured_loop(t, [str(loop), "loop", str(allocs)], bc.private_libc(d))
                     for name in names:
-                        rt, cnt = bc.prog_stats(t.bpf.funcs[name.encode()].fd)
+                        rt, cnt = prog_stats(t.bpf.funcs[name.encode()].fd)
                         per.setdefault((name, mode), []).append(rt / cnt)
-    finally:
-        bc.STATS.write_text(old)
     print(f"BPF time per hit, malloc/free loop of {allocs:,} pairs, median of {repeat}:")
     for name in names:
         drop = statistics.median(per[(name, "drop")])

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_overhead import Quiet  # noqa: E402
+from bpfstats import prog_stats  # noqa: E402
 from conftest import build  # noqa: E402
 
 from memtrack.capture.bcc_compat import attach_uprobe  # noqa: E402
@@ -85,13 +86,6 @@ def enable_bpf_stats() -> int:
     if fd < 0:
         raise OSError(ct.get_errno(), "BPF_ENABLE_STATS failed")
     return int(fd)
-
-
-def prog_stats(fd: int) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of a loaded BPF program."""
-    vals = dict(line.split(":", 1) for line in
-                Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines() if ":" in line)
-    return int(vals.get("run_time_ns", 0)), int(vals.get("run_cnt", 0))
 
 
 @dataclass

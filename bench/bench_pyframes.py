@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
+from bpfstats import bpf_stats, prog_stats  # noqa: E402
 
 from memtrack.capture.parts import CaptureOptions  # noqa: E402
 from memtrack.schema import ALLOC_KINDS  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
-STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 PROBE = b"mt_alloc"
 PYTHON = str(Path("/usr/bin/python3").resolve())
 LOOP = ("def work(n):\n"
@@ -45,15 +45,6 @@ LOOP = ("def work(n):\n"
         "def deep(k, n):\n"
         "    return work(n) if k == 0 else deep(k - 1, n)\n"
         "deep({depth}, {n})\n")
-
-
-def fdinfo(fd: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if v.strip().isdigit():
-            out[k] = int(v.strip())
-    return out
 
 
 def bpf_cost(workloads: dict[str, list[str]], tmp: Path) -> dict[str, dict[str, float]]:
@@ -69,14 +60,13 @@ def bpf_cost(workloads: dict[str, list[str]], tmp: Path) -> dict[str, dict[str, 
         with Tracker(opts) as tracker:
             for wname, cmd in workloads.items():
                 fd = tracker.bpf.funcs[PROBE].fd
-                before = fdinfo(fd)
+                before = prog_stats(fd)
                 art = tmp / f"{label}-{wname}.memtrack"
                 session = tracker.spawn(cmd, art, overwrite=True,
                                         env={**os.environ, "PYTHONMALLOC": "malloc"})
                 session.wait(timeout=900)
-                info = fdinfo(fd)
-                runs = info["run_cnt"] - before.get("run_cnt", 0)
-                ns = info["run_time_ns"] - before.get("run_time_ns", 0)
+                after = prog_stats(fd)
+                ns, runs = after[0] - before[0], after[1] - before[1]
                 kind = Artifact.open(art).read("events").table.column("kind")
                 tracked = int(pc.sum(pc.is_in(kind, value_set=pa.array(
                     [int(k) for k in ALLOC_KINDS], pa.uint8()))).as_py() or 0)
@@ -127,12 +117,8 @@ def main() -> None:
         "deep30": [PYTHON, "-c", LOOP.format(depth=30, n=n)],
     }
     tmp = Path(tempfile.mkdtemp(prefix="bench-pyframes-"))
-    saved = STATS.read_text().strip()
-    STATS.write_text("1")
-    try:
+    with bpf_stats():
         cost = bpf_cost(workloads, tmp)
-    finally:
-        STATS.write_text(saved)
     try:
         e2e = end_to_end(workloads["deep30"], tmp, 2 if args.quick else 3)
     finally:

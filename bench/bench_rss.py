@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bpfstats import bpf_stats, prog_stats  # noqa: E402
 from support.capture import spawn  # noqa: E402
 
 from memtrack.capture.parts import CaptureOptions  # noqa: E402
@@ -49,15 +50,7 @@ def parse(out: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 PROGS = ("mt_rss_stat", "mt_fault_user")
-
-
-def prog_stats(fd: int) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of a loaded BPF program."""
-    info = dict(line.split(":", 1) for line in Path(f"/proc/self/fdinfo/{fd}").read_text()
-                .splitlines() if ":" in line)
-    return int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0))
 
 
 def captured(options: CaptureOptions, cmd: list[str], art: Path,
@@ -96,9 +89,7 @@ def main() -> None:
     best: dict[str, float] = {}
     pages = 0
     hits: dict[str, list[int]] = {}
-    saved = STATS.read_text()
-    STATS.write_text("1\n")
-    try:
+    with bpf_stats():
         for _ in range(a.repeat):
             pages, ns = parse(subprocess.run(cmd, check=True, capture_output=True,
                                              text=True).stdout)
@@ -106,8 +97,6 @@ def main() -> None:
             for name, opts in configs.items():
                 p, ns = captured(opts, cmd, tmp / f"{name.replace(' ', '_')}.memtrack", hits)
                 best[name] = min(best.get(name, 1e18), ns / p)
-    finally:
-        STATS.write_text(saved)
     print(f"page faults: {pages:,} per run, best of {a.repeat}")
     for name, v in best.items():
         print(f"  {name:<18} {v:8.0f} ns/fault   x{v / best['bare']:.2f} of bare")

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bpfstats import bpf_stats, prog_info  # noqa: E402
 from conftest import build  # noqa: E402
 
 from memtrack.capture.parts import CaptureOptions  # noqa: E402
@@ -35,7 +36,6 @@ from memtrack.process.decode import decode  # noqa: E402
 from memtrack.schema import NUM_REGS, Allocator, EventKind  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
-STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 # the entry program of every allocator function (an attach cookie tells which it is):
 # its run time per hit covers libc's malloc and operator new alike
 PROBE = "mt_alloc"
@@ -46,16 +46,6 @@ PY_LOOP = ("keep = []\n"
            "    l = [d, str(i)]\n"
            "    if i % 1000 == 0:\n"
            "        keep.append(l)\n")
-
-
-def fdinfo(fd: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
-        k, _, v = line.partition(":")
-        v = v.strip()
-        if v.isdigit():
-            out[k] = int(v)
-    return out
 
 
 def record_sizes(art: Artifact) -> np.ndarray:
@@ -83,11 +73,11 @@ def run_one(label: str, budget: int | None, workloads: dict[str, Workload],
         load_s = time.monotonic() - t0
         for wname, (cmd, env, allocator) in workloads.items():
             probe = PROBE.encode()
-            before = fdinfo(tracker.bpf.funcs[probe].fd) if probe in tracker.bpf.funcs else {}
+            before = prog_info(tracker.bpf.funcs[probe].fd) if probe in tracker.bpf.funcs else {}
             out = tmp / f"{label}-{wname}.memtrack"
             session = tracker.spawn(cmd, out, overwrite=True, env={**os.environ, **env})
             result = session.wait(timeout=900)
-            info = fdinfo(tracker.bpf.funcs[probe].fd)
+            info = prog_info(tracker.bpf.funcs[probe].fd)
             runs = info.get("run_cnt", 0) - before.get("run_cnt", 0)
             ns = info.get("run_time_ns", 0) - before.get("run_time_ns", 0)
             art = Artifact.open(out)
@@ -142,15 +132,13 @@ def main() -> None:
         "cxxmap": ([str(cxxmap), str(6000 * scale)], {}, Allocator.CXX),
         "churn": ([str(churn), str(400 * scale), "4"], {}, Allocator.LIBC),
     }
-    saved = STATS.read_text().strip()
-    STATS.write_text("1")
     table: dict[str, dict[str, dict[str, Any]]] = {}
     try:
-        for label, budget in CONFIGS:
-            print(f"# {label} ...", file=sys.stderr, flush=True)
-            table[label] = run_one(label, budget, workloads, tmpdir)
+        with bpf_stats():
+            for label, budget in CONFIGS:
+                print(f"# {label} ...", file=sys.stderr, flush=True)
+                table[label] = run_one(label, budget, workloads, tmpdir)
     finally:
-        STATS.write_text(saved)
         shutil.rmtree(tmpdir, ignore_errors=True)
     print("probe ns: BPF run time of the malloc (operator new for cxxmap) entry program per"
           " run (every process on the host runs it; untracked ones return at once); tracked"

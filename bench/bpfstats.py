@@ -1,0 +1,38 @@
+"""BPF programs' own run time (kernel.bpf_stats_enabled), for the benches that cost a
+probe by it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+
+@contextmanager
+def bpf_stats() -> Iterator[None]:
+    """kernel.bpf_stats_enabled on for the block, as it was after it."""
+    saved = STATS.read_text().strip()
+    STATS.write_text("1")
+    try:
+        yield
+    finally:
+        STATS.write_text(saved)
+
+
+def prog_info(fd: int) -> dict[str, int]:
+    """The integer fields of a loaded BPF program's fdinfo (run_time_ns, run_cnt,
+    verified_insns, ...)."""
+    out = {}
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    return out
+
+
+def prog_stats(fd: int) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of a loaded BPF program."""
+    info = prog_info(fd)
+    return info.get("run_time_ns", 0), info.get("run_cnt", 0)
