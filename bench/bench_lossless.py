@@ -100,7 +100,7 @@ def bpf_cost(allocs: int = 200_000, repeat: int = 2) -> None:
     from memtrack.capture.tracker import Tracker
 
     loop = bc.build(["capture/loop.c"])
-    names = ("mt_ret", "mt_f_libc_free")
+    names = ("mt_ret", "mt_free")
     per: dict[tuple[str, str], list[float]] = {}
     with bpf_stats():
         for _ in range(repeat):
