@@ -57,7 +57,6 @@ class StageTables:
     python_locations: pa.Table | None = None  # process.pyframes.PYTHON_LOCATIONS
 
 
-
 @dataclass
 class Loaded:
     """What the load stage wrote and learnt on the way."""
@@ -217,8 +216,9 @@ class RunDatabase:
         self.copy_in("src_stacks", stacks)
         self.copy_in("src_stack_frames", stack_frames)
         self.con.execute(STACKS_SQL)
-        self.stack_ids = self.con.execute("SELECT stack_hash, stack_id FROM stacks"
-                                          ).to_arrow_table()
+        ids = self.con.execute("SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
+        # sorted once by hash: every chunk of events and allocations looks its hashes up
+        self.stack_ids = ids.take(pa.array(np.argsort(ids.column("stack_hash").to_numpy())))
         return self.con.execute(KNOWN_SQL).to_arrow_table()
 
     def frames(self, known: pa.Table, symbolized: pa.Table,
@@ -370,12 +370,11 @@ class Aside:
 
 def with_stack_ids(table: pa.Table, stacks: pa.Table) -> pa.Table:
     """`table` with a stack_id column: its stack_hash's id in `stacks` (stack_hash,
-    stack_id), null where the hash is 0 (no stack captured) or has no stack."""
+    stack_id, sorted by stack_hash), null where the hash is 0 (no stack captured) or has
+    no stack."""
     h = table.column("stack_hash").to_numpy()
     known = stacks.column("stack_hash").to_numpy()
     ids = stacks.column("stack_id").to_numpy()
-    order = np.argsort(known)
-    known, ids = known[order], ids[order]
     if len(known):
         i = np.minimum(np.searchsorted(known, h), len(known) - 1)
         hit = (known[i] == h) & (h != 0)
