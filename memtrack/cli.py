@@ -218,7 +218,6 @@ def process(
                      help="Processes that unwind stacks, and DuckDB's threads; the tables "
                           "are the same whatever N [default: the machine's cores]."),
     ] = None,
-
     python_frames: Annotated[str, typer.Option(
         "--python-frames", **SWITCH, help="Merge the captured Python frames into the stacks "
                                           "(off: native frames only).")] = "on",

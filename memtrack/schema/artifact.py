@@ -171,7 +171,6 @@ def _module_copy(root: Path, d: str) -> ModuleCopy:
     return ModuleCopy(d, path, elf, dbg)
 
 
-
 _WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
 
 
