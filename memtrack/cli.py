@@ -125,6 +125,11 @@ def capture(
     probe_placement: Annotated[str, typer.Option(
         "--probe-placement", envvar="MEMTRACK_PROBE_PLACEMENT",
         help="Where entry probes go: auto (a cheap instruction) or entry.")] = "auto",
+    probe_scope: Annotated[str, typer.Option(
+        "--probe-scope", envvar="MEMTRACK_PROBE_SCOPE",
+        help="Which processes take the allocator probes' traps: auto (only the traced "
+             "tree's, where the kernel has uprobe_multi links: 6.6+) or host (every "
+             "process on the machine).")] = "auto",
     events_ring_pages: Annotated[int | None, typer.Option(
         "--events-ring-pages", envvar="MEMTRACK_EVENTS_RING_PAGES", show_default=False,
         help="Events ring size in pages (a power of two; default: 16 MiB per CPU, at "
@@ -157,7 +162,8 @@ def capture(
          python_frames=on("--python-frames", python_frames),
          rss=on("--rss", rss), track_faults=on("--track-faults", track_faults),
          modules=on("--modules", modules), start_disabled=start_disabled, control_fifo=control_fifo,
-         probe_placement=probe_placement, events_ring_pages=events_ring_pages,
+         probe_placement=probe_placement, probe_scope=probe_scope,
+         events_ring_pages=events_ring_pages,
          stacks_ring_pages=stacks_ring_pages, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
          timeout=timeout, program_cache=program_cache)
 

@@ -54,7 +54,8 @@ static __always_inline void mt_fill_event(struct mt_event *e, u32 pid, u32 tid, 
 BPF_HASH(mt_tracked, u32, u8, 65536);
 
 /* mt_config[0]: 1 while recording is enabled (--start-disabled and the control FIFO
- * switch it); parts emit nothing while it is 0. */
+ * switch it); parts emit nothing while it is 0. mt_config[1]: 1 when allocator probes
+ * are scoped to each traced process (lifecycle.c mt_new_process). */
 BPF_ARRAY(mt_config, u64, 4);
 
 static __always_inline int mt_is_tracked(u32 tgid) {

@@ -3,9 +3,9 @@
  * Follows the tracked tree with task_newtask (fork/clone: clone flags tell threads
  * from processes) and sched_process_exec/exit, emits FORK/EXEC/EXIT events, mmap /
  * munmap / brk events for successful calls, and asks userspace to classify and probe
- * every file a tracked process maps executable (and every exec'd image): it submits
- * an attach request, then stops the whole process with SIGSTOP; userspace attaches
- * the probes and sends SIGCONT. Also writes the REGION events of the control FIFO's
+ * every file a tracked process maps executable (and every exec'd image, and every new
+ * process when probes are scoped): it submits an attach request, then stops the whole
+ * process with SIGSTOP; userspace attaches the probes and sends SIGCONT. Also writes the REGION events of the control FIFO's
  * begin/end (mt_region_mark). Uses mt_events, mt_emit and mt_loss of alloc.c. */
 
 #ifndef MT_ATTACH_PAGES
@@ -17,7 +17,9 @@
 #define MT_CLONE_THREAD 0x10000
 
 #define MT_REQ_MMAP 1
-#define MT_REQ_EXEC 2
+#define MT_REQ_EXEC 2 /* off = the exec'ing thread's tid before the exec */
+#define MT_REQ_FORK 3
+#define MT_CONFIG_SCOPED 1
 
 /* memtrack.capture.core.ATTACH_DTYPE */
 struct mt_attach_req {
@@ -76,6 +78,44 @@ TRACEPOINT_PROBE(task, task_newtask) {
     return 0;
 }
 
+/* mt_config[MT_CONFIG_SCOPED] = 1 when every traced process has allocator probes of
+ * its own (uprobe_multi links with its pid): a new process of the tree inherits its
+ * parent's breakpoints but not its links, so it is stopped as it returns from
+ * fork/clone/vfork, in its own context and before any instruction of its own, and
+ * userspace links it. Threads (tid != tgid) share their process's links. */
+static __always_inline void mt_new_process(long ret) {
+    if (ret != 0)
+        return;
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 pid = pt >> 32, tid = (u32)pt;
+    if (pid != tid || !mt_is_tracked(pid))
+        return;
+    int k = MT_CONFIG_SCOPED;
+    u64 *scoped = mt_config.lookup(&k);
+    if (scoped && *scoped)
+        mt_request_attach(pid, tid, MT_REQ_FORK, -1, 0, 0);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_clone) {
+    mt_new_process(args->ret);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_clone3) {
+    mt_new_process(args->ret);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_fork) {
+    mt_new_process(args->ret);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_vfork) {
+    mt_new_process(args->ret);
+    return 0;
+}
+
 TRACEPOINT_PROBE(sched, sched_process_exec) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
@@ -88,7 +128,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     }
     mt_brk.delete(&pid);
     mt_emit(pid, tid, MT_EXEC, MT_A_NONE, 0, (u32)args->old_pid, 0, 0, 0);
-    mt_request_attach(pid, tid, MT_REQ_EXEC, -1, 0, 0);
+    mt_request_attach(pid, tid, MT_REQ_EXEC, -1, 0, (u32)args->old_pid);
     return 0;
 }
 

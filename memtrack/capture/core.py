@@ -34,7 +34,8 @@ ATTACH_DTYPE = np.dtype(
 )
 assert ATTACH_DTYPE.itemsize == 40
 REQ_MMAP = 1
-REQ_EXEC = 2
+REQ_EXEC = 2  # off: the exec'ing thread's tid before the exec (the pid if it led)
+REQ_FORK = 3  # a new process of the tree, stopped before it runs (scoped probes)
 
 # bpf/alloc.c mt_core_losses slots -> manifest loss counters
 LOSS_SLOTS = ("events_ring_full", "attach_requests_dropped", "unpaired_returns")

@@ -7,10 +7,20 @@ with one attach cookie per offset, and its close waits once for all of them. The
 allocator programs of bpf/alloc.c read the cookie to learn what the probed function
 is, so a module needs three links: entries, returns and frees.
 
+A uprobe_multi link also takes a pid: the kernel then puts the breakpoints only
+into that process's address space (and into each address space it execs into, as the
+file is mapped there) and runs the program only for its threads, so a link per traced
+process and module costs nothing to any other process on the host. A forked child
+inherits its parent's breakpoints with the copied memory, but not the parent's links:
+until it has links of its own its hits run no program (the session stops each new
+process of the tree before it returns to user space and links it: session.py).
+Links are kept by owner (the pid they are scoped to, 0 for host-wide ones) so that a
+process's links can be released when it is gone.
+
 Older kernels (5.15-6.5) get the same programs and cookies through one perf-event
 uprobe per offset, each bound to its program by a BPF_PERF_EVENT link with the
-cookie. Both paths pass no reference-counter (USDT semaphore) offset: bcc 0.26's own
-`attach_uprobe` passes garbage there (bcc #5236, see bcc_compat).
+cookie, host-wide. Both paths pass no reference-counter (USDT semaphore) offset: bcc
+0.26's own `attach_uprobe` passes garbage there (bcc #5236, see bcc_compat).
 
 x86-64 only (syscall numbers), like the rest of capture.
 """
@@ -65,8 +75,9 @@ def _check(ret: int, what: str) -> int:
 
 
 def uprobe_multi_link(prog_fd: int, path: str, offsets: list[int], cookies: list[int], *,
-                      retprobe: bool = False) -> int:
-    """One uprobe_multi link of `prog_fd` on every offset of `path`; returns its fd."""
+                      retprobe: bool = False, pid: int = 0) -> int:
+    """One uprobe_multi link of `prog_fd` on every offset of `path`, scoped to the process
+    `pid` (0: every process); returns its fd."""
     n = len(offsets)
     a = _Attr(64)  # union bpf_attr, link_create
     a.put(0, prog_fd, ct.c_uint32)
@@ -77,6 +88,7 @@ def uprobe_multi_link(prog_fd: int, path: str, offsets: list[int], cookies: list
     a.ptr(40, (ct.c_uint64 * n)(*cookies))
     a.put(48, n, ct.c_uint32)
     a.put(52, BPF_F_UPROBE_MULTI_RETURN if retprobe else 0, ct.c_uint32)
+    a.put(56, pid, ct.c_uint32)
     return _check(_libc.syscall(SYS_BPF, BPF_LINK_CREATE, a.buf, ct.sizeof(a.buf)),
                   f"cannot attach {'uretprobes' if retprobe else 'uprobes'} to {path}")
 
@@ -126,14 +138,64 @@ def uprobe_multi_supported(prog_fd: int) -> bool:
     return True
 
 
+CLOSE_THREADS = 64  # closes under way at once: their grace periods overlap
+
+
 def close_all(fds: Iterable[int]) -> None:
     """Close fds side by side: each uprobe release waits for a grace period of its
     own, and those of concurrent closes overlap."""
-    threads = [threading.Thread(target=os.close, args=(fd,)) for fd in fds]
+    pending = list(fds)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                fd = pending.pop()
+            os.close(fd)
+
+    threads = [threading.Thread(target=worker) for _ in range(min(len(pending), CLOSE_THREADS))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+
+
+class Closer:
+    """Closes links in the background (each close sleeps through a grace period: 30 ms
+    here), so that releasing a finished process's links never holds up an attach;
+    `join` waits until everything handed over is closed."""
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def close(self, fds: list[int]) -> None:
+        if not fds:
+            return
+        with self._cond:
+            self._fds += fds
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="memtrack-close",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                fds, self._fds = self._fds, []
+                if not fds:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+            close_all(fds)
+
+    def join(self) -> None:
+        with self._cond:
+            while self._thread is not None:
+                self._cond.wait()
 
 
 _releasers: list[subprocess.Popen[bytes]] = []
@@ -168,7 +230,8 @@ def release_in_background(fds: list[int], close_own: Callable[[], None]) -> None
 
 
 class UprobeLinks:
-    """The allocator programs (loaded for the kernel's attach path) and their links."""
+    """The allocator programs (loaded for the kernel's attach path) and their links,
+    by owner: the pid a link is scoped to, 0 for host-wide links."""
 
     PROGRAMS = ("mt_alloc", "mt_ret", "mt_free")
 
@@ -183,19 +246,23 @@ class UprobeLinks:
         attach_type = BPF_TRACE_UPROBE_MULTI if multi else -1
         self.fds = {name: bpf.load_func(name.encode(), PROG_KPROBE, attach_type=attach_type).fd
                     for name in self.PROGRAMS}
-        self.links: list[int] = []
+        self.links: dict[int, list[int]] = {}
+        self.closer = Closer()
 
     @property
     def mode(self) -> str:
         return "uprobe_multi" if self.multi else "perf_event"
 
     def attach(self, path: str, entries: list[tuple[int, int]],
-               frees: list[tuple[int, int]]) -> dict[int, str]:
+               frees: list[tuple[int, int]], pid: int = 0) -> dict[int, str]:
         """Probe `path`: each (offset, cookie) of `entries` with mt_alloc and, at the
-        same offset, mt_ret on the return; each of `frees` with mt_free. Returns the
-        offsets the kernel refused to probe (e.g. an instruction uprobes cannot handle,
-        ENOTSUPP) with the reason; everything else is attached."""
+        same offset, mt_ret on the return; each of `frees` with mt_free; in the process
+        `pid` only (uprobe_multi links), or everywhere (pid 0). Returns the offsets the
+        kernel refused to probe (e.g. an instruction uprobes cannot handle, ENOTSUPP)
+        with the reason; everything else is attached."""
+        assert self.multi or not pid, "perf-event uprobes are attached host-wide"
         refused: dict[int, str] = {}
+        links = self.links.setdefault(pid, [])
         for program, probes, ret in (("mt_alloc", entries, False), ("mt_ret", entries, True),
                                      ("mt_free", frees, False)):
             probes = [(off, cookie) for off, cookie in probes if off not in refused]
@@ -204,7 +271,7 @@ class UprobeLinks:
             fd = self.fds[program]
             if self.multi:
                 try:
-                    self.links.append(self._multi(fd, path, probes, ret))
+                    links.append(self._multi(fd, path, probes, ret, pid))
                     continue
                 except OSError:
                     pass
@@ -212,37 +279,52 @@ class UprobeLinks:
                 good = []
                 for off, cookie in probes:
                     try:
-                        os.close(self._multi(fd, path, [(off, cookie)], ret))
+                        os.close(self._multi(fd, path, [(off, cookie)], ret, pid))
                         good.append((off, cookie))
                     except OSError as e:
                         refused[off] = e.strerror or str(e)
                 if good:
-                    self.links.append(self._multi(fd, path, good, ret))
+                    links.append(self._multi(fd, path, good, ret, pid))
             else:
                 for off, cookie in probes:
                     try:
-                        self.links.append(perf_uprobe_link(fd, path, off, cookie,
-                                                           retprobe=ret))
+                        links.append(perf_uprobe_link(fd, path, off, cookie, retprobe=ret))
                     except OSError as e:
                         refused[off] = e.strerror or str(e)
         return refused
 
     @staticmethod
-    def _multi(fd: int, path: str, probes: list[tuple[int, int]], ret: bool) -> int:
+    def _multi(fd: int, path: str, probes: list[tuple[int, int]], ret: bool, pid: int) -> int:
         offs, cookies = zip(*probes, strict=True)
-        return uprobe_multi_link(fd, path, list(offs), list(cookies), retprobe=ret)
+        return uprobe_multi_link(fd, path, list(offs), list(cookies), retprobe=ret, pid=pid)
+
+    def release(self, pid: int, *, wait: bool = False) -> None:
+        """Close the links scoped to `pid`: in the background, or before returning
+        (`wait`: where a link made next must not run beside them)."""
+        fds = self.links.pop(pid, [])
+        if wait:
+            close_all(fds)
+        else:
+            self.closer.close(fds)
+
+    def owners(self) -> list[int]:
+        """The pids that have links of their own (not 0)."""
+        return [pid for pid, fds in self.links.items() if pid and fds]
 
     def slow_links(self) -> list[int]:
         """Links whose release waits for grace periods one after the other (the perf
         event of each, under a kernel-wide mutex): for release_in_background."""
-        return [] if self.multi else list(self.links)
+        return [] if self.multi else [fd for fds in self.links.values() for fd in fds]
 
     def close(self) -> None:
-        """Close our links: side by side (uprobe_multi), or one by one where
-        release_in_background holds the last references (perf events)."""
-        links, self.links = self.links, []
+        """Close every link: side by side (uprobe_multi), or one by one where
+        release_in_background holds the last references (perf events); returns once
+        the background closes are done too."""
+        links = [fd for fds in self.links.values() for fd in fds]
+        self.links = {}
         if self.multi:
             close_all(links)
         else:
             for fd in links:
                 os.close(fd)
+        self.closer.join()

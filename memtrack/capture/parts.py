@@ -39,6 +39,7 @@ BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 RING_EVENTS, RING_STACKS, RING_RSS, RING_RSS_EVENTS, RING_FAULTS, RING_PYFRAMES = range(6)
 RING_NAMES = ("events", "stacks", "rss", "rss_events", "faults", "pyframes")
 ON_RING_FULL = ("pause", "drop")
+PROBE_SCOPES = ("auto", "host")
 
 
 def _memory_bytes() -> int:
@@ -84,6 +85,7 @@ class CaptureOptions:
     modules: bool = True
     start_disabled: bool = False
     probe_placement: str = "auto"  # "auto" or "entry"
+    probe_scope: str = "auto"  # "auto": each traced process's own probes where possible; "host"
     # ring sizes: 16 / 32 MiB per CPU, at most 1/256 of the memory (default_ring_pages)
     events_ring_pages: int = field(default_factory=_events_ring_pages)
     stacks_ring_pages: int = field(default_factory=_stacks_ring_pages)

@@ -42,11 +42,11 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.capture.control import ControlError, ControlFifo
-from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC
+from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC, REQ_FORK
 from memtrack.capture.drain import Backlog, BatchWriter, Drain, Source, min_ring_bytes
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
-from memtrack.capture.procfs import map_file, read_identity, wait_stopped
+from memtrack.capture.procfs import map_file, read_identity, read_maps, wait_stopped
 from memtrack.capture.regions import Regions
 from memtrack.capture.ringbuf import RingReader
 from memtrack.capture.status import StatusLine
@@ -145,6 +145,7 @@ class Session:
         else:
             start_disabled = opts.start_disabled
         m.warnings = list(tracker.warnings)
+        m.probe_scope = tracker.scope
         self.modules = ModuleRecorder(self.writer, copy_modules=opts.modules)
         self._loss_base = tracker.loss_totals()
         self.stops = StopRegistry()
@@ -298,6 +299,7 @@ class Session:
             self._show_status()
         if now - self._last_manifest >= MANIFEST_SECONDS:
             self._last_manifest = now
+            self._release_links()
             self._update_manifest()
             self.writer.write_manifest()
         return self._status is None
@@ -399,23 +401,46 @@ class Session:
             if reqs.size:
                 batches.append(reqs)
         allreqs = np.concatenate(batches) if len(batches) > 1 else batches[0]
+        forks = set(allreqs["pid"][allreqs["reason"] == REQ_FORK].tolist())
+        for pid in forks:  # links left by an earlier process of that pid: not its
+            self.tracker.release(pid)
         for r in allreqs[allreqs["reason"] == REQ_EXEC]:
             pid = int(r["pid"])
+            if int(r["off"]) != pid:
+                # A thread other than the leader exec'd: it leads the process now, and
+                # the links held the old leader (whose mm is gone). They must be closed
+                # before the new ones, or a breakpoint of both runs the program twice.
+                self.tracker.release(pid, wait=True)
             if stopped[pid]:
                 self._on_exec(pid, int(r["ts"]))
         now = time.monotonic_ns()
         for pid, ok in stopped.items():
-            if ok:
+            if not ok:
+                continue
+            others = allreqs["reason"][allreqs["pid"] == pid] != REQ_FORK
+            if pid in forks and not others.any():
+                # a new process as its parent left it: nothing to record, only its links
+                maps = read_maps(pid)
+            else:
                 maps = self.modules.snapshot(pid, now)
                 if maps is not None:
                     self.tracker.on_stop(pid, maps)
-                for m in maps or ():
-                    if "x" in m.perms and m.path.startswith("/") and m.inode:
-                        src = str(map_file(pid, m))
-                        self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m))
+            for m in maps or ():
+                if "x" in m.perms and m.path.startswith("/") and m.inode:
+                    src = str(map_file(pid, m))
+                    self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m),
+                                             pid)
         for pid in stopped:
             self.stops.release(pid, ATTACH)
         self.modules.copy_pending()
+
+    def _release_links(self) -> None:
+        """Release the links of traced processes that are gone (BPF forgets a process
+        at its exit): a fork-heavy tree keeps only its live processes' links."""
+        tracked = self.bpf["mt_tracked"]
+        for pid in self.tracker.linked_pids():
+            if tracked.Key(pid) not in tracked:
+                self.tracker.release(pid)
 
     def _on_exec(self, pid: int, ts: int) -> None:
         ident = read_identity(pid)
@@ -487,6 +512,8 @@ class Session:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+        for pid in self.tracker.linked_pids():  # nothing is tracked any more
+            self.tracker.release(pid)
 
     def _finish(self) -> CaptureResult:
         self._release_stragglers()

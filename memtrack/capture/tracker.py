@@ -10,26 +10,29 @@ event pipeline and its artifact.
 A tracker first starts its supervisor (memtrack.capture.supervisor), before the BPF
 program is loaded: if memtrack dies, it continues every process the program stopped.
 
-Limits (kernel facts, not bugs to fix here):
-- Uprobes live on the file's inode: while a tracker holds them, every process on the
-  host that calls a probed allocator takes the trap (the BPF programs return at once
-  for untracked processes), and a uretprobe replaces the return address of every such
-  call: an exception thrown out of a probed operator new (bad_alloc) then finds the
-  uprobe trampoline instead of its caller and the C++ runtime aborts.
+Probe scope: where the kernel has uprobe_multi links (6.6+), every traced process gets
+links of its own for each allocator module it maps ("process"), and no process outside
+the tree takes a trap; elsewhere (or with --probe-scope host) the links are host-wide
+("host"), said once in the warnings: every process on the host that calls a probed
+allocator then takes the trap (the BPF programs return at once for untracked ones),
+and a uretprobe replaces the return address of every such call (an exception thrown
+out of a probed operator new then finds the uprobe trampoline instead of its caller).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import resource
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from memtrack.capture.allocators import Probe, probes_for, read_elf
 from memtrack.capture.core import CorePart
 from memtrack.capture.links import UprobeLinks, release_in_background
-from memtrack.capture.parts import BPF_DIR, CaptureOptions, CapturePart
+from memtrack.capture.parts import BPF_DIR, PROBE_SCOPES, CaptureOptions, CapturePart
 from memtrack.capture.program import (
     LoadError,
     ProgramCache,
@@ -48,6 +51,7 @@ __all__ = ["CaptureError", "CaptureResult", "Session", "Tracker", "default_parts
 # CaptureOptions.extra["uprobe_attach"]: how allocator probes reach the kernel
 # (memtrack.capture.links); "auto" takes uprobe_multi links where the kernel has them.
 UPROBE_ATTACH = {"auto": None, "uprobe_multi": True, "perf_event": False}
+CONFIG_SCOPED = 1  # bpf/common.h mt_config slot: new processes stop for their links
 
 
 def find_command(name: str, env: dict[str, str] | None = None,
@@ -89,6 +93,17 @@ def default_parts(options: CaptureOptions) -> list[CapturePart]:
 
         parts.append(RssPart(options))
     return parts
+
+
+@dataclass
+class _Placed:
+    """A classified file: the path its probes attach to, the functions still probed and
+    their offsets in the function, and their records in Tracker.probes."""
+
+    path: str
+    probes: list[Probe]
+    offsets: dict[str, int]
+    records: list[dict[str, Any]]
 
 
 def _placement(code: bytes, vaddr: int, name: str, arg_regs: int) -> tuple[int, str]:
@@ -145,15 +160,40 @@ class Tracker:
                 for part in self.parts:
                     self.warnings += part.attach(self.bpf)
                 self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
+                self.scope = self._choose_scope()
             except BaseException as e:
                 self.bpf.cleanup()
                 if isinstance(e, LoadError):  # the verifier refused a program
                     raise CaptureError(str(e)) from None
                 raise
-        self.attached: set[tuple[int, int]] = set()  # (st_dev, st_ino) of classified files
+        # (st_dev, st_ino) -> the file's probes (None: it has none), and per owner (a
+        # pid, or 0 for host-wide links) the files linked for it
+        self.classified: dict[tuple[int, int], _Placed | None] = {}
+        self.linked: dict[int, set[tuple[int, int]]] = {}
         self.probes: list[dict[str, Any]] = []
         self.session: Session | None = None
         self.closed = False
+
+    def _choose_scope(self) -> str:
+        """"process" (each traced process gets links of its own) where the kernel has
+        uprobe_multi links and the options allow, else "host", said once."""
+        if self.options.probe_scope not in PROBE_SCOPES:
+            raise CaptureError(f"probe scope {self.options.probe_scope!r}: expected "
+                               f"{' or '.join(PROBE_SCOPES)}")
+        if self.options.probe_scope == "auto" and self.uprobes.multi:
+            # a link per process and module: a fork-heavy tree holds many of them
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if soft != hard:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            cfg = self.bpf["mt_config"]
+            cfg[cfg.Key(CONFIG_SCOPED)] = cfg.Leaf(1)
+            return "process"
+        why = ("--probe-scope host" if self.options.probe_scope == "host" else
+               "this kernel has no uprobe_multi links (Linux 6.6+)")
+        self.warnings.append(f"allocator probes are host-wide ({why}): every process on "
+                             "this machine that calls a probed allocator takes their trap "
+                             "while the capture runs")
+        return "host"
 
     def __enter__(self) -> Tracker:
         return self
@@ -216,24 +256,47 @@ class Tracker:
 
     # -- probes ---------------------------------------------------------------------
 
-    def attach_file(self, open_path: str, mapped_path: str, build_id: str | None) -> int:
-        """Classify one ELF file and probe its allocator functions (once per inode).
-        Returns the number of probes attached."""
+    def attach_file(self, open_path: str, mapped_path: str, build_id: str | None,
+                    pid: int) -> int:
+        """Probe one ELF file's allocator functions for the process `pid` (scope
+        "process"), or for every process (scope "host": once per file). The file is
+        classified and its probes placed once per inode. Returns the number of probes
+        attached."""
         try:
             st = os.stat(open_path)
         except OSError:
             return 0
         key = (st.st_dev, st.st_ino)
-        if key in self.attached:
+        owner = pid if self.scope == "process" else 0
+        linked = self.linked.setdefault(owner, set())
+        if key in linked:
             return 0
-        self.attached.add(key)
+        linked.add(key)
+        if key not in self.classified:
+            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
+            placed = self.classified[key]
+            if placed is None:
+                return 0
+            return self._attach_first(placed, mapped_path, owner)
+        placed = self.classified[key]
+        if placed is None or not placed.offsets:
+            return 0
+        refused = self._attach(placed.path, placed.probes, placed.offsets, owner)
+        for name, why in refused.items():
+            self._refused(placed, name, why, mapped_path)
+        return len(placed.offsets) - len(refused)
+
+    def _classify(self, open_path: str, mapped_path: str, build_id: str | None,
+                  key: tuple[int, int]) -> _Placed | None:
+        """The file's allocator functions and where their probes go (recorded in
+        self.probes); None when it has none."""
         try:
             info = read_elf(open_path)
         except ElfReadError:
-            return 0
+            return None
         probes = probes_for(info)
         if not probes:
-            return 0
+            return None
         path = mapped_path
         try:
             same = os.stat(mapped_path)
@@ -245,27 +308,55 @@ class Tracker:
         if self.options.probe_placement == "auto":
             with open(open_path, "rb") as f:
                 code = f.read()
-        placed = {p.name: self._place_probe(p, mapped_path, build_id, code) for p in probes}
-        refused = self._attach(path, probes, placed)
-        # a chosen offset the kernel will not probe: try the function's entry instead
-        moved = {name: 0 for name in refused if placed[name] != 0}
+        first = len(self.probes)
+        offsets = {p.name: self._place_probe(p, mapped_path, build_id, code) for p in probes}
+        return _Placed(path, probes, offsets, self.probes[first:])
+
+    def _attach_first(self, placed: _Placed, mapped_path: str, owner: int) -> int:
+        """The file's first attach: a chosen offset the kernel will not probe is tried
+        at the function's entry instead, and what stays refused is left out of every
+        later attach."""
+        offsets = placed.offsets
+        refused = self._attach(placed.path, placed.probes, offsets, owner)
+        moved = {name: 0 for name in refused if offsets[name] != 0}
         if moved:
-            again = self._attach(path, [p for p in probes if p.name in moved], moved)
+            again = self._attach(placed.path, [p for p in placed.probes if p.name in moved],
+                                 moved, owner)
             refused = {k: v for k, v in refused.items() if k not in moved} | again
-        for rec in self.probes[-len(probes):]:
+        for rec in placed.records:
             name = rec["function"]
             if name in moved and name not in refused:
-                rec["probe_offset"] = 0
-                rec["reason"] = f"entry (the kernel refused +{placed[name]:#x})"
-            if name in refused:
-                rec["refused"] = refused[name]
-                self.warnings.append(f"cannot probe {name} in {mapped_path}: "
-                                     f"{refused[name]}; its calls are not recorded")
-        return len(probes) - len(refused)
+                rec["reason"] = f"entry (the kernel refused +{offsets[name]:#x})"
+                rec["probe_offset"] = offsets[name] = 0
+        for name, why in refused.items():
+            self._refused(placed, name, why, mapped_path)
+        return len(placed.probes) - len(refused)
 
-    def _attach(self, path: str, probes: list[Probe], offsets: dict[str, int]
+    def _refused(self, placed: _Placed, name: str, why: str, mapped_path: str) -> None:
+        """`name` cannot be probed: its calls are not recorded (said once per file)."""
+        if placed.offsets.pop(name, None) is None:
+            return
+        placed.probes = [p for p in placed.probes if p.name != name]
+        for rec in placed.records:
+            if rec["function"] == name:
+                rec["refused"] = why
+        self.warnings.append(f"cannot probe {name} in {mapped_path}: {why}; "
+                             "its calls are not recorded")
+
+    def release(self, pid: int, *, wait: bool = False) -> None:
+        """Forget the links of `pid` (a process gone, or a pid now another process's):
+        closed in the background, or before returning (`wait`)."""
+        if self.scope == "process":
+            self.linked.pop(pid, None)
+            self.uprobes.release(pid, wait=wait)
+
+    def linked_pids(self) -> list[int]:
+        return self.uprobes.owners()
+
+    def _attach(self, path: str, probes: list[Probe], offsets: dict[str, int], owner: int
                 ) -> dict[str, str]:
-        """Attach `probes` at their `offsets`; the names the kernel refused, and why."""
+        """Attach `probes` at their `offsets` for the process `owner` (0: every process);
+        the names the kernel refused, and why."""
         entries: list[tuple[int, int]] = []
         frees: list[tuple[int, int]] = []
         at: dict[int, list[str]] = {}
@@ -273,8 +364,8 @@ class Tracker:
             off = p.file_offset + offsets[p.name]
             (frees if p.is_free else entries).append((off, p.cookie))
             at.setdefault(off, []).append(p.name)
-        return {name: why for off, why in self.uprobes.attach(path, entries, frees).items()
-                for name in at[off]}
+        refused = self.uprobes.attach(path, entries, frees, owner)
+        return {name: why for off, why in refused.items() for name in at[off]}
 
     def _place_probe(self, p: Probe, mapped_path: str, build_id: str | None,
                      code: bytes) -> int:

@@ -15,7 +15,7 @@ from memtrack.commands import (
 
 def run(cmd: list[str], output: Path, *, force: bool, stacks: bool, stack_budget: int,
         stack_copies: bool, python_frames: bool, rss: bool, track_faults: bool, modules: bool,
-        start_disabled: bool, control_fifo: Path | None, probe_placement: str,
+        start_disabled: bool, control_fifo: Path | None, probe_placement: str, probe_scope: str,
         events_ring_pages: int | None, stacks_ring_pages: int | None, on_ring_full: str,
         fail_on_loss: bool,
         timeout: float | None, program_cache: str) -> int:
@@ -37,7 +37,8 @@ def run(cmd: list[str], output: Path, *, force: bool, stacks: bool, stack_budget
         stacks=stacks, stack_budget=stack_budget, stack_copies=stack_copies,
         python_frames=python_frames,
         rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
-        probe_placement=probe_placement, on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
+        probe_placement=probe_placement, probe_scope=probe_scope, on_ring_full=on_ring_full,
+        fail_on_loss=fail_on_loss,
         program_cache=program_cache, **rings)
     try:
         return run_capture(cmd, output, options, force=force, control=control_fifo,

@@ -96,6 +96,10 @@ class Manifest:
     losses: dict[str, Count] = field(default_factory=lambda: dict.fromkeys(LOSS_COUNTERS, 0))
     # Per probed function: where the probe went and why (see capture placement).
     probes: list[dict[str, Any]] = field(default_factory=list)
+    # Where the allocator probes fired: "process" (only in the traced tree's processes,
+    # each with links of its own) or "host" (every process on the host, filtered in
+    # BPF); "" in artifacts from before the choice existed (host).
+    probe_scope: str = ""
     # Per module copied into modules/: {"build_id", "path", "file", "debug_file"}.
     modules: list[dict[str, Any]] = field(default_factory=list)
     # Capabilities capture found missing on the host and what that disabled.
