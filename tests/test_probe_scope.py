@@ -233,6 +233,23 @@ def test_clone_vm_process_counted(tracker: Any, tmp_path: Path) -> None:
     assert len(frees) == 9
 
 
+def test_exec_from_another_thread(tracker: Any, tmp_path: Path) -> None:
+    """A thread other than the leader execs: it leads the process from then on, and the
+    new image's allocations are counted once each (the links that held the old leader
+    are closed before the new ones are made)."""
+    exe, _ = scopetree()
+    r = run(tracker, tmp_path, [str(exe), "threadexec"])
+    assert r.result.status == 0
+    pids = roles(r.stdout)
+    assert pids["leaf600"] == pids["main"]
+    (ex,) = [e for e in r.events if e["kind"] == EventKind.EXEC and e["ts"] > min(
+        e["ts"] for e in r.events if e["kind"] == EventKind.MALLOC)]
+    assert ex["addr"] != ex["pid"]  # the old tid: not the leader's
+    got = allocations(r.art, {"leaf": pids["main"]})["leaf"]
+    assert got[(EventKind.MALLOC, 600)] == 60
+    assert sum(1 for e in r.after_exec(pids["main"]) if e == (EventKind.FREE, 0)) >= 59
+
+
 def heap_by_role(art: Path, stdout: str) -> dict[str, collections.Counter]:
     a = Artifact.open(art)
     events = a.read("events").table.to_pylist()
