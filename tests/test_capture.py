@@ -121,11 +121,13 @@ def test_rest_of_the_family_and_failed_calls(tracker: Any, allocs: Path, tmp_pat
 def test_function_the_kernel_refuses_to_probe(tracker: Any, tmp_path: Path) -> None:
     """A lock-prefixed first instruction cannot be probed (ENOTSUPP): that function is
     named in a warning and in manifest.probes, every other one of the module is probed,
-    and the capture goes on."""
+    and the capture goes on, counting the gap as a loss (probes_refused)."""
     lib = build(["capture/refused.S"], name="librefused", shared=True)
     exe = build(["capture/refused.c"], libs=("-ldl",))
     r = run(tracker, tmp_path, [str(exe), str(lib)])
     assert r.result.status == 0
+    assert r.result.nonzero_losses() == {"probes_refused": 1}
+    assert r.art.manifest.nonzero_losses() == {"probes_refused": 1}
     ours = [e for e in r.heap() if e["allocator"] == Allocator.OTHER]
     assert [(e["kind"], e["addr"]) for e in ours] == [(F, 0x5000), (F, 0x5010), (F, 0x5020)]
     probes = {p["function"]: p for p in r.art.manifest.probes if p["path"] == str(lib)}

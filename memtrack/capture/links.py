@@ -164,8 +164,8 @@ def close_all(fds: Iterable[int]) -> None:
 
 class Closer:
     """Closes links in the background (each close sleeps through a grace period: 30 ms
-    here), so that releasing a finished process's links never holds up an attach;
-    `join` waits until everything handed over is closed."""
+    here, and walks the probe's other links for every process that maps the file), so
+    that releasing a finished process's links never holds up an attach."""
 
     def __init__(self) -> None:
         self._fds: list[int] = []
@@ -192,10 +192,13 @@ class Closer:
                     return
             close_all(fds)
 
-    def join(self) -> None:
+    def stop(self) -> list[int]:
+        """Close no more: wait for the closes under way; the fds not closed yet."""
         with self._cond:
+            pending, self._fds = self._fds, []
             while self._thread is not None:
                 self._cond.wait()
+        return pending
 
 
 _releasers: list[subprocess.Popen[bytes]] = []
@@ -317,9 +320,9 @@ class UprobeLinks:
         return [] if self.multi else [fd for fds in self.links.values() for fd in fds]
 
     def close(self) -> None:
-        """Close every link: side by side (uprobe_multi), or one by one where
-        release_in_background holds the last references (perf events); returns once
-        the background closes are done too."""
+        """Close every link still owned: side by side (uprobe_multi), or one by one
+        where release_in_background holds the last references (perf events). Those
+        handed to the closer are its own (`closer.stop()`)."""
         links = [fd for fds in self.links.values() for fd in fds]
         self.links = {}
         if self.multi:
@@ -327,4 +330,3 @@ class UprobeLinks:
         else:
             for fd in links:
                 os.close(fd)
-        self.closer.join()

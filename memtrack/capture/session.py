@@ -61,6 +61,9 @@ if TYPE_CHECKING:
 
 STATUS_SECONDS = 0.5  # between two status line updates
 MANIFEST_SECONDS = 1.0  # between two manifest rewrites while the command runs
+# Between two looks for the links of processes gone. Soon: every hit of a probe runs
+# through all its links (consumers), a gone process's too, and so does every release.
+RELEASE_SECONDS = 0.05
 EVENT_RINGS = (RING_EVENTS, RING_RSS_EVENTS)  # rings whose records go to events.arrow
 
 
@@ -132,6 +135,7 @@ class Session:
         self._interrupts = 0
         self._last_status = 0.0
         self._last_manifest = 0.0
+        self._last_release = 0.0
         self._failure: str | None = None
         self.writer = ArtifactWriter(output, overwrite=overwrite)
         opts = tracker.options
@@ -297,9 +301,11 @@ class Session:
         if now - self._last_status >= STATUS_SECONDS:
             self._last_status = now
             self._show_status()
+        if now - self._last_release >= RELEASE_SECONDS:
+            self._last_release = now
+            self._release_links()
         if now - self._last_manifest >= MANIFEST_SECONDS:
             self._last_manifest = now
-            self._release_links()
             self._update_manifest()
             self.writer.write_manifest()
         return self._status is None
@@ -436,7 +442,9 @@ class Session:
 
     def _release_links(self) -> None:
         """Release the links of traced processes that are gone (BPF forgets a process
-        at its exit): a fork-heavy tree keeps only its live processes' links."""
+        at its exit), so that a fork-heavy tree holds only its live processes' links:
+        the kernel runs every link of a probe at each hit and walks them all at each
+        release, so links left behind would make both grow with the processes."""
         tracked = self.bpf["mt_tracked"]
         for pid in self.tracker.linked_pids():
             if tracked.Key(pid) not in tracked:
@@ -457,6 +465,7 @@ class Session:
         losses = {k: v - self._loss_base.get(k, 0) for k, v in totals.items()}
         losses["module_copy_failed"] = losses.get("module_copy_failed", 0) + \
             self.modules.copy_failed
+        losses["probes_refused"] = self.tracker.refused_functions()
         return losses
 
     def pause_counts(self) -> dict[str, int]:

@@ -170,6 +170,7 @@ class Tracker:
         # pid, or 0 for host-wide links) the files linked for it
         self.classified: dict[tuple[int, int], _Placed | None] = {}
         self.linked: dict[int, set[tuple[int, int]]] = {}
+        self.session_files: set[tuple[int, int]] = set()  # the files the session mapped
         self.probes: list[dict[str, Any]] = []
         self.session: Session | None = None
         self.closed = False
@@ -226,6 +227,7 @@ class Tracker:
         if not cmd:
             raise CaptureError("no command given")
         find_command(cmd[0], env, cwd)
+        self.session_files = set()
         self.session = Session(self, list(cmd), Path(output), env=env, cwd=cwd,
                                overwrite=overwrite, user=user, control=control, live=live,
                                start_disabled=start_disabled)
@@ -243,14 +245,19 @@ class Tracker:
             if close is not None:
                 close()
 
+        # the links of processes gone that the closer has not reached trap nobody
+        gone = self.uprobes.closer.stop()
+
         def close_own() -> None:
             self.uprobes.close()
+            for fd in gone:
+                os.close(fd)
             self.bpf.cleanup()
 
         # uprobe_multi links go now, side by side, so that no allocator trap outlives
         # us; what waits for grace periods one by one goes in the background.
-        release_in_background([*self.bpf.tracepoint_fds.values(), *self.uprobes.slow_links()],
-                              close_own)
+        release_in_background([*self.bpf.tracepoint_fds.values(), *self.uprobes.slow_links(),
+                               *gone], close_own)
         self.supervisor.close()
         self.closed = True
 
@@ -267,6 +274,7 @@ class Tracker:
         except OSError:
             return 0
         key = (st.st_dev, st.st_ino)
+        self.session_files.add(key)
         owner = pid if self.scope == "process" else 0
         linked = self.linked.setdefault(owner, set())
         if key in linked:
@@ -342,6 +350,12 @@ class Tracker:
                 rec["refused"] = why
         self.warnings.append(f"cannot probe {name} in {mapped_path}: {why}; "
                              "its calls are not recorded")
+
+    def refused_functions(self) -> int:
+        """Allocator functions of the files this session's tree mapped that the kernel
+        refused to probe."""
+        return sum(1 for key in self.session_files if self.classified.get(key)
+                   for rec in self.classified[key].records if "refused" in rec)
 
     def release(self, pid: int, *, wait: bool = False) -> None:
         """Forget the links of `pid` (a process gone, or a pid now another process's):

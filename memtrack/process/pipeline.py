@@ -296,6 +296,8 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
             counters=summary.counters,
             options=m.options,
             warnings=summary.warnings,
+            capture_warnings=m.warnings,
+            probes_refused=probes_refused(m.probes),
             labels=labels or {},
             allocator_functions=allocator_functions(m.probes),
         ))
@@ -316,6 +318,19 @@ def allocator_functions(probes: Any) -> list[str]:
     names = {p["function"] for p in probes if isinstance(p, dict)
              and isinstance(p.get("function"), str) and p["function"]}
     return sorted(names | {demangle(n) for n in names})
+
+
+def probes_refused(probes: Any) -> list[dict[str, str]]:
+    """The functions capture could not probe ({path, function, why}, sorted): a gap in
+    what the run saw, compared by `diff` (the same gap on both sides, or not)."""
+    if not isinstance(probes, list):
+        return []
+    return sorted(({"path": str(p.get("path", "")), "function": str(p.get("function", "")),
+                    "why": str(p["refused"])} for p in probes
+                   if isinstance(p, dict) and p.get("refused")),
+                  key=lambda r: (r["path"], r["function"]))
+
+
 def modules_table(mappings: pa.Table, stack_frames: pa.Table, store: ModuleStore,
                   artifact_path: Path) -> pa.Table:
     """One row per build id mapped or met while unwinding (a few hundred at most)."""

@@ -276,6 +276,9 @@ LOSS_COUNTERS = (
     "rss_events_ring_full",  # madvise/mremap events of the rss part
     "faults_ring_full",
     "pyframes_ring_full",
+    # allocator functions of the tree's modules the kernel refused to probe (which, and
+    # why: manifest.probes "refused"): their calls are not recorded
+    "probes_refused",
 )
 
 

@@ -1,0 +1,86 @@
+"""A probe the kernel refuses is a gap in what a capture saw, never silent: another
+tool holds a uprobe with a reference counter (a USDT semaphore) on the same function of
+the same file, so the kernel refuses memtrack's (EINVAL: one uprobe, two counters). The
+gap is counted (probes_refused), printed by capture, fails --fail-on-loss, and is in
+`info` and in the report's header."""
+
+from __future__ import annotations
+
+import ctypes as ct
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build
+
+from memtrack.capture import links
+from memtrack.capture.allocators import probes_for, read_elf
+from memtrack.capture.placement import choose_probe_offset
+from memtrack.schema.ddl import open_run
+
+pytestmark = pytest.mark.bpf
+
+MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
+
+
+def hold_uprobe(path: Path, offset: int, ref_ctr_offset: int) -> int:
+    """A perf-event uprobe at `path`+`offset` with a reference counter, as a USDT tool
+    makes one; returns its fd (the uprobe lives while it is open)."""
+    a = links._Attr(128)
+    a.put(0, links._pmu_value("type"), ct.c_uint32)
+    a.put(4, links.PERF_ATTR_SIZE_VER5, ct.c_uint32)
+    a.put(8, ref_ctr_offset << 32)  # config: ref_ctr_offset in bits 32-63
+    a.put(16, 1)
+    a.ptr(56, ct.create_string_buffer(str(path).encode()))
+    a.put(64, offset)
+    return links._check(links._libc.syscall(links.SYS_PERF_EVENT_OPEN, a.buf, -1, 0, -1,
+                                            links.PERF_FLAG_FD_CLOEXEC), "perf_event_open")
+
+
+def test_refused_probe_is_a_loss(tmp_path: Path) -> None:
+    lib = tmp_path / "libmyalloc-copy.so"  # a private copy: nobody else maps it
+    shutil.copy(build(["capture/myalloc.c"], name="libmyalloc", shared=True), lib)
+    exe = build(["capture/dlopen.c"], libs=("-ldl",))
+    (p,) = [p for p in probes_for(read_elf(str(lib))) if p.name == "mi_malloc"]
+    code = lib.read_bytes()[p.file_offset:p.file_offset + p.size]
+    chosen = int(choose_probe_offset(code, p.vaddr, name=p.name, arg_regs=p.arg_regs).offset)
+    # where memtrack puts its probe, and the entry it falls back to
+    held = [hold_uprobe(lib, p.file_offset + off, 0x100) for off in {0, chosen}]
+    try:
+        art = tmp_path / "r.memtrack"
+        cap = subprocess.run([*MEMTRACK, "capture", "--stacks", "off", "--fail-on-loss",
+                              "-o", str(art), "--", str(exe), str(lib)],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert cap.returncode == 1, cap.stderr
+    assert "memtrack: LOST probes_refused = 1" in cap.stderr
+    assert f"cannot probe mi_malloc in {lib}" in cap.stderr
+    info = subprocess.run([*MEMTRACK, "info", str(art)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert info.returncode == 0 and "probes_refused=1" in info.stdout, info.stdout
+    db = tmp_path / "r.duckdb"
+    proc = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rep = subprocess.run([*MEMTRACK, "report", str(db)], capture_output=True, text=True,
+                         timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "capture losses: probes_refused 1" in rep.stdout
+    # the gap: no mi_malloc call is recorded as one (those 100 blocks are seen only as
+    # the libc mallocs that mi_malloc makes)
+    q = subprocess.run([*MEMTRACK, "query", str(db), "--format", "csv",
+                        "select allocator, count(*) from allocations where size = 4242 "
+                        "group by all"], capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0 and q.stdout.split()[1:] == ["libc,100"], q.stdout
+    con = open_run(db)
+    (refused,), = con.execute("select value from meta where key = 'probes_refused'").fetchall()
+    assert [(r["path"], r["function"]) for r in json.loads(refused)] == [(str(lib), "mi_malloc")]
+    (warnings,), = con.execute("select value from meta where key = 'capture_warnings'"
+                               ).fetchall()
+    assert any("cannot probe mi_malloc" in w for w in json.loads(warnings))
