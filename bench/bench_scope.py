@@ -114,20 +114,20 @@ def measure(args: argparse.Namespace, tmp: Path) -> None:
                                                          str(project)])))
     alone = min(beside["alone"])
     print(f"1. an unrelated malloc/free loop ({args.pairs:,} pairs), best of {args.repeat}")
-    print(f"   {'alone':30s} {alone / 1e9:8.3f} s   1.00x")
+    print(f"   {'alone':38s} {alone / 1e9:8.3f} s   1.00x")
     for scope in SCOPES:
         best = min(beside[scope])
-        print(f"   beside a capture, {LABEL[scope]:12s} {best / 1e9:8.3f} s  "
-              f"{best / alone:5.2f}x")
+        print(f"   {'beside a capture, ' + LABEL[scope]:38s} {best / 1e9:8.3f} s  "
+              f"{best / alone:6.2f}x")
     for title, res in (("2. `memtrack capture -- /bin/true`", fixed),
                        ("3a. a shell script forking 500 children", forks),
                        ("3b. make -j2, 24 C files", make)):
         bare = statistics.median(res["bare"])
         print(f"{title}, median of {args.repeat}")
-        print(f"   {'bare':30s} {bare:8.3f} s")
+        print(f"   {'bare':38s} {bare:8.3f} s")
         for scope in SCOPES:
             med = statistics.median(res[scope])
-            print(f"   {LABEL[scope]:30s} {med:8.3f} s  {med / bare:6.2f}x bare")
+            print(f"   {LABEL[scope]:38s} {med:8.3f} s  {med / bare:6.2f}x bare")
         after, before = (statistics.median(res[s]) for s in SCOPES)
         print(f"   scoped / host-wide: {after / before:.2f}x")
 
