@@ -58,7 +58,7 @@ def test_pipeline_commands_match_valgrind(tmp_path: Path) -> None:
            for p in data["processes"] if p["pid"] in commands}
     want = heap_figures(PIPELINE, tmp_path / "valgrind")
     assert sorted(got) == ["/usr/bin/head -3", "/usr/bin/seq 1 1000", "/usr/bin/sort"]
-    assert got == {c: want[c] for c in got}
+    assert got == {c: {k: want[c][k] for k in got[c]} for c in got}
     t = data["totals"]
     assert t["calls"] == sum(p["calls"] for p in data["processes"])
     assert t["leaked_bytes"] == sum(p["leaked_bytes"] for p in data["processes"])

@@ -28,18 +28,18 @@ def _logs(tool: list[str], cmd: list[str], d: Path) -> dict[int, str]:
 
 
 def heap_figures(cmd: list[str], d: Path) -> dict[str, dict[str, int]]:
-    """{command line as valgrind prints it: {calls, allocated, leaked, peak}}, one entry
-    per program run (the commands of one run must differ)."""
+    """{command line as valgrind prints it: {calls, allocated, leaked, leaked_blocks,
+    peak}}, one entry per program run (the commands of one run must differ)."""
     assert shutil.which("valgrind"), "valgrind missing: run scripts/setup"
     out: dict[str, dict[str, int]] = {}
     for text in _logs(["--tool=memcheck", "--run-libc-freeres=no"], cmd, d / "memcheck"
                       ).values():
         command = re.search(r"== Command: (.*)", text)[1]
-        use = re.search(rf"in use at exit: {NUM} bytes", text)
+        use = re.search(rf"in use at exit: {NUM} bytes in {NUM} blocks", text)
         heap = re.search(rf"total heap usage: {NUM} allocs, {NUM} frees, {NUM} bytes", text)
         assert command not in out and use and heap, text
         out[command] = {"calls": _num(heap[1]), "allocated": _num(heap[3]),
-                        "leaked": _num(use[1])}
+                        "leaked": _num(use[1]), "leaked_blocks": _num(use[2])}
     for text in _logs(["--tool=dhat", "--dhat-out-file=/dev/null"], cmd, d / "dhat"
                       ).values():
         command = re.search(r"== Command: (.*)", text)[1]
