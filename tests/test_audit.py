@@ -10,30 +10,22 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 from conftest import build
+from support.cli import capture_and_process, cli
 from support.valgrind import heap_figures
 
 from memtrack.report.text import exact_bytes, human_bytes, plural
 
 pytestmark = pytest.mark.bpf
 
-MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 FLAGS = ("-O1", "-g")
 # process figure -> the report's key (per process, in the totals)
 PROCESS_KEYS = {"calls": "calls", "peak": "peak_heap_bytes", "leaked": "leaked_bytes"}
 TOTAL_KEYS = {"calls": "calls", "allocated": "allocated_bytes", "leaked": "leaked_bytes",
               "leaked_blocks": "leaked_allocations"}
-
-
-def cli(*args: str) -> str:
-    r = subprocess.run([*MEMTRACK, *args], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +44,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     for name, exe in programs.items():
         d = tmp / name
         d.mkdir()
-        cli("capture", "-o", str(d / "r.memtrack"), "--", str(exe))
-        cli("process", str(d / "r.memtrack"), "-o", str(d / "r.duckdb"), "-q")
-        out[name] = {"db": d / "r.duckdb", "oracle": heap_figures([str(exe)], d / "vg")}
+        db, _ = capture_and_process([str(exe)], d)
+        out[name] = {"db": db, "oracle": heap_figures([str(exe)], d / "vg")}
     return out
 
 

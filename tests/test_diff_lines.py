@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, build
+from support.cli import capture_and_process, cli
 
 pytestmark = pytest.mark.bpf
 
-MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer")
 SOURCE = FIXTURES / "diff" / "moves.c"
 
@@ -28,12 +26,6 @@ def line_of(marker: str) -> int:
     return n
 
 
-def cli(*args: str) -> str:
-    r = subprocess.run([*MEMTRACK, *args], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("moves")
@@ -42,9 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         d = tmp / name
         d.mkdir()
         shutil.copy2(build(["diff/moves.c"], name=f"moves-{name}", flags=flags), d / "grow")
-        cli("capture", "-o", str(d / "r.memtrack"), "--", str(d / "grow"))
-        cli("process", str(d / "r.memtrack"), "-o", str(d / "r.duckdb"), "-q")
-        out[name] = d / "r.duckdb"
+        out[name], _ = capture_and_process([str(d / "grow")], d)
     return out
 
 

@@ -11,42 +11,24 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import build
+from support.cli import capture_and_process, cli
 
 from memtrack.schema.ddl import open_run
 
 pytestmark = pytest.mark.bpf
 
-MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 # two runs: the text report lists at most 20 processes (report.text.MAX_PROCESSES)
 SIGNALS = ((1, 2, 9, 13), (15, 6, 11))
 
 
-def capture_and_process(cmd: list[str], d: Path) -> tuple[Path, str]:
-    """`cmd` captured and processed through the CLI in `d`: the run database, and what
-    the command printed."""
-    art, db = d / "r.memtrack", d / "r.duckdb"
-    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", *cmd],
-                         capture_output=True, text=True, timeout=300)
-    assert cap.returncode == 0, cap.stderr
-    proc = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return db, cap.stdout
-
-
 def report_status(db: Path) -> dict[int, str]:
     """Each process's status as the text report's PROCESSES lines say it."""
-    r = subprocess.run([*MEMTRACK, "report", str(db)], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    return {int(p): s for p, s in re.findall(r"^ +(\d+) .* parent \d+, ([^:]+):", r.stdout,
-                                             re.M)}
+    return {int(p): s for p, s in re.findall(r"^ +(\d+) .* parent \d+, ([^:]+):",
+                                             cli("report", str(db)), re.M)}
 
 
 def statuses(db: Path) -> tuple[dict[int, tuple], dict[int, tuple], dict[int, str]]:

@@ -9,42 +9,21 @@ differ in."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.cli import capture_and_process, cli
 from support.valgrind import heap_figures
 
 from memtrack.schema.ddl import open_run
 
 pytestmark = pytest.mark.bpf
 
-MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 PIPELINE = ["bash", "-c", "seq 1 1000 | sort | head -3"]
 
 
-def capture_and_process(cmd: list[str], d: Path) -> Path:
-    """`cmd` captured and processed through the CLI in `d`: the run database."""
-    art, db = d / "r.memtrack", d / "r.duckdb"
-    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", *cmd],
-                         capture_output=True, text=True, timeout=300)
-    assert cap.returncode == 0, cap.stderr
-    proc = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return db
-
-
-def report(db: Path) -> dict:
-    r = subprocess.run([*MEMTRACK, "report", str(db), "--format", "json"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
 def test_pipeline_commands_match_valgrind(tmp_path: Path) -> None:
-    db = capture_and_process(PIPELINE, tmp_path)
+    db, _ = capture_and_process(PIPELINE, tmp_path)
     con = open_run(db)
     commands = dict(con.execute(
         "SELECT pid, array_to_string(list_prepend(exe, cmdline[2:]), ' ') FROM processes "
@@ -52,7 +31,7 @@ def test_pipeline_commands_match_valgrind(tmp_path: Path) -> None:
     allocated = dict(con.execute(
         "SELECT pid, sum(bytes) FROM stack_costs GROUP BY pid").fetchall())
     con.close()
-    data = report(db)
+    data = json.loads(cli("report", str(db), "--format", "json"))
     got = {commands[p["pid"]]: {"calls": p["calls"], "allocated": allocated[p["pid"]],
                                 "leaked": p["leaked_bytes"], "peak": p["peak_heap_bytes"]}
            for p in data["processes"] if p["pid"] in commands}
