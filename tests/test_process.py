@@ -99,7 +99,8 @@ def test_lifecycle_tables(run: duckdb.DuckDBPyConnection) -> None:
                    "FROM processes ORDER BY pid")
     assert procs[0] == (100, 1, "parent", ["p", "-x"], 900, None, None, None)
     # pid 200 twice in the artifact: the latest instance's name, its last exit
-    assert procs[1][:3] == (200, 100, "child2") and procs[1][5:] == (2600, 0, 9)
+    # killed by SIGKILL: a signal, no exit code (as memory_metadata.json says it)
+    assert procs[1][:3] == (200, 100, "child2") and procs[1][5:] == (2600, None, 9)
     threads = q(run, "SELECT pid, tid, events FROM threads ORDER BY tid")
     assert threads == [(100, 100, 11), (100, 101, 1), (200, 200, 4)]
     # rss: pid 100's own updates; each pid 200 life seeded from its parent at the fork
@@ -302,3 +303,47 @@ def test_inheritance_rules(tmp_path: Path) -> None:
         (5, 8, 32, 24, "free", 33, 2, None),  # 8: 6's new block, freed by 8 ...
         (6, 8, 32, 16, "exit", 34, 4, None),  # ... and 6's copy of 0x20
     ]
+
+
+def test_exec_ends_a_forked_childs_prelude(tmp_path: Path) -> None:
+    """A child forked then exec'd (a shell's pipeline command): what its prelude (fork to
+    exec, the parent's program) holds, the copies it inherited and the blocks it
+    allocated, ends at its exec and is in no process's calls, heap, peak or leaks; its
+    frees there still end its copies. A child forked without exec keeps its copies."""
+    rows = [
+        (10, 5, 5, K.MALLOC, 0, 0x10, 0, 1000, 0),  # the parent's heap: 1000 + 2000
+        (20, 5, 5, K.MALLOC, 0, 0x20, 0, 2000, 0),
+        (30, 5, 5, K.FORK, 0, 6, 0, 0, 0),  # 6: fork + exec
+        (31, 6, 6, K.MALLOC, 0, 0x30, 0, 40, 0),  # prelude: its own block ...
+        (32, 6, 6, K.FREE, 0, 0x10, 0, 0, 0),  # ... and the free of a copy
+        (33, 6, 6, K.MALLOC, 0, 0x40, 0, 50, 0),  # freed in the prelude
+        (34, 6, 6, K.FREE, 0, 0x40, 0, 0, 0),
+        (40, 6, 6, K.EXEC, 0, 6, 0, 0, 0),
+        (41, 6, 6, K.MALLOC, 0, 0x50, 0, 300, 0),  # the exec'd program's: leaked
+        (42, 6, 6, K.MALLOC, 0, 0x60, 0, 100, 0),
+        (43, 6, 6, K.FREE, 0, 0x60, 0, 0, 0),
+        (44, 6, 6, K.EXIT, 1, 0, 0, 0, 0),
+        (50, 5, 5, K.FORK, 0, 7, 0, 0, 0),  # 7: fork, no exec
+        (51, 7, 7, K.FREE, 0, 0x20, 0, 0, 0),  # ends its copy of 0x20
+        (52, 7, 7, K.EXIT, 1, 0, 0, 0, 0),
+    ]
+    art = write_artifact(tmp_path / "x.memtrack", rows_table(rows))
+    s = process(art, tmp_path / "x.duckdb", progress=False)
+    con = open_run(tmp_path / "x.duckdb")
+    assert q(con, "SELECT pid, ts, size, end_reason::VARCHAR, inherited_from IS NOT NULL "
+                  "FROM allocations WHERE pid = 6 ORDER BY ts") == [
+        (6, 41, 300, "exit", False), (6, 42, 100, "free", False)]
+    assert q(con, "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = 6 ORDER BY 1") == [
+        (41, 300), (42, 400), (43, 300), (44, 0)]
+    assert q(con, "SELECT pid, sum(calls), sum(bytes), sum(leaked_bytes) FROM stack_costs "
+                  "GROUP BY 1 ORDER BY 1") == [(5, 2, 3000, 3000), (6, 2, 400, 300),
+                                                (7, 0, 0, 1000)]
+    assert q(con, "SELECT pid, peak_bytes FROM heap_peak ORDER BY 1") == [
+        (5, 3000), (6, 400), (7, 3000)]
+    assert q(con, "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = 7 ORDER BY 1") == [
+        (50, 3000), (51, 1000), (52, 0)]
+    con.close()
+    assert s.counters["frees_unmatched"] == 0
+    assert s.counters["allocations_before_exec"] == 2
+    # 7's copies of 0x10 and 0x20 (6's copies were in its prelude)
+    assert s.counters["allocations_inherited"] == 2

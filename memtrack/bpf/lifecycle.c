@@ -154,11 +154,18 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     return 0;
 }
 
+/* The fatal signal last generated for each tracked process (signal_generate), until
+ * a handler takes it or the process's exit status is set: a fatal signal that does not
+ * dump core reaches every thread as SIGKILL (the kernel makes it a group exit), so its
+ * delivery shows 9 whatever the signal was. */
+BPF_TABLE("lru_hash", u32, u32, mt_siggen, 65536);
+
 static __always_inline void mt_set_exit(u64 status) {
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     if (!mt_is_tracked(pid))
         return;
     mt_exitcode.update(&pid, &status);
+    mt_siggen.delete(&pid);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_exit_group) {
@@ -171,16 +178,57 @@ TRACEPOINT_PROBE(syscalls, sys_enter_exit) {
     return 0;
 }
 
-/* A fatal signal taking its default action ends the process with that signal. */
+/* Whether a signal's default action ends the process (not ignore, stop, continue). */
+static __always_inline int mt_sig_fatal(int sig) {
+    return sig >= 1 && sig <= 64 && sig != 17 && sig != 18 && sig != 19 && sig != 20 &&
+           sig != 21 && sig != 22 && sig != 23 && sig != 28;
+}
+
+/* A fatal signal taking its default action ends the process with that signal: a
+ * core-dumping one is delivered as itself; any other comes as SIGKILL, the signal
+ * generated for the process tells which. A SIGKILL with neither a generated signal
+ * nor a status set before is a SIGKILL; with a status (exit_group's, a core dump's)
+ * it is the kernel ending the other threads of a process already dying. */
 TRACEPOINT_PROBE(signal, signal_deliver) {
     int sig = args->sig;
-    if (args->sa_handler != 0)
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    if (args->sa_handler != 0) {
+        u32 *gen = mt_siggen.lookup(&pid);
+        if (gen && *gen == (u32)sig)
+            mt_siggen.delete(&pid);
         return 0;
-    /* default action ignore / stop / continue: not fatal */
-    if (sig == 17 || sig == 18 || sig == 19 || sig == 20 || sig == 21 || sig == 22 ||
-        sig == 23 || sig == 28 || sig > 31)
+    }
+    if (!mt_sig_fatal(sig))
         return 0;
+    if (sig == 9) {
+        u32 *gen = mt_siggen.lookup(&pid);
+        if (gen)
+            sig = *gen;
+        else if (mt_exitcode.lookup(&pid))
+            return 0;
+    }
     mt_set_exit((u64)sig);
+    return 0;
+}
+
+/* A signal sent to a tracked process, by anyone (the kernel's SIGPIPE and faults come
+ * from the process itself): remembered when its default action is fatal and it was
+ * queued. A process-wide signal names the process by its leader (pid = tgid); one a
+ * thread sends itself is keyed by its process; one sent to another thread of a
+ * process is not followed. */
+TRACEPOINT_PROBE(signal, signal_generate) {
+    int sig = args->sig;
+    /* TRACE_SIGNAL_IGNORED, TRACE_SIGNAL_OVERFLOW_FAIL: nothing will be delivered */
+    if (!mt_sig_fatal(sig) || args->result == 1 || args->result == 3)
+        return 0;
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 target = (u32)args->pid;
+    if (target == (u32)pt)
+        target = pt >> 32;
+    if (!mt_is_tracked(target))
+        return 0;
+    u32 s = (u32)sig;
+    mt_siggen.update(&target, &s);
     return 0;
 }
 

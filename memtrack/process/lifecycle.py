@@ -56,7 +56,9 @@ def _ident(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def exit_status(raw: int | None) -> dict[str, int | None] | None:
-    """{"code", "signal"} of the kernel's exit_code (status << 8 | signal)."""
+    """{"code", "signal"} of the kernel's exit_code (status << 8 | signal): a code when
+    the process exited, a signal when one killed it; the processes table and
+    memory_metadata.json both decode it here."""
     if raw is None:
         return None
     sig = raw & 0x7F
@@ -102,12 +104,12 @@ class Lifecycle:
         for lf in last:
             named = [x for x in by_pid[lf.pid] if x.idents]
             ident = named[-1].identity(by_pid) if named else lf.identity(by_pid)
-            raw = lf.exit_raw
+            status = exit_status(lf.exit_raw) or {"code": None, "signal": None}
             rows.append({"pid": lf.pid, "ppid": lf.ppid, "name": ident["comm"],
                          "exe": ident["exe"], "cmdline": ident["cmdline"],
-                         "start_ts": lf.start_ns, "exit_ts": lf.exit_ns, "exit_status": raw,
-                         "exit_code": None if raw is None else (raw >> 8) & 0xFF,
-                         "exit_signal": (raw & 0x7F) or None if raw is not None else None})
+                         "start_ts": lf.start_ns, "exit_ts": lf.exit_ns,
+                         "exit_status": lf.exit_raw, "exit_code": status["code"],
+                         "exit_signal": status["signal"]})
         return pa.Table.from_pylist(rows, schema=PROCESS_ROWS)
 
 

@@ -7,6 +7,9 @@ Rules (docs/DESIGN.md, Process):
 - a forked child that allocates or frees before its exec or exit inherits a copy of
   every block alive in its parent at the fork (`inherited_from`: the parent's block):
   its frees end the copies, the parent's frees the originals;
+- a forked child (not a vfork) whose next boundary is an exec runs its parent's program
+  until then (its prelude): its copies and its own blocks there are matched, then left
+  out (no rows, no heap changes; counted as allocations_before_exec);
 - an allocation's lifetime ends at the first later free of the same address in the same
   process; a process instance is bounded by fork (a child starts), exec and exit, so a
   reused pid never pairs with its predecessor's blocks;
@@ -116,6 +119,7 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     counters = {"allocations": spill.allocations, "allocations_inherited": 0,
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
                 "frees_at_thread_exit": 0, "allocations_reused_without_free": 0,
+                "allocations_before_exec": 0,
                 "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
     span = max(RANGE_EVENTS, -(-spill.n // MAX_RANGES))  # events of a range
     ranges = -(-spill.n // span)
@@ -203,7 +207,9 @@ def _copies(parts: list[pa.Table], allocations: int) -> tuple[pa.Table, _CopyIds
     own = np.arange(allocations, allocations + len(fork), dtype=np.int64)
     ids = _CopyIds(fork, origin, own, allocations + 1)  # origin < allocations
     src = np.where(gen > 1, t.column("src_fork").fill_null(-1).to_numpy(), -1)
-    parent = np.where(gen == 1, origin.astype(np.int64), ids.of(src, origin))
+    parent = np.where(gen == 1, -1, ids.of(src, origin))
+    # a first copy, or a copy of a prelude's copy (in no table): the allocation copied
+    parent = np.where(parent < 0, origin.astype(np.int64), parent)
     t = t.set_column(0, "alloc_id", pa.array(own.astype(np.uint64)))
     return _allocation_rows(t, pa.nulls(t.num_rows, pa.uint64()),
                             pa.array(parent.astype(np.uint64))), ids
@@ -360,17 +366,33 @@ class _Bounds:
         b_reason = np.concatenate([
             np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
             np.full(exits.num_rows, END_EXIT)])  # fmt: skip
+        # a fork that copies the address space (not a vfork: CLONE_VM shares it)
+        copying = np.concatenate([(forks["flags"].to_numpy() & CLONE_VM) == 0,
+                                  np.zeros(execs.num_rows + exits.num_rows, bool)])
         self.stride = n + 1
         key = b_pid * self.stride + b_eid
         order = np.argsort(key, kind="stable")
         self.key, self.pid = key[order], b_pid[order]
         self.eid, self.ts, self.reason = b_eid[order], b_ts[order], b_reason[order]
         self.groups = len(key) + 1  # instances of a process are fewer: (pid, instance) key
+        # an exec that ends a prelude: the process's boundary before it is its fork
+        copying = copying[order]
+        self.ends_prelude = self.reason == END_EXEC
+        self.ends_prelude[1:] &= copying[:-1] & (self.pid[1:] == self.pid[:-1])
+        self.ends_prelude[:1] = False
 
     def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
         """How many boundaries of process p came at or before event e."""
         return np.searchsorted(self.key, p * self.stride + e, side="right") - \
             np.searchsorted(self.key, p * self.stride, side="left")
+
+    def in_prelude(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Whether event e of process p falls in a prelude: after the fork that made p
+        (not a vfork) and before the exec that comes next in p."""
+        if not len(self.key):
+            return np.zeros(len(p), bool)
+        j = self.next_boundary(p, e)
+        return (j >= 0) & self.ends_prelude[np.maximum(j, 0)]
 
     def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
         """Index into the boundaries of process p's first one after event e, -1: none."""
@@ -467,11 +489,14 @@ def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarr
     free_tid = np.where(has_free, col["tid"][fi][at_free] if len(fi) else 0, 0)
     temporary = has_free & ~inherited & (col["prev"][fi][at_free] == b.ev if len(fi)
                                          else False)
+    # a prelude's blocks (its own and its copies) are in no process's figures
+    kept = final & ~bounds.in_prelude(b.pid, b.ev)
     counters.update({
-        "allocations_inherited": int(inherited.sum()),
+        "allocations_inherited": int((inherited & kept).sum()),
+        "allocations_before_exec": int((final[:nr] & ~kept[:nr]).sum()),
         "reallocs": int(((col["kind"][bi] == EventKind.REALLOC) & (bi >= carried)).sum()),
         "allocations_reused_without_free": int(((b.reason == END_REUSED) & final).sum()),
-        "allocations_not_freed": int(((b.reason[:nr] >= END_EXEC) & final[:nr]).sum()),
+        "allocations_not_freed": int(((b.reason[:nr] >= END_EXEC) & kept[:nr]).sum()),
     })
 
     def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
@@ -505,7 +530,7 @@ def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarr
         "origin": nullable(col["alloc_id"][o], inherited, pa.uint64()),
         "src_fork": nullable(b.src_fork, b.gen > 1, pa.int64()),
     }, schema=BLOCK_ROWS)
-    return (rows if final.all() else rows.filter(pa.array(final))), counters, carry
+    return (rows if kept.all() else rows.filter(pa.array(kept))), counters, carry
 
 
 def _thread_exit_frees(free_eid: np.ndarray, freed_before: np.ndarray, tid: np.ndarray,

@@ -92,6 +92,11 @@ class Summary:
             out.append(f"note: {self.counters['frees_at_thread_exit']} frees at thread exit "
                        "are glibc's (tcache_thread_shutdown frees the blocks a thread's "
                        "cache held, and the cache itself): not counted as unmatched")
+        if self.counters.get("allocations_before_exec"):
+            out.append(f"note: {self.counters['allocations_before_exec']} allocations of "
+                       "forked children before their exec (their parent's program, e.g. a "
+                       "shell's, between fork and exec): ended by the exec, in no "
+                       "process's figures")
         out.extend(f"warning: {w}" for w in self.warnings)
         return out
 

@@ -264,16 +264,18 @@ def markdown_regions(data: Data) -> list[str]:
 
 # ---- sites ----------------------------------------------------------------------------
 # The call paths of both runs side by side: one row per path (RunReader.call_paths'
-# key), its cost in each run per metric, one stack of it in each run.
+# key), its cost in each run per metric and, per metric, the stack of it that costs the
+# most there (then the most calls): the backtraces of one path differ in their lines,
+# and a change in peak or leaks is the kept block's line, as the report names it, not
+# that of the path's most frequent call.
 PATHS_SQL = """
     CREATE TABLE paths AS
-    WITH b AS (SELECT path_key, levels, site, site_file, site_symbolized,
-                      arg_max(stack_id, calls) AS stack_id, {sums} FROM base GROUP BY ALL),
-    h AS (SELECT path_key, levels, site, site_file, site_symbolized,
-                 arg_max(stack_id, calls) AS stack_id, {sums} FROM head GROUP BY ALL)
+    WITH b AS (SELECT path_key, levels, site, site_file, site_symbolized, {stacks}, {sums}
+               FROM base GROUP BY ALL),
+    h AS (SELECT path_key, levels, site, site_file, site_symbolized, {stacks}, {sums}
+          FROM head GROUP BY ALL)
     SELECT coalesce(b.site, h.site) AS site, coalesce(b.site_file, h.site_file) AS site_file,
-           coalesce(b.site_symbolized, h.site_symbolized) AS symbolized,
-           b.stack_id AS base_stack, h.stack_id AS head_stack, {sides}
+           coalesce(b.site_symbolized, h.site_symbolized) AS symbolized, {sides}
     FROM b FULL JOIN h ON b.path_key = h.path_key AND b.levels = h.levels"""
 
 # Per metric, the sites (site, file) that changed: in both runs (`matched`) or in one
@@ -284,9 +286,9 @@ SITES_SQL = """
         SELECT site, site_file, bool_and(symbolized) AS symbolized,
                sum(base_calls) > 0 AS in_base, sum(head_calls) > 0 AS in_head,
                sum(base_{m})::BIGINT AS base, sum(head_{m})::BIGINT AS head,
-               (list({{'base_stack': base_stack, 'head_stack': head_stack,
+               (list({{'base_stack': base_stack_{m}, 'head_stack': head_stack_{m},
                        'base': base_{m}, 'head': head_{m}}}
-                     ORDER BY abs(head_{m} - base_{m}) DESC, base_stack, head_stack)
+                     ORDER BY abs(head_{m} - base_{m}) DESC, base_stack_{m}, head_stack_{m})
                 FILTER (WHERE head_{m} <> base_{m}))[1:{backtraces}] AS paths
         FROM paths GROUP BY site, site_file),
     c AS (
@@ -321,8 +323,10 @@ def build_sites(base: Side, head: Side, opts: DiffOptions) -> Data:
         con.register("head", head.reader.call_paths())
         names = list(METRICS)
         con.execute(PATHS_SQL.format(
+            stacks=", ".join(f"arg_max(stack_id, ({m}, calls)) AS stack_{m}" for m in names),
             sums=", ".join(f"sum({m})::BIGINT AS {m}" for m in names),
-            sides=", ".join(f"coalesce(b.{m}, 0) AS base_{m}, coalesce(h.{m}, 0) AS head_{m}"
+            sides=", ".join(f"coalesce(b.{m}, 0) AS base_{m}, coalesce(h.{m}, 0) AS head_{m}, "
+                            f"b.stack_{m} AS base_stack_{m}, h.stack_{m} AS head_stack_{m}"
                             for m in names)))
         counts = con.execute(COUNTS_SQL.format(
             sums=", ".join(f"sum(base_{m}) AS b_{m}, sum(head_{m}) AS h_{m}" for m in names),

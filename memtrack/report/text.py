@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +154,7 @@ def format_text(data: dict) -> str:
         lines += ["", "PROCESSES"]
         procs = sorted(data["processes"], key=lambda p: -p["calls"])[:MAX_PROCESSES]
         for p in sorted(procs, key=data["processes"].index):
-            status = (f"signal {p['exit_signal']}" if p["exit_signal"] else
+            status = (signal_text(p["exit_signal"]) if p["exit_signal"] else
                       f"exit {p['exit_code']}" if p["exit_code"] is not None else "no exit seen")
             lines.append(
                 f"  {p['pid']:>7} {p['name'] or '?':<16} parent {p['ppid']}, {status}: "
@@ -170,6 +171,14 @@ def format_text(data: dict) -> str:
     for section in SECTIONS:
         lines += ["", section.title, *section.text(data["sections"][section.key])]
     return "".join(printable(line) + "\n" for line in lines)
+
+
+def signal_text(number: int) -> str:
+    """A signal as the report names it: "signal 13 (SIGPIPE)"."""
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
 
 
 def section_lines(title: str, entries: list[dict], unit: str) -> list[str]:
