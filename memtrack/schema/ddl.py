@@ -263,10 +263,10 @@ WITH per_stack AS (
     FROM stack_costs GROUP BY stack_id
 ),
 named AS (
-    SELECT stack_id, name, depth * 256 + inline_depth AS position
-    FROM backtrace_lines WHERE NOT allocator
+    SELECT stack_id, name, depth, inline_depth FROM backtrace_lines WHERE NOT allocator
 ),
-site AS (SELECT stack_id, arg_min(name, position) AS function FROM named GROUP BY stack_id),
+site AS (SELECT stack_id, arg_min(name, (depth, inline_depth)) AS function FROM named
+         GROUP BY stack_id),
 self AS (
     SELECT CASE WHEN s.stack_id IS NULL THEN '{no_stack}'
                 ELSE coalesce(l.function, '{no_caller}') END AS function,
