@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import build
 from support import pprof
 from support.chromium import CHROMIUM, Browser
 from support.synth import STACKS, write_run
@@ -120,3 +123,25 @@ def test_exports(run_db: Path, tmp_path: Path) -> None:
     stacks = [([names[i] for i in s], w) for s, w in
               zip(allocated["samples"], allocated["weights"], strict=True) if len(s) > 100]
     assert stacks == [(FOLDED.split(";"), SMALL)]
+
+
+@pytest.mark.bpf
+def test_a_capture_300_calls_deep(tmp_path: Path) -> None:
+    """fixtures/deep/recurse.c allocates 300 calls deep: through the real command line
+    (capture, process, report --html, the hotspots view), its backtrace holds every
+    call."""
+    exe = build(["deep/recurse.c"], flags=("-O1", "-g"))
+    art, db, page = tmp_path / "r.memtrack", tmp_path / "r.duckdb", tmp_path / "r.html"
+    for args in (("capture", "-o", art, "--", exe, "300"), ("process", art, "-o", db, "-q"),
+                 ("report", db, "--html", page)):
+        r = subprocess.run([sys.executable, "-m", "memtrack.cli", *map(str, args)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+    d = json.loads(invoke("report", db, "--format", "json"))
+    (entry,) = [e for e in d["sections"]["calls"] if e["location"] == "recurse"]
+    frames = [f["function"] for f in entry["backtraces"][0]["frames"]]
+    assert frames[:301] == ["recurse"] * 301 and "main" in frames
+    hot = {r["function"]: r for r in query(db, "SELECT * FROM hotspots")}
+    assert hot["recurse"]["self_bytes"] == 4321 and hot["main"]["incl_bytes"] >= 4321
+    nodes = page_data(page)["flame"]["allocated"]
+    assert sum(n[0] == "recurse" for n in nodes) == 301
