@@ -244,7 +244,8 @@ def report(
     run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
     fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
     pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
-    top: Annotated[int, typer.Option("--top", help="Locations per section.")] = 10,
+    top: Annotated[int, typer.Option("--top", help="Locations per section, and regions "
+                                     "(most bytes allocated first).")] = 10,
     html: Annotated[
         Path | None, typer.Option("--html", help="Also write a self-contained HTML page here.")
     ] = None,

@@ -69,7 +69,7 @@ def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, 
         "flame": {m: flame_tree(c, m) for m in FLAME_METRICS},
         "timelines": run.timelines(TIMELINE_POINTS),
         "hotspots": RunReader(con).hotspots(50),
-        "regions": regions.html_data(run),
+        "regions": regions.html_data(run, opts.top),
     }
 
 

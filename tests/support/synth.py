@@ -122,16 +122,17 @@ def name_line(entry: str) -> tuple[str, int]:
     return name, int(line) if line else 10 + NAMES.index(name)
 
 
-def stage_tables(events: pa.Table, stacks: dict[int, list[str]] = STACKS) -> StageTables:
+def stage_tables(events: pa.Table, stacks: dict[int, list[str]] = STACKS,
+                 end_ns: int = END_NS) -> StageTables:
     """The stages' tables with `stacks` (STACKS' names) as unwound (one module, every
-    frame normalized)."""
+    frame normalized), for a capture that ended at `end_ns`."""
     ev = sort_events(events)
     life = lifecycle(ev, pa.table({
         "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
         "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
         "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]]}, schema=PROCESSES),
         root_pid=100, start_ns=900)
-    pairing = pair(ev, life, END_NS)
+    pairing = pair(ev, life, end_ns)
     st_rows: dict[str, list] = {k: [] for k in UNWOUND_STACKS.names}
     sf: dict[str, list] = {k: [] for k in UNWOUND_STACK_FRAMES.names}
     for h, fr in sorted(stacks.items()):
