@@ -23,7 +23,7 @@ from memtrack.report import regions
 from memtrack.report.reader import METRICS, UNITS, Costs, RunReader
 from memtrack.report.text import SECTIONS, ReportOptions, report_data
 
-TIMELINE_POINTS = 1500  # per process and series, at most (max-preserving downsampling)
+TIMELINE_POINTS = 1500  # per process and series, at most (reader.downsampled)
 FLAME_METRICS = {"allocated": "bytes allocated", "calls": "calls", "peak": "alive at peak",
                  "leaked": "leaked", "temporary": "temporary allocations"}
 assert set(FLAME_METRICS) == set(METRICS)

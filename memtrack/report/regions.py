@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrack.report.reader import RunReader
+from memtrack.report.reader import RunReader, downsampled
 from memtrack.report.text import human_bytes, section_lines
 
 # region_metrics column -> the key of a region row (the JSON's), in the rows' order
@@ -50,7 +50,7 @@ RSS_GROWTH = "peak_rss_bytes - coalesce(rss_at_begin_bytes, 0)"
 BEGIN_ORDER = "begin_ts, region_id"
 TOP_ORDER = "bytes DESC, peak_heap_bytes DESC, begin_ts, region_id"  # the reports' order
 
-TIMELINE_POINTS = 200  # per region, at most (max-preserving downsampling)
+TIMELINE_POINTS = 200  # per region, at most (reader.downsampled)
 MAX_TIMELINES = 500  # regions whose heap timeline the HTML page embeds (by peak heap)
 
 
@@ -106,20 +106,13 @@ class RegionReader:
                   ) -> dict[int, list[list[float | int]]]:
         """Per region: its heap above its begin over time, [seconds from the run's
         start, bytes], from 0 at its begin to its value at its end, at most `points`
-        changes (each bucket's maximum kept, so that no peak disappears)."""
+        changes (downsampled: each bucket's minimum, maximum and last value kept)."""
         if not region_ids:
             return {}
         ids = ", ".join(str(int(r)) for r in region_ids)
-        rows = self.con.execute(f"""
-            WITH t AS (
-                SELECT region_id, ts, heap_bytes AS v,
-                       row_number() OVER (PARTITION BY region_id ORDER BY event_id) - 1 AS i,
-                       count(*) OVER (PARTITION BY region_id) AS n
-                FROM region_heap_timeline WHERE region_id IN ({ids}))
-            SELECT region_id, arg_max(ts, v), max(v) FROM t
-            GROUP BY region_id, CASE WHEN n <= {int(points)} THEN i
-                                     ELSE i * {int(points)} // n END
-            ORDER BY 1, 2""").fetchall()
+        rows = self.con.execute(downsampled(f"""
+            SELECT region_id, ts, heap_bytes, event_id FROM region_heap_timeline
+            WHERE region_id IN ({ids})""", points)).fetchall()
         spans = dict(((r, (b, e)) for r, b, e in self.con.execute(
             f"SELECT region_id, begin_ts, end_ts FROM regions WHERE region_id IN ({ids})"
         ).fetchall()))
