@@ -26,7 +26,7 @@ runner = CliRunner()
 WORK = 9997  # the recursion's frames
 DEEP = {**STACKS, 11: ["malloc", "make_small", *["work"] * WORK, "main"]}
 SMALL = 512 + 1000  # what make_small allocates (A and E)
-FOLDED = "parent (100);main;" + "work;" * WORK + "make_small"
+FOLDED = "parent;main;" + "work;" * WORK + "make_small"
 
 
 @pytest.fixture(scope="module")

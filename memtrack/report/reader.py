@@ -129,9 +129,11 @@ class Costs:
     def names(self, backtrace: int | None) -> list[str]:
         return [lv.name for lv in self.levels(backtrace)]
 
-    def root(self, pid: int) -> str:
-        """The name a process's stacks hang from: `name (pid)`."""
-        return f"{self.processes.get(pid, '?')} ({pid})"
+    def root(self, pid: int, pids: bool = True) -> str:
+        """The name a process's stacks hang from: `name (pid)`, its name alone without
+        `pids` (so that the stacks of two runs, or of processes of one name, match)."""
+        name = self.processes.get(pid, "?")
+        return f"{name} ({pid})" if pids else name
 
 
 class RunReader:
