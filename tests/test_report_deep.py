@@ -6,7 +6,6 @@ fixed width (a depth * 256 + inline depth overflowed UINT16 from 256 frames on).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import build
 from support import pprof
-from support.chromium import CHROMIUM, Browser
+from support.page import browsing, page_data
 from support.synth import STACKS, write_run
 from typer.testing import CliRunner
 
@@ -72,12 +71,6 @@ def test_hotspots_and_backtrace_views(run_db: Path) -> None:
     assert bt["backtrace_id"] == sid
 
 
-def page_data(page: Path) -> dict[str, Any]:
-    m = re.search(r'<script id="data" type="application/json">(.*?)</script>',
-                  page.read_text(), re.S)
-    assert m
-    return json.loads(m[1].replace("<\\/", "</"))
-
 
 def test_report_html(run_db: Path, tmp_path: Path) -> None:
     page = tmp_path / "deep.html"
@@ -88,19 +81,11 @@ def test_report_html(run_db: Path, tmp_path: Path) -> None:
     # the deepest node: make_small, under main and every work
     assert max(nodes, key=lambda n: n[2]) == ["make_small", SMALL, WORK + 3]
     assert {h["function"] for h in data["hotspots"]} >= {"make_small", "work", "main"}
-    if CHROMIUM is None:
-        pytest.skip("chromium missing: run scripts/setup")
-    b = Browser(1280, 900)
-    try:
-        b.open(page.as_uri())
-        assert b.eval("document.body.dataset.status") == "ok"
+    with browsing(page) as b:
         deepest = b.eval("""[...document.querySelectorAll('#flame rect.fg')]
             .map(r => [r.dataset.name, +r.dataset.depth, +r.dataset.value])
             .reduce((a, r) => r[1] > a[1] ? r : a)""")
         assert deepest == ["make_small", WORK + 3, SMALL]
-        assert b.console == []
-    finally:
-        b.close()
 
 
 def export(run_db: Path, tmp: Path, fmt: str) -> Path:

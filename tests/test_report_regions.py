@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pytest
 from support import synth
-from support.chromium import CHROMIUM, Browser
+from support.page import browsing, page_data
 from typer.testing import CliRunner
 
 from memtrack.cli import app
@@ -114,24 +112,13 @@ def test_json_regions_and_rss_growth(run_db: Path) -> None:
             f"{human_bytes(rss_after(i))})") in text
 
 
-def page_data(page: Path) -> dict[str, Any]:
-    m = re.search(r'<script id="data" type="application/json">(.*?)</script>',
-                  page.read_text(), re.S)
-    assert m
-    return json.loads(m[1].replace("<\\/", "</"))
-
 
 def test_page_shows_the_top_regions_then_all(run_db: Path, tmp_path: Path) -> None:
     page = tmp_path / "regions.html"
     invoke("report", run_db, "--html", page, "--top", "12")
     data = page_data(page)["regions"]
     assert data["top"] == 12 and len(data["rows"]) == N
-    if CHROMIUM is None:
-        pytest.skip("chromium missing: run scripts/setup")
-    b = Browser(1280, 900)
-    try:
-        b.open(page.as_uri())
-        assert b.eval("document.body.dataset.status") == "ok"
+    with browsing(page) as b:
         shown = "[...document.querySelectorAll('#regions-table tr[data-region]')]"
         ids = b.eval(f"{shown}.map(r => +r.dataset.region)")
         assert ids == [i + 1 for i in BY_BYTES[:12]]
@@ -142,6 +129,3 @@ def test_page_shows_the_top_regions_then_all(run_db: Path, tmp_path: Path) -> No
         b.mouse(*b.point(more), "click")
         assert b.eval(f"{shown}.length") == N
         assert b.eval(f"document.querySelector('{more}')") is None
-        assert b.console == []
-    finally:
-        b.close()

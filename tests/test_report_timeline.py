@@ -7,8 +7,6 @@ once, at the exit, never to jump back."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 from support import synth
+from support.page import page_data
 from typer.testing import CliRunner
 
 from memtrack.cli import app
@@ -66,14 +65,12 @@ def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_timeline_run(tmp_path_factory.mktemp("timeline") / "run.duckdb")
 
 
-def page_data(run_db: Path, tmp: Path) -> dict[str, Any]:
+def timelines(run_db: Path, tmp: Path) -> dict[int, dict[str, Any]]:
+    """The page's timelines, by pid."""
     page = tmp / "run.html"
     r = CliRunner().invoke(app, ["report", str(run_db), "--html", str(page)])
     assert r.exit_code == 0, r.output
-    m = re.search(r'<script id="data" type="application/json">(.*?)</script>',
-                  page.read_text(), re.S)
-    assert m
-    return json.loads(m[1].replace("<\\/", "</"))
+    return {t["pid"]: t for t in page_data(page)["timelines"]}
 
 
 def seconds(ts: int) -> float:
@@ -85,7 +82,7 @@ def test_heap_keeps_peaks_trough_and_the_heap_at_exit(run_db: Path, tmp_path: Pa
         heap = con.execute("SELECT ts, heap_bytes FROM heap_timeline WHERE pid = 100 "
                            "ORDER BY event_id").fetchall()
     assert len(heap) > TIMELINE_POINTS
-    (p,) = [t for t in page_data(run_db, tmp_path)["timelines"] if t["pid"] == 100]
+    p = timelines(run_db, tmp_path)[100]
     s = p["heap"]
     assert len(s) <= TIMELINE_POINTS
     assert s[-1] == [seconds(heap[-1][0]), heap[-1][1]] == [seconds(EXIT), 0]
@@ -100,7 +97,7 @@ def test_heap_keeps_peaks_trough_and_the_heap_at_exit(run_db: Path, tmp_path: Pa
 
 
 def test_rss_is_one_value_a_time_and_ends_at_the_exit(run_db: Path, tmp_path: Path) -> None:
-    (p,) = [t for t in page_data(run_db, tmp_path)["timelines"] if t["pid"] == 100]
+    p = timelines(run_db, tmp_path)[100]
     s = p["rss"]
     assert len(s) == 1 + SAMPLES + 1  # the file sample, the anon ones, the exit
     times = [t for t, _ in s]
