@@ -67,12 +67,12 @@ class RegionReader:
         `limit`: times in seconds from the run's start."""
         start = float(self.run.start_ns)
         cols = ", ".join(COLUMNS)
+        most = "" if limit is None else f"LIMIT {int(limit)}"
         rows = self.con.execute(f"""
             SELECT {cols}, {RSS_GROWTH}, (begin_ts::DOUBLE - ?) / 1e9, duration_ns / 1e9,
                    (peak_heap_ts::DOUBLE - ?) / 1e9
             FROM region_metrics WHERE {self.run.where()} AND ({where})
-            ORDER BY {order} {"" if limit is None else f"LIMIT {int(limit)}"}""",
-                                [start, start, *(params or [])]).fetchall()
+            ORDER BY {order} {most}""", [start, start, *(params or [])]).fetchall()
         keys = (*COLUMNS.values(), "rss_growth_bytes", "begin_s", "duration_s",
                 "peak_heap_at_s")
         return [dict(zip(keys, r, strict=True)) for r in rows]
