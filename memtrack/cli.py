@@ -250,7 +250,8 @@ def report(
     run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
     fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
     pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
-    top: Annotated[int, typer.Option("--top", help="Locations per section.")] = 10,
+    top: Annotated[int, typer.Option("--top", help="Locations per section, and regions "
+                                     "(most bytes allocated first).")] = 10,
     html: Annotated[
         Path | None, typer.Option("--html", help="Also write a self-contained HTML page here.")
     ] = None,
@@ -331,12 +332,16 @@ def export(
                                       "the default sample type; all are in the profile)."),
     ] = "allocated",
     pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
+    pids: Annotated[str, typer.Option(
+        "--pids", **SWITCH, help="Tell processes apart by pid: each stack's root is `name "
+                                 "(pid)` (folded, speedscope), each pprof sample has a pid "
+                                 "label. Off: by name, so that two runs' stacks match.")] = "off",
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
     """Export a processed run as folded stacks, pprof or speedscope."""
     from memtrack.commands import export as cmd
 
-    call(cmd.run, run, fmt, output, metric, pid, force=force)
+    call(cmd.run, run, fmt, output, metric, pid, pids=on("--pids", pids), force=force)
 
 
 @app.command()

@@ -47,7 +47,7 @@ def test_every_switch_takes_on_or_off() -> None:
     assert sorted(switches) == [
         "capture --modules", "capture --python-frames", "capture --rss",
         "capture --stack-copies", "capture --stacks", "capture --track-faults",
-        "process --cache", "process --host-modules", "process --python-frames",
+        "export --pids", "process --cache", "process --host-modules", "process --python-frames",
         "symbolize --cache", "unwind --host-modules"]
 
 

@@ -33,7 +33,7 @@ def export(run_db: Path, tmp: Path, fmt: str, *extra: str) -> Path:
 
 
 def test_folded(run_db: Path, tmp_path: Path) -> None:
-    text = export(run_db, tmp_path, "folded").read_text()
+    text = export(run_db, tmp_path, "folded", "--pids", "on").read_text()
     lines = dict(ln.rsplit(" ", 1) for ln in text.splitlines())
     assert lines["parent (100);main;work;make_small"] == str(512 + 1000)
     assert lines["parent (100);main;grow"] == str(4096 + 512)
@@ -42,6 +42,11 @@ def test_folded(run_db: Path, tmp_path: Path) -> None:
     assert lines["parent (100);[truncated];thread_fn"] == "300"
     assert lines["child (200);[truncated];thread_fn"] == "64"
     assert sum(int(v) for v in lines.values()) == sum(SIZES)
+    # by default a process is its name: the two lives of pid 200 (child, child2) and
+    # another run's processes match
+    plain = dict(ln.rsplit(" ", 1) for ln in export(run_db, tmp_path, "folded")
+                 .read_text().splitlines())
+    assert {k.replace(" (100)", "").replace(" (200)", ""): v for k, v in lines.items()} == plain
     leaked = export(run_db, tmp_path, "folded", "--metric", "leaked").read_text()
     assert sum(int(ln.rsplit(" ", 1)[1]) for ln in leaked.splitlines()) == sum(
         s for _, s in LEAKS.values())
@@ -53,7 +58,9 @@ PPROF_TYPES = [("alloc_objects", "count"), ("alloc_space", "bytes"), ("peak_obje
 
 
 def test_pprof_profile(run_db: Path, tmp_path: Path) -> None:
-    prof = pprof.decode(export(run_db, tmp_path, "pprof").read_bytes())
+    plain = pprof.decode(export(run_db, tmp_path, "pprof").read_bytes())
+    assert {tuple(labels) for _, _, labels in plain.samples} == {()}  # no pid: --pids on
+    prof = pprof.decode(export(run_db, tmp_path, "pprof", "--pids", "on").read_bytes())
     assert prof.sample_types == PPROF_TYPES
     assert prof.default == "alloc_space"
     assert prof.comments == ["p -x"]
@@ -105,6 +112,50 @@ def unknown_run(run_db: Path, tmp: Path) -> Path:
     return db
 
 
+# frames renamed as a Python program and C++ would have them: name -> (new name, symbol)
+FOREIGN = {"main": ("<module>", None), "work": ("run.<locals>.<listcomp>", None),
+           "grow": ("<lambda>", None),
+           "make_big": ("std::vector<int>::push_back(int const&)",
+                        "_ZNSt6vectorIiSaIiEE9push_backERKi"),
+           "make_small": ("ns::f<int>", "ns::f<int>")}
+
+
+def foreign_run(run_db: Path, tmp: Path) -> Path:
+    db = tmp / "foreign.duckdb"
+    db.write_bytes(run_db.read_bytes())
+    with duckdb.connect(str(db)) as con:
+        for old, (name, symbol) in FOREIGN.items():
+            con.execute("UPDATE frames SET name = ?, function = ?, symbol = ? WHERE name = ?",
+                        [name, name, symbol, old])
+    return db
+
+
+def test_pprof_names_survive_its_demangler(run_db: Path, tmp_path: Path) -> None:
+    """pprof demangles a function whose system name is its name: `<module>` would lose
+    its angle brackets (shown as `<unknown>`), a C++ name its parameters. Every name is
+    written so that pprof shows it as it is."""
+    prof = pprof.decode(export(foreign_run(run_db, tmp_path), tmp_path, "pprof").read_bytes())
+    functions = {(name, system) for _, _, lines in prof.locations.values()
+                 for name, system, _, _ in lines}
+    assert {name for name, _ in functions} >= {n for n, _ in FOREIGN.values()}
+    assert {name: pprof.shown(name, system) for name, system in functions} == {
+        name: name for name, _ in functions}
+    assert ("std::vector<int>::push_back(int const&)",
+            "_ZNSt6vectorIiSaIiEE9push_backERKi") in functions
+
+
+@pytest.mark.skipif(pprof.GO is None, reason="golang-go missing: run scripts/setup")
+def test_go_tool_pprof_shows_the_names(run_db: Path, tmp_path: Path) -> None:
+    out = export(foreign_run(run_db, tmp_path), tmp_path, "pprof")
+    _, flat = pprof.top(out, "alloc_space")
+    assert "<unknown>" not in flat
+    assert flat["std::vector<int>::push_back(int const&)"] == 1024 + 2048  # both lines
+    assert flat["ns::f<int>"] == 1512 and flat["<lambda>"] == 4608
+    traces = pprof.traces(out, "alloc_space")
+    assert [f for _, _, f in traces if f[0] == "ns::f<int>"] == [
+        ["ns::f<int>", "run.<locals>.<listcomp>", "<module>"]]
+
+
 @pytest.mark.skipif(pprof.GO is None, reason="golang-go missing: run scripts/setup")
 def test_go_tool_pprof_top_matches_the_report(run_db: Path, tmp_path: Path) -> None:
     """`go tool pprof -top` reads the profile as the report has it: the main binary,
@@ -126,8 +177,8 @@ def test_go_tool_pprof_top_matches_the_report(run_db: Path, tmp_path: Path) -> N
 
 @pytest.mark.skipif(pprof.GO is None, reason="golang-go missing: run scripts/setup")
 def test_go_tool_pprof_traces_are_the_folded_stacks(run_db: Path, tmp_path: Path) -> None:
-    out = export(run_db, tmp_path, "pprof")
-    folded_lines = export(run_db, tmp_path, "folded").read_text().splitlines()
+    out = export(run_db, tmp_path, "pprof", "--pids", "on")
+    folded_lines = export(run_db, tmp_path, "folded", "--pids", "on").read_text().splitlines()
     want: dict[str, int] = {}
     for ln in folded_lines:
         key, v = ln.rsplit(" ", 1)
@@ -164,7 +215,7 @@ def test_speedscope(run_db: Path, tmp_path: Path) -> None:
     assert peak["endValue"] == sum(peak["weights"]) == 300 + 2048 + 4096 + 128
     frames = doc["shared"]["frames"]
     for sample in peak["samples"]:
-        assert frames[sample[0]]["name"] in ("parent (100)", "child (200)")
+        assert frames[sample[0]]["name"] in ("parent", "child")
     alloc = doc["profiles"][1]
     assert sum(alloc["weights"]) == sum(SIZES)
     # a frame per function (make_big allocates at two lines: one frame, its first line)
@@ -175,8 +226,11 @@ def test_speedscope(run_db: Path, tmp_path: Path) -> None:
     for st, w in zip(alloc["samples"], alloc["weights"], strict=True):
         key = ";".join(frames[i]["name"] for i in st)
         by_stack[key] = by_stack.get(key, 0) + w
-    assert by_stack["parent (100);main;work;make_big"] == 1024 + 2048
-    assert by_stack["parent (100);[truncated];thread_fn"] == 300
+    assert by_stack["parent;main;work;make_big"] == 1024 + 2048
+    assert by_stack["parent;[truncated];thread_fn"] == 300
+    pids = json.loads(export(run_db, tmp_path, "speedscope", "--pids", "on").read_text())
+    assert {pids["shared"]["frames"][s[0]]["name"] for s in pids["profiles"][0]["samples"]
+            } == {"parent (100)", "child (200)"}
 
 
 def test_one_line_names(run_db: Path, tmp_path: Path) -> None:
@@ -199,4 +253,4 @@ def test_bad_format(run_db: Path, tmp_path: Path) -> None:
 
 def test_pid_filter(run_db: Path, tmp_path: Path) -> None:
     text = export(run_db, tmp_path, "folded", "--pid", "200").read_text()
-    assert text == "child (200);[no stack] 128\nchild (200);[truncated];thread_fn 64\n"
+    assert text == "child;[no stack] 128\nchild;[truncated];thread_fn 64\n"

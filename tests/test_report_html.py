@@ -94,7 +94,7 @@ def test_flame_graph_is_the_call_tree(browser: Browser, page: Path, run: Path, s
     assert rects[0]["name"] == "all" and rects[0]["value"] == TOTALS[metric]
     want = {}
     with duckdb.connect(str(run), read_only=True) as con:
-        for ln in folded.folded(RunReader(con).costs(), metric).splitlines():
+        for ln in folded.folded(RunReader(con).costs(), metric, pids=True).splitlines():
             stack, v = ln.rsplit(" ", 1)
             want["all;" + stack] = int(v)
     assert drawn_tree(rects) == want

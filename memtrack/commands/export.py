@@ -9,7 +9,7 @@ from memtrack.commands import CommandError, check_output, give_to_invoking_user,
 
 
 def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None, *,
-        force: bool = False) -> int:
+        pids: bool = False, force: bool = False) -> int:
     from memtrack.report import EXPORT_METRICS, EXPORTS
     from memtrack.report.reader import RunReader
 
@@ -19,7 +19,7 @@ def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None, *,
         raise CommandError(
             f"--metric: expected one of {', '.join(EXPORT_METRICS)}, got {metric!r}")
     check_output(output, force)
-    data = EXPORTS[fmt](RunReader(open_run_db(run_db), pid), metric)
+    data = EXPORTS[fmt](RunReader(open_run_db(run_db), pid), metric, pids)
     try:
         output.write_bytes(data)
     except OSError as e:

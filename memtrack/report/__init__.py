@@ -1,8 +1,10 @@
 """Reports of a run database: text and JSON (memtrack.report.text), one HTML page
 (memtrack.report.html), and the exports folded, pprof and speedscope. Every one reads
 the run through memtrack.report.reader.RunReader; each export is a module with
-`render(run, metric) -> bytes`, listed in EXPORTS; every export honours every metric
-(EXPORT_METRICS: the reader's METRICS)."""
+`render(run, metric, pids) -> bytes`, listed in EXPORTS; every export honours every
+metric (EXPORT_METRICS: the reader's METRICS) and tells processes apart by pid only with
+`pids` (else two runs' stacks match: folded and speedscope name the root by the process,
+pprof gives a sample no pid label)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Callable
 from memtrack.report import folded, pprof, speedscope
 from memtrack.report.reader import METRICS, RunReader
 
-EXPORTS: dict[str, Callable[[RunReader, str], bytes]] = {
+EXPORTS: dict[str, Callable[[RunReader, str, bool], bytes]] = {
     "folded": folded.render,
     "pprof": pprof.render,
     "speedscope": speedscope.render,

@@ -23,14 +23,17 @@ from memtrack.report import regions
 from memtrack.report.reader import METRICS, UNITS, Costs, RunReader
 from memtrack.report.text import SECTIONS, ReportOptions, report_data
 
-TIMELINE_POINTS = 1500  # per process and series, at most (max-preserving downsampling)
+TIMELINE_POINTS = 1500  # per process and series, at most (reader.downsampled)
 FLAME_METRICS = {"allocated": "bytes allocated", "calls": "calls", "peak": "alive at peak",
                  "leaked": "leaked", "temporary": "temporary allocations"}
 assert set(FLAME_METRICS) == set(METRICS)
 
 
-def flame_tree(c: Costs, metric: str) -> list[Any]:
-    """Nested [name, value, children] from the root outward (process, main, ..., site)."""
+def flame_tree(c: Costs, metric: str) -> list[list[Any]]:
+    """The flame graph's nodes from the root outward ("all", process, main, ..., site), in
+    pre-order (a node before its children, these by value, the largest first): [name,
+    value, depth]. Flat, so that a stack of any depth is no recursion here or in the
+    page."""
     root: list[Any] = ["all", 0, {}]
     for row in c.rows:
         v = row.value(metric)
@@ -44,12 +47,14 @@ def flame_tree(c: Costs, metric: str) -> list[Any]:
                 child = node[2][name] = [name, 0, {}]
             child[1] += v
             node = child
-
-    def freeze(n: list[Any]) -> list[Any]:
-        kids = sorted(n[2].values(), key=lambda k: (-k[1], k[0]))
-        return [n[0], n[1], [freeze(k) for k in kids]]
-
-    return freeze(root)
+    out: list[list[Any]] = []
+    todo = [(root, 0)]
+    while todo:
+        (name, value, kids), depth = todo.pop()
+        out.append([name, value, depth])
+        todo += [(k, depth + 1)  # popped largest first
+                 for k in sorted(kids.values(), key=lambda k: (-k[1], k[0]), reverse=True)]
+    return out
 
 
 def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, Any]:
@@ -64,7 +69,7 @@ def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, 
         "flame": {m: flame_tree(c, m) for m in FLAME_METRICS},
         "timelines": run.timelines(TIMELINE_POINTS),
         "hotspots": RunReader(con).hotspots(50),
-        "regions": regions.html_data(run),
+        "regions": regions.html_data(run, opts.top),
     }
 
 
@@ -214,17 +219,22 @@ function unitOf(m) { return D.metrics.find(x => x.key === m).unit; }
 function flame() {
   const box = document.getElementById("flame");
   box.textContent = "";
-  const root = D.flame[metric], unit = unitOf(metric);
+  const nodes = D.flame[metric], root = nodes[0], unit = unitOf(metric);
   const W = Math.max(box.clientWidth || 0, 600), H = 17;
   const svg = el("svg", {width: W, height: H + 2, id: "flame-svg"}, box);
   if (!root[1]) { el("text", {x: 4, y: 14}, svg, "nothing for this metric"); return null; }
-  const base = zoom || root;
+  const b = zoom === null ? 0 : zoom, base = nodes[b];
   let matched = 0, depth = 0;
-  function draw(n, x, w, k, inMatch) {
-    if (w < 0.5) return;
+  const next = [0], inMatch = [false];  // per depth: the next child's x, a match above
+  for (let i = b; i < nodes.length && (i === b || nodes[i][2] > base[2]); i++) {
+    const n = nodes[i], k = n[2] - base[2], w = W * n[1] / base[1], x = next[k];
+    next[k] = x + w;
+    if (w < 0.5) continue;  // its children are narrower still
+    next[k + 1] = x;
     depth = Math.max(depth, k);
-    const hit = matches(n[0]);
-    if (hit && !inMatch) matched += n[1];
+    const hit = matches(n[0]), above = k > 0 && inMatch[k - 1];
+    if (hit && !above) matched += n[1];
+    inMatch[k] = above || hit;
     const g = el("g", {}, svg);
     const r = el("rect", {x: x, y: k * H, width: Math.max(w - 0.5, 0.5), height: H - 1,
                           fill: color(n[0]), class: "fg" + (hit ? " match" : ""),
@@ -237,14 +247,10 @@ function flame() {
       el("text", {x: x + 3, y: k * H + 12}, g,
          n[0].length > chars ? n[0].slice(0, Math.max(chars - 1, 1)) + "…" : n[0]);
     }
-    r.addEventListener("click", () => { zoom = (n === base) ? null : n; flame(); });
+    r.addEventListener("click", () => { zoom = i === b ? null : i; flame(); });
     r.addEventListener("mousemove", e => showTip(e, label));
     r.addEventListener("mouseleave", hideTip);
-    let cx = x;
-    n[2].forEach(c => { const cw = w * c[1] / n[1]; draw(c, cx, cw, k + 1, inMatch || hit);
-                        cx += cw; });
   }
-  draw(base, 0, W, 0, false);
   svg.setAttribute("height", (depth + 1) * H + 2);
   return query ? 100 * matched / root[1] : null;
 }
@@ -253,7 +259,7 @@ function metricButtons() {
   D.metrics.forEach(m => {
     const b = el("button", {class: "btn" + (m.key === metric ? " on" : ""),
                             "data-metric": m.key},
-                 div, m.label + " (" + fmt(D.flame[m.key][1], m.unit) + ")");
+                 div, m.label + " (" + fmt(D.flame[m.key][0][1], m.unit) + ")");
     b.addEventListener("click", () => {
       metric = m.key; zoom = null;
       div.querySelectorAll("button").forEach(x => x.classList.toggle("on", x === b));

@@ -8,7 +8,13 @@ runtime address in a mapping of the process whose stack it is (mapping 1: the tr
 executable), with its function, file and line per inline level. A frame symbolization
 could not name is a function of its own, `[unknown] MODULE+0xVADDR` (pprof would fold
 `[unknown] (...)` into one `[unknown]`: it strips parentheses from names that look
-like C++)."""
+like C++).
+
+SYSTEM_NAMES: pprof demangles a function whose system name is its name, and a name
+that looks like demangled C++ to it (`<`, `>`, `[`, `]` or `::` in it) loses what it
+takes for parameters and templates: a Python `<module>` became nothing, shown as
+`<unknown>`. A function's system name is therefore its ELF symbol where that is
+another name (a mangled one), else none, and pprof shows every name as written."""
 
 from __future__ import annotations
 
@@ -80,9 +86,11 @@ def function_name(c: Costs, level: Level) -> str:
 
 
 def pprof(c: Costs, metric: str, mappings: Mappings, main_module: int | None = None,
-          duration_ns: int = 0, time_ns: int = 0, comment: str = "") -> bytes:
-    """A gzipped profile.proto of every sample type, `metric`'s the default; a numeric
-    `pid` label per sample."""
+          duration_ns: int = 0, time_ns: int = 0, comment: str = "", pids: bool = False
+          ) -> bytes:
+    """A gzipped profile.proto of every sample type, `metric`'s the default; with `pids`
+    a numeric `pid` label per sample (pprof merges, and -diff_base subtracts, only
+    samples whose labels are equal)."""
     s = _Strings()
     out = bytearray()
     for typ, unit, _ in PPROF_SAMPLE_TYPES:
@@ -118,9 +126,10 @@ def pprof(c: Costs, metric: str, mappings: Mappings, main_module: int | None = N
         key = (name, level.file)
         if key not in functions:
             functions[key] = len(functions) + 1
+            system = system_name if system_name != name else None  # SYSTEM_NAMES
             fn_msgs.extend(_field_bytes(5, (
                 _field_varint(1, functions[key]) + _field_varint(2, s(name)) +
-                _field_varint(3, s(system_name or name)) + _field_varint(4, s(level.file)))))
+                _field_varint(3, s(system)) + _field_varint(4, s(level.file)))))
         return functions[key]
 
     def line(level: Level, system_name: str | None = None) -> bytes:
@@ -155,7 +164,7 @@ def pprof(c: Costs, metric: str, mappings: Mappings, main_module: int | None = N
                                          line(Level(name, None, None))))
         return markers[name]
 
-    pid_key = s("pid")
+    pid_key = s("pid") if pids else None
     fields = [field for _, _, field in PPROF_SAMPLE_TYPES]
     for row in c.rows:
         bt = c.backtraces.get(row.backtrace) if row.backtrace is not None else None
@@ -166,7 +175,8 @@ def pprof(c: Costs, metric: str, mappings: Mappings, main_module: int | None = N
         if not locs:
             locs.append(marker(NO_STACK))
         values = [row.value(f) for f in fields]
-        label = _field_bytes(3, _field_varint(1, pid_key) + _field_varint(3, row.pid))
+        label = (b"" if pid_key is None else
+                 _field_bytes(3, _field_varint(1, pid_key) + _field_varint(3, row.pid)))
         out += _field_bytes(2, _packed(1, locs) + _packed(2, values) + label)
     out += mapping_msgs
     out += loc_msgs
@@ -189,9 +199,9 @@ def pprof(c: Costs, metric: str, mappings: Mappings, main_module: int | None = N
     return gzip.compress(bytes(out))
 
 
-def render(run: RunReader, metric: str) -> bytes:
+def render(run: RunReader, metric: str, pids: bool = False) -> bytes:
     """The run's profile, `metric` the sample type pprof shows first."""
     start, end = run.start_ns, int(run.meta.get("end_ns", 0) or 0)
     wall = int(run.meta.get("wall_offset_ns", 0) or 0)
     return pprof(run.costs(), metric, run.module_mappings(), run.main_module(),
-                 max(end - start, 0), start + wall if start else 0, run.title)
+                 max(end - start, 0), start + wall if start else 0, run.title, pids)

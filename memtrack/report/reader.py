@@ -129,9 +129,11 @@ class Costs:
     def names(self, backtrace: int | None) -> list[str]:
         return [lv.name for lv in self.levels(backtrace)]
 
-    def root(self, pid: int) -> str:
-        """The name a process's stacks hang from: `name (pid)`."""
-        return f"{self.processes.get(pid, '?')} ({pid})"
+    def root(self, pid: int, pids: bool = True) -> str:
+        """The name a process's stacks hang from: `name (pid)`, its name alone without
+        `pids` (so that the stacks of two runs, or of processes of one name, match)."""
+        name = self.processes.get(pid, "?")
+        return f"{name} ({pid})" if pids else name
 
 
 class RunReader:
@@ -459,33 +461,49 @@ class RunReader:
 
     # ---- timelines ---------------------------------------------------------------
     def timelines(self, points: int) -> list[dict[str, Any]]:
-        """Per process: heap bytes and RSS over time (seconds from the run's start), each
-        series cut to at most `points` (the maximum of each bucket kept)."""
+        """Per process: heap bytes and RSS over time, [seconds from the run's start,
+        bytes], each series cut to at most `points` (downsampled: each bucket's
+        minimum, maximum and last value kept), ending at its last value (the heap at
+        exit)."""
+        pids = f"SELECT pid FROM processes WHERE {self.where()}"
+        series = {"heap": f"""SELECT pid, ts, heap_bytes, event_id FROM heap_timeline
+                              WHERE pid IN ({pids})""",
+                  "rss": f"SELECT pid, ts, rss, ts FROM rss_timeline WHERE pid IN ({pids})"}
+        if not self.rss_recorded:
+            del series["rss"]
+        points_of: dict[str, dict[int, list[list[float | int]]]] = {}
+        start = self.start_ns
+        for key, sql in series.items():
+            by_pid = points_of[key] = {}
+            for p, t, v in self.con.execute(downsampled(sql, points)).fetchall():
+                by_pid.setdefault(p, []).append([round((t - start) / 1e9, 9), int(v)])
         out = []
-        for p, name in self.con.execute(
-                f"SELECT pid, name FROM processes WHERE {self.where()} "
-                "ORDER BY start_ts, pid").fetchall():
-            series = {}
-            for key, sql in (
-                ("heap", "SELECT ts, heap_bytes FROM heap_timeline WHERE pid = ? "
-                         "ORDER BY event_id"),
-                ("rss", "SELECT ts, rss FROM rss_timeline WHERE pid = ? ORDER BY ts"),
-            ):
-                series[key] = (self._downsample(sql, p, points)
-                               if key == "heap" or self.rss_recorded else [])
-            if series["heap"] or series["rss"]:
-                out.append({"pid": p, "name": name or "?", **series})
+        for p, name in self.con.execute(f"""SELECT pid, name FROM processes
+                                            WHERE {self.where()} ORDER BY start_ts, pid
+                                            """).fetchall():
+            heap, rss = points_of["heap"].get(p, []), points_of.get("rss", {}).get(p, [])
+            if heap or rss:
+                out.append({"pid": p, "name": name or "?", "heap": heap, "rss": rss})
         return out
 
-    def _downsample(self, sql: str, pid: int, points: int) -> list[list[float | int]]:
-        n = self.one(f"SELECT count(*) FROM ({sql})", [pid])
-        if n <= points:
-            rows = self.con.execute(sql, [pid]).fetchall()
-        else:
-            # Keep each bucket's maximum so that no peak disappears from the plot.
-            rows = self.con.execute(f"""
-                SELECT arg_max(ts, v), max(v) FROM (
-                    SELECT ts, v, (row_number() OVER (ORDER BY ts) - 1) * {points} // {n} AS b
-                    FROM ({sql}) s(ts, v)) GROUP BY b ORDER BY 1""", [pid]).fetchall()
-        start = self.start_ns
-        return [[round((t - start) / 1e9, 9), int(v)] for t, v in rows]
+
+def downsampled(series: str, points: int) -> str:
+    """SQL cutting each series of the relation `series` (its columns: the series' key,
+    a time, a value and the series' order) to at most `points` rows: the key, time and
+    value, in the key's and the series' order. A longer series is cut in points // 3
+    buckets of consecutive rows, each keeping its minimum, its maximum and its last row,
+    so that no peak, no trough and no final value (a series' last row is kept always)
+    disappears from a plot."""
+    buckets = max(points // 3, 1)
+    return f"""
+        WITH s AS (
+            SELECT k, ts, v, row_number() OVER (PARTITION BY k ORDER BY o) - 1 AS i,
+                   count(*) OVER (PARTITION BY k) AS n
+            FROM ({series}) s(k, ts, v, o)),
+        b AS (SELECT *, CASE WHEN n <= {int(points)} THEN i ELSE i * {buckets} // n END
+                        AS b FROM s),
+        kept AS (
+            SELECT k, unnest([arg_min(i, (v, i)), arg_max(i, (v, -i)), max(i)]) AS i
+            FROM b GROUP BY k, b)
+        SELECT k, ts, v FROM b SEMI JOIN (SELECT DISTINCT k, i FROM kept) USING (k, i)
+        ORDER BY k, i"""

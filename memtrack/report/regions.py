@@ -6,7 +6,12 @@ region_metrics, region_stack_costs, region_heap_timeline). A region's allocation
 those its thread made inside it (nested regions' included); its peak heap is the
 highest its thread's heap changes inside it took the heap above where it stood at the
 region's begin; alive at its end: the blocks it allocated that were still allocated
-when it closed; leaked: those never freed at all.
+when it closed; leaked: those never freed at all; its RSS growth: the highest its
+process's RSS went while it ran above that RSS at its begin (the process's RSS itself
+is every region's of the process alike).
+
+The reports list the regions that allocated the most bytes first (TOP_ORDER), --top of
+them, and count the rest.
 
 `RegionReader.by_name()` is the hook for comparing runs: regions matched by name,
 their instances aggregated.
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrack.report.reader import RunReader
+from memtrack.report.reader import RunReader, downsampled
 from memtrack.report.text import human_bytes, section_lines
 
 # region_metrics column -> the key of a region row (the JSON's), in the rows' order
@@ -39,9 +44,14 @@ SECTIONS: dict[str, tuple[str, str, str, str]] = {
     "temporary": ("MOST TEMPORARY ALLOCATIONS", "temporary", "temporary", "calls"),
 }  # fmt: skip
 
-TIMELINE_POINTS = 200  # per region, at most (max-preserving downsampling)
+# the region's RSS growth (a row's rss_growth_bytes): its process's peak RSS while it
+# ran above the RSS at its begin
+RSS_GROWTH = "peak_rss_bytes - coalesce(rss_at_begin_bytes, 0)"
+BEGIN_ORDER = "begin_ts, region_id"
+TOP_ORDER = "bytes DESC, peak_heap_bytes DESC, begin_ts, region_id"  # the reports' order
+
+TIMELINE_POINTS = 200  # per region, at most (reader.downsampled)
 MAX_TIMELINES = 500  # regions whose heap timeline the HTML page embeds (by peak heap)
-MAX_TEXT_ROWS = 200  # regions in the text report (--format json lists them all)
 
 
 class RegionReader:
@@ -51,18 +61,28 @@ class RegionReader:
         self.run = run
         self.con = run.con
 
-    def rows(self, where: str = "TRUE", params: list[Any] | None = None) -> list[dict[str, Any]]:
-        """The regions (and `where` over region_metrics), by begin: times in seconds
-        from the run's start."""
+    def rows(self, where: str = "TRUE", params: list[Any] | None = None, *,
+             order: str = BEGIN_ORDER, limit: int | None = None) -> list[dict[str, Any]]:
+        """The regions (and `where` over region_metrics) in `order` (by begin), at most
+        `limit`: times in seconds from the run's start."""
         start = float(self.run.start_ns)
         cols = ", ".join(COLUMNS)
+        most = "" if limit is None else f"LIMIT {int(limit)}"
         rows = self.con.execute(f"""
-            SELECT {cols}, (begin_ts::DOUBLE - ?) / 1e9, duration_ns / 1e9,
+            SELECT {cols}, {RSS_GROWTH}, (begin_ts::DOUBLE - ?) / 1e9, duration_ns / 1e9,
                    (peak_heap_ts::DOUBLE - ?) / 1e9
             FROM region_metrics WHERE {self.run.where()} AND ({where})
-            ORDER BY begin_ts, region_id""", [start, start, *(params or [])]).fetchall()
-        keys = (*COLUMNS.values(), "begin_s", "duration_s", "peak_heap_at_s")
+            ORDER BY {order} {most}""", [start, start, *(params or [])]).fetchall()
+        keys = (*COLUMNS.values(), "rss_growth_bytes", "begin_s", "duration_s",
+                "peak_heap_at_s")
         return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    def count(self) -> int:
+        return int(self.run.one(f"SELECT count(*) FROM regions WHERE {self.run.where()}"))
+
+    def top(self, n: int) -> list[dict[str, Any]]:
+        """The `n` regions that allocated the most bytes (TOP_ORDER)."""
+        return self.rows(order=TOP_ORDER, limit=n)
 
     def named(self, name: str) -> list[dict[str, Any]]:
         return self.rows("name = ?", [name])
@@ -86,20 +106,13 @@ class RegionReader:
                   ) -> dict[int, list[list[float | int]]]:
         """Per region: its heap above its begin over time, [seconds from the run's
         start, bytes], from 0 at its begin to its value at its end, at most `points`
-        changes (each bucket's maximum kept, so that no peak disappears)."""
+        changes (downsampled: each bucket's minimum, maximum and last value kept)."""
         if not region_ids:
             return {}
         ids = ", ".join(str(int(r)) for r in region_ids)
-        rows = self.con.execute(f"""
-            WITH t AS (
-                SELECT region_id, ts, heap_bytes AS v,
-                       row_number() OVER (PARTITION BY region_id ORDER BY event_id) - 1 AS i,
-                       count(*) OVER (PARTITION BY region_id) AS n
-                FROM region_heap_timeline WHERE region_id IN ({ids}))
-            SELECT region_id, arg_max(ts, v), max(v) FROM t
-            GROUP BY region_id, CASE WHEN n <= {int(points)} THEN i
-                                     ELSE i * {int(points)} // n END
-            ORDER BY 1, 2""").fetchall()
+        rows = self.con.execute(downsampled(f"""
+            SELECT region_id, ts, heap_bytes, event_id FROM region_heap_timeline
+            WHERE region_id IN ({ids})""", points)).fetchall()
         spans = dict(((r, (b, e)) for r, b, e in self.con.execute(
             f"SELECT region_id, begin_ts, end_ts FROM regions WHERE region_id IN ({ids})"
         ).fetchall()))
@@ -153,24 +166,33 @@ def _blocks(n: int, b: int) -> str:
     return f"{n} ({human_bytes(b)})"
 
 
-def region_table_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The text report's REGIONS section: one line per region, by begin."""
-    lines = ["REGIONS (peak heap: above the heap at the region's begin; alive: its blocks "
-             "still allocated at its end)",
+def _optional_bytes(n: int | None) -> str:
+    return human_bytes(n) if n is not None else "-"
+
+
+def region_table_lines(rows: list[dict[str, Any]], total: int) -> list[str]:
+    """The text report's REGIONS section: one line per region of `rows` (the top ones of
+    `total` regions, TOP_ORDER), then how many more there are."""
+    lines = ["REGIONS (most bytes allocated first; peak heap: above the heap at the "
+             "region's begin; RSS growth: its process's peak RSS in it above the RSS at its "
+             "begin; alive: its blocks still allocated at its end)",
              f"  {'calls':>8} {'allocated':>10} {'average':>9} {'peak heap':>10} "
-             f"{'peak RSS':>9} {'alive at end':>16} {'leaked':>16} {'time':>9}  region"]
-    for r in rows[:MAX_TEXT_ROWS]:
-        rss = human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] is not None else "-"
-        avg = human_bytes(r["average_bytes"]) if r["average_bytes"] is not None else "-"
+             f"{'RSS growth':>10} {'process RSS':>11} {'alive at end':>16} {'leaked':>16} "
+             f"{'time':>9}  region"]
+    for r in rows:
         flag = "" if r["ended"] else "  [never ended: closed at exit]"
         lines.append(
-            f"  {r['calls']:>8} {human_bytes(r['allocated_bytes']):>10} {avg:>9} "
-            f"{human_bytes(r['peak_heap_bytes']):>10} {rss:>9} "
+            f"  {r['calls']:>8} {human_bytes(r['allocated_bytes']):>10} "
+            f"{_optional_bytes(r['average_bytes']):>9} "
+            f"{human_bytes(r['peak_heap_bytes']):>10} "
+            f"{_optional_bytes(r['rss_growth_bytes']):>10} "
+            f"{_optional_bytes(r['peak_rss_bytes']):>11} "
             f"{_blocks(r['alive_allocations'], r['alive_bytes']):>16} "
             f"{_blocks(r['leaked_allocations'], r['leaked_bytes']):>16} "
-            f"{_s(r['duration_s']):>9}  {'  ' * r['depth']}{r['name']}{flag}")
-    if len(rows) > MAX_TEXT_ROWS:
-        lines.append(f"  ({len(rows) - MAX_TEXT_ROWS} more: --format json lists them all)")
+            f"{_s(r['duration_s']):>9}  {r['name']}{flag}")
+    if total > len(rows):
+        lines.append(f"  … and {total - len(rows):,} more region"
+                     f"{'' if total - len(rows) == 1 else 's'} (--top N lists more)")
     return lines
 
 
@@ -181,8 +203,9 @@ def format_region(data: dict[str, Any]) -> str:
         lines.append("command: " + " ".join(data["command"]))
     for r in data["instances"]:
         state = "ended" if r["ended"] else "never ended (closed at its thread's exit)"
-        rss = (f"{human_bytes(r['peak_rss_bytes'])} (at its begin "
-               f"{human_bytes(r['rss_at_begin_bytes'] or 0)})"
+        rss = (f"{human_bytes(r['rss_growth_bytes'])} above its begin (its process's: "
+               f"{human_bytes(r['rss_at_begin_bytes'] or 0)} at its begin, peak "
+               f"{human_bytes(r['peak_rss_bytes'])})"
                if r["peak_rss_bytes"] is not None else "not recorded")
         avg = human_bytes(r["average_bytes"]) if r["average_bytes"] is not None else "-"
         lines += [
@@ -192,7 +215,7 @@ def format_region(data: dict[str, Any]) -> str:
             f"  bytes allocated: {human_bytes(r['allocated_bytes'])} (average {avg})",
             f"  peak heap above its begin: {human_bytes(r['peak_heap_bytes'])} at "
             f"{_s(r['peak_heap_at_s'])}",
-            f"  peak RSS: {rss}",
+            f"  RSS growth: {rss}",
             f"  frees: {r['frees']} ({human_bytes(r['freed_bytes'])})",
             f"  alive at its end: {_blocks(r['alive_allocations'], r['alive_bytes'])}",
             f"  leaked (never freed): {_blocks(r['leaked_allocations'], r['leaked_bytes'])}",
@@ -202,26 +225,29 @@ def format_region(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def html_data(run: RunReader) -> dict[str, Any]:
-    """What the HTML page's regions table draws: the rows, and the heap timelines of
-    the MAX_TIMELINES regions with the highest peaks."""
+def html_data(run: RunReader, top: int) -> dict[str, Any]:
+    """What the HTML page's regions table draws: every row (the table shows the `top`
+    first in the order chosen, TOP_ORDER's first), and the heap timelines of the
+    MAX_TIMELINES regions with the highest peaks."""
     reader = RegionReader(run)
-    rows = reader.rows()
-    top = sorted(rows, key=lambda r: -r["peak_heap_bytes"])[:MAX_TIMELINES]
-    timelines = reader.timelines([r["region_id"] for r in top])
-    return {"rows": rows, "timelines": {str(k): v for k, v in timelines.items()}}
+    rows = reader.rows(order=TOP_ORDER)
+    peaks = sorted(rows, key=lambda r: -r["peak_heap_bytes"])[:MAX_TIMELINES]
+    timelines = reader.timelines([r["region_id"] for r in peaks])
+    return {"rows": rows, "top": top, "timelines": {str(k): v for k, v in timelines.items()}}
 
 
-# The page's regions table (memtrack.report.html puts it in its script): sortable by
-# any column (click its header; #sort=KEY[:desc] in the address), a click on a row
-# (#region=ID) draws that region's heap timeline.
+# The page's regions table (memtrack.report.html puts it in its script): the `top` rows
+# (most bytes allocated first) and a line counting the others (a click shows them all),
+# sortable by any column (click its header; #sort=KEY[:desc] in the address), a click
+# on a row (#region=ID) draws that region's heap timeline.
 HTML_SCRIPT = r"""
 function regions() {
   const R = D.regions, box = document.getElementById("regions");
   if (!R || !R.rows.length) return;
   el("h2", {}, box, "Regions (" + R.rows.length + ")");
   el("small", {}, box, "Click a column to sort, a row to see its heap over time. Peak heap: "
-     + "above the heap at the region's begin; alive: its blocks still allocated at its end.");
+     + "above the heap at the region's begin; RSS growth: its process's peak RSS in it "
+     + "above the RSS at its begin; alive: its blocks still allocated at its end.");
   const secs = v => v === null ? "" : v.toFixed(3) + "s";
   const n = v => v === null || v === undefined ? "" : String(v);
   const b = v => v === null || v === undefined ? "" : bytes(v);
@@ -234,13 +260,14 @@ function regions() {
     ["average", "average_bytes",
      r => b(r.average_bytes === null ? null : Math.round(r.average_bytes))],
     ["peak heap", "peak_heap_bytes", r => b(r.peak_heap_bytes)],
-    ["peak RSS", "peak_rss_bytes", r => b(r.peak_rss_bytes)],
+    ["RSS growth", "rss_growth_bytes", r => b(r.rss_growth_bytes)],
+    ["process RSS", "peak_rss_bytes", r => b(r.peak_rss_bytes)],
     ["alive at end", "alive_bytes", r => r.alive_allocations + " (" + bytes(r.alive_bytes) + ")"],
     ["leaked", "leaked_bytes", r => r.leaked_allocations + " (" + bytes(r.leaked_bytes) + ")"],
     ["temporary", "temporary", r => n(r.temporary)],
   ];
   const t = el("table", {id: "regions-table"}, box), head = el("tr", {}, t);
-  let key = "begin_s", asc = true;
+  let key = "allocated_bytes", asc = false, shown = R.top;
   const body = el("tbody", {}, t), plot = el("div", {id: "region-plot"}, box);
   cols.forEach(([label, k], i) => {
     const th = el("th", i ? {class: "n", "data-key": k} : {"data-key": k}, head, label);
@@ -254,12 +281,19 @@ function regions() {
       return (asc ? d : -d) || x.region_id - y.region_id;
     });
     body.textContent = "";
-    rows.forEach(r => {
+    rows.slice(0, shown).forEach(r => {
       const tr = el("tr", {"data-region": r.region_id}, body);
       tr.style.cursor = "pointer";
       cols.forEach(([, , f], i) => el("td", i ? {class: "n"} : {}, tr, f(r)));
       tr.addEventListener("click", () => regionPlot(r));
     });
+    if (rows.length > shown) {
+      const more = el("td", {colspan: cols.length, class: "more"}, el("tr", {}, body),
+                      "… and " + count(rows.length - shown) + " more region"
+                      + (rows.length - shown === 1 ? "" : "s") + " (show all)");
+      more.style.cursor = "pointer";
+      more.addEventListener("click", () => { shown = rows.length; draw(); });
+    }
     head.querySelectorAll("th").forEach(th => th.dataset.sorted =
       th.dataset.key === key ? (asc ? "asc" : "desc") : "");
   }

@@ -3,7 +3,8 @@
 A speedscope frame is a function (its name and file): the inline levels and source
 lines of one function are one frame, so that a function is one block per caller in
 the flame chart and one row in the sandwich view; the frame's `line` is the lowest
-line of the function the run's stacks hold (the closest to its start)."""
+line of the function the run's stacks hold (the closest to its start). A stack's root
+is its process, by name (with its pid: `pids`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 from memtrack.report.reader import METRICS, UNITS, Costs, RunReader
 
 
-def speedscope(c: Costs, metric: str, name: str = "memtrack") -> dict[str, Any]:
+def speedscope(c: Costs, metric: str, name: str = "memtrack", pids: bool = False
+               ) -> dict[str, Any]:
     """speedscope's file format: one sampled profile per metric, `metric` first."""
     frame_index: dict[tuple[str, str | None], int] = {}
     shared: list[dict[str, Any]] = []
@@ -33,7 +35,7 @@ def speedscope(c: Costs, metric: str, name: str = "memtrack") -> dict[str, Any]:
 
     stacks = []
     for row in c.rows:
-        outer_first = [(c.root(row.pid), None, None),
+        outer_first = [(c.root(row.pid, pids), None, None),
                        *((lv.name, lv.file, lv.line) for lv in reversed(c.levels(row.backtrace)))]
         stacks.append([idx(*k) for k in outer_first])
     profiles = []
@@ -60,5 +62,5 @@ def speedscope(c: Costs, metric: str, name: str = "memtrack") -> dict[str, Any]:
     }
 
 
-def render(run: RunReader, metric: str) -> bytes:
-    return json.dumps(speedscope(run.costs(), metric, run.title)).encode()
+def render(run: RunReader, metric: str, pids: bool = False) -> bytes:
+    return json.dumps(speedscope(run.costs(), metric, run.title, pids)).encode()

@@ -24,7 +24,7 @@ from memtrack.schema import loss_lines
 @dataclass
 class ReportOptions:
     pid: int | None = None
-    top: int = 10  # locations per section
+    top: int = 10  # locations per section, regions
     backtraces: int = 3  # backtraces per location
 
 
@@ -82,6 +82,7 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
 
     opts = opts or ReportOptions()
     run = RunReader(con, opts.pid)
+    regions = RegionReader(run)
     return {
         "command": run.command,
         "artifact": run.meta.get("artifact"),
@@ -90,7 +91,8 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
         "processes": run.processes(),
         "sections": {s.key: s.data(run, opts) for s in SECTIONS},
         "losses": {k: v for k, v in json.loads(run.meta.get("losses", "{}")).items() if v},
-        "regions": RegionReader(run).rows(),
+        "regions": regions.top(opts.top),  # the most bytes allocated first
+        "regions_total": regions.count(),
     }
 
 
@@ -164,10 +166,10 @@ def format_text(data: dict) -> str:
             lines.append(f"  ({len(data['processes']) - len(procs)} more with fewer calls: "
                          "--format json lists them all)")
     lines += loss_lines(data["losses"])
-    if data.get("regions"):
+    if data["regions_total"]:
         from memtrack.report.regions import region_table_lines
 
-        lines += ["", *region_table_lines(data["regions"])]
+        lines += ["", *region_table_lines(data["regions"], data["regions_total"])]
     for section in SECTIONS:
         lines += ["", section.title, *section.text(data["sections"][section.key])]
     return "".join(printable(line) + "\n" for line in lines)

@@ -14,7 +14,7 @@ import duckdb
 
 from memtrack.schema.enums import Allocator, EndReason, EventKind, RssCause, RssMember, names
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class RunError(Exception):
@@ -227,7 +227,7 @@ WHERE a.event_id <= p.peak_event_id
 
 CREATE VIEW rss_timeline AS
 WITH w AS (
-    SELECT pid, ts,
+    SELECT pid, ts, rowid AS r,
         last_value(CASE WHEN member = 'file' THEN bytes END IGNORE NULLS)
             OVER (PARTITION BY pid ORDER BY ts, rowid ROWS UNBOUNDED PRECEDING) AS file,
         last_value(CASE WHEN member = 'anon' THEN bytes END IGNORE NULLS)
@@ -240,7 +240,7 @@ WITH w AS (
 SELECT pid, ts, coalesce(file, 0) AS file, coalesce(anon, 0) AS anon,
        coalesce(swap, 0) AS swap, coalesce(shmem, 0) AS shmem,
        coalesce(file, 0) + coalesce(anon, 0) + coalesce(shmem, 0) AS rss
-FROM w;
+FROM w QUALIFY row_number() OVER (PARTITION BY pid, ts ORDER BY r DESC) = 1;
 
 CREATE VIEW leaks AS SELECT * FROM allocations WHERE {leaked};
 
@@ -263,10 +263,10 @@ WITH per_stack AS (
     FROM stack_costs GROUP BY stack_id
 ),
 named AS (
-    SELECT stack_id, name, depth * 256 + inline_depth AS position
-    FROM backtrace_lines WHERE NOT allocator
+    SELECT stack_id, name, depth, inline_depth FROM backtrace_lines WHERE NOT allocator
 ),
-site AS (SELECT stack_id, arg_min(name, position) AS function FROM named GROUP BY stack_id),
+site AS (SELECT stack_id, arg_min(name, (depth, inline_depth)) AS function FROM named
+         GROUP BY stack_id),
 self AS (
     SELECT CASE WHEN s.stack_id IS NULL THEN '{no_stack}'
                 ELSE coalesce(l.function, '{no_caller}') END AS function,

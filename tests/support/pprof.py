@@ -115,6 +115,38 @@ def decode(data: bytes) -> Profile:
     return p
 
 
+def shown(name: str, system_name: str) -> str:
+    """The name `go tool pprof` shows for a function by default: its demangler's
+    (internal/symbolizer demangleSingleFunction, options NoParams and NoTemplateParams)
+    leaves a name whose system name differs alone; otherwise, where the system name
+    looks like demangled C++ to it, takes out what is in parentheses and angle
+    brackets (a mangled system name it would demangle: none of the tests' is)."""
+    if name and system_name != name:
+        return name
+    name = system_name
+    if ".<" in name or "])." in name or not (any(c in name for c in "<>[]") or "::" in name):
+        return name
+    for start, end in ("()", "<>"):
+        name = _remove_matching(name, start, end)
+    return name
+
+
+def _remove_matching(name: str, start: str, end: str) -> str:
+    """pprof's removeMatching: every outermost start...end taken out (unbalanced: the
+    name as it was)."""
+    out, depth = [], 0
+    for c in name:
+        if c == start:
+            depth += 1
+        elif c == end:
+            depth -= 1
+            if depth < 0:
+                return name
+        elif depth == 0:
+            out.append(c)
+    return "".join(out)
+
+
 def go_pprof(path: Path, *args: str) -> str:
     assert GO, "golang-go missing: run scripts/setup"
     return subprocess.run([GO, "tool", "pprof", *args, str(path)], capture_output=True,
@@ -135,15 +167,18 @@ def top(path: Path, sample_index: str, *, lines: bool = False) -> tuple[str, dic
     return head, flat
 
 
-def traces(path: Path, sample_index: str) -> list[tuple[int, int, list[str]]]:
-    """`go tool pprof -traces`: (pid label, value, functions leaf first) per sample."""
+def traces(path: Path, sample_index: str) -> list[tuple[int | None, int, list[str]]]:
+    """`go tool pprof -traces`: (pid label or None, value, functions leaf first) per
+    sample."""
     out = go_pprof(path, "-traces", "-unit=B", f"-sample_index={sample_index}")
     found = []
     for block in re.split(r"^-+\+-+$", out, flags=re.M)[1:]:
         rows = [r for r in block.splitlines() if r.strip()]
         if not rows:
             continue
-        pid = int(re.match(r"\s*pid:\s+(\d+)", rows[0])[1])
-        m = re.match(r"\s*(\d+)B?\s+(.*)$", rows[1])
-        found.append((pid, int(m[1]), [m[2].strip(), *(r.strip() for r in rows[2:])]))
+        label = re.match(r"\s*pid:\s+(\d+)", rows[0])
+        pid = int(label[1]) if label else None
+        rows = rows[1:] if label else rows
+        m = re.match(r"\s*(\d+)B?\s+(.*)$", rows[0])
+        found.append((pid, int(m[1]), [m[2].strip(), *(r.strip() for r in rows[1:])]))
     return found

@@ -122,18 +122,20 @@ def name_line(entry: str) -> tuple[str, int]:
     return name, int(line) if line else 10 + NAMES.index(name)
 
 
-def stage_tables(events: pa.Table) -> StageTables:
-    """The stages' tables with STACKS as unwound (one module, every frame normalized)."""
+def stage_tables(events: pa.Table, stacks: dict[int, list[str]] = STACKS,
+                 end_ns: int = END_NS) -> StageTables:
+    """The stages' tables with `stacks` (STACKS' names) as unwound (one module, every
+    frame normalized), for a capture that ended at `end_ns`."""
     ev = sort_events(events)
     life = lifecycle(ev, pa.table({
         "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
         "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
         "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]]}, schema=PROCESSES),
         root_pid=100, start_ns=900)
-    pairing = pair(ev, life, END_NS)
+    pairing = pair(ev, life, end_ns)
     st_rows: dict[str, list] = {k: [] for k in UNWOUND_STACKS.names}
     sf: dict[str, list] = {k: [] for k in UNWOUND_STACK_FRAMES.names}
-    for h, fr in sorted(STACKS.items()):
+    for h, fr in sorted(stacks.items()):
         cut = h in CUT
         for k, v in zip(st_rows, (h, 100, len(fr), cut, not cut,
                                   "truncated" if cut else "complete"), strict=True):
@@ -177,10 +179,12 @@ def symbolize(known: pa.Table) -> pa.Table:
         "reason": pa.array([None] * n, pa.string())}, schema=SYMBOLIZED_FRAMES)  # fmt: skip
 
 
-def write_run(path: Path, events: pa.Table | None = None) -> Path:
-    """A run database of EVENT_ROWS (or `events`) with STACKS as their stacks, written by
-    the load stage as `process` writes it."""
-    load(path, stage_tables(events if events is not None else events_table()), lambda _: meta_rows(
+def write_run(path: Path, events: pa.Table | None = None,
+              stacks: dict[int, list[str]] = STACKS) -> Path:
+    """A run database of EVENT_ROWS (or `events`) with STACKS (or `stacks`, of the same
+    names) as their stacks, written by the load stage as `process` writes it."""
+    ev = events if events is not None else events_table()
+    load(path, stage_tables(ev, stacks), lambda _: meta_rows(
         start_ns=900, end_ns=END_NS, root_pid=100, command=["p", "-x"], losses={},
         counters={}, allocator_functions=ALLOCATORS), symbolize)
     return path
