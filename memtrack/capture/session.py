@@ -521,8 +521,7 @@ class Session:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        for pid in self.tracker.linked_pids():  # nothing is tracked any more
-            self.tracker.release(pid)
+        self._release_links()  # nothing is tracked any more: every process's go
 
     def _finish(self) -> CaptureResult:
         self._release_stragglers()
