@@ -41,7 +41,9 @@ def test_libc_probes_and_aliases() -> None:
     assert probes["free"].program == "mt_free" and probes["free"].is_free
     assert probes["posix_memalign"].shape == "posixmemalign"
     # the cookie tells alloc.c the kind, the family and where the arguments are
-    assert probes["malloc"].cookie == EventKind.MALLOC | Allocator.LIBC << 8 | 1 << 16
+    # (and, for malloc, that an unprobed wrapper may have called it: bit 26)
+    assert probes["malloc"].cookie == (EventKind.MALLOC | Allocator.LIBC << 8 | 1 << 16
+                                       | 1 << 26)
     assert probes["calloc"].cookie == (EventKind.CALLOC | Allocator.LIBC << 8 | 1 << 16
                                        | 2 << 18)
     assert probes["realloc"].cookie == (EventKind.REALLOC | Allocator.LIBC << 8 | 2 << 16
@@ -157,7 +159,8 @@ def test_every_shape_has_a_cookie_and_an_argument_count() -> None:
     assert defines == {
         "MT_K_POSIX_MEMALIGN": al.KIND_POSIX_MEMALIGN, "MT_K_MALLOCX": al.KIND_MALLOCX,
         "MT_CK_ALLOCATOR": al.CK_ALLOCATOR, "MT_CK_SIZE": al.CK_SIZE, "MT_CK_MUL": al.CK_MUL,
-        "MT_CK_OLD": al.CK_OLD, "MT_CK_OUTP": al.CK_OUTP, "MT_CK_FLAGS": al.CK_FLAGS}
+        "MT_CK_OLD": al.CK_OLD, "MT_CK_OUTP": al.CK_OUTP, "MT_CK_FLAGS": al.CK_FLAGS,
+        "MT_CK_WRAPPABLE": al.CK_WRAPPABLE}
     shapes = {*al.LIBC_NAMES.values(), *al.CXX_NAMES.values(), *al.JEMALLOC_NAMES.values(),
               *al.MIMALLOC_NAMES.values(), *al.TCMALLOC_NAMES.values()}
     assert shapes <= set(al.SHAPES) and shapes <= set(al.SHAPE_ARG_REGS)

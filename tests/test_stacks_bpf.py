@@ -39,7 +39,8 @@ int mt_test_malloc(struct pt_regs *ctx) {
     if (!mt_is_tracked(pid))
         return 0;
     struct mt_test_ev ev = {};
-    ev.hash = mt_stack_capture(ctx, pid, tid);
+    struct mt_frame f = {.sp = PT_REGS_SP(ctx), .ip = PT_REGS_IP(ctx)};
+    ev.hash = mt_stack_capture(ctx, pid, tid, &f);
     ev.size = PT_REGS_PARM1(ctx);
     ev.tid = tid;
     mt_test_out.ringbuf_output(&ev, sizeof(ev), 0);

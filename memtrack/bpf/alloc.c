@@ -34,6 +34,7 @@
 #define MT_CK_OLD 20
 #define MT_CK_OUTP 22
 #define MT_CK_FLAGS 24
+#define MT_CK_WRAPPABLE 26 /* 1 bit: an unprobed wrapper may call this (mt_unwrap) */
 
 /* Loss counters of the capture core (userspace sums the per-CPU slots). */
 #define MT_L_EVENTS_RING_FULL 0
@@ -59,6 +60,57 @@ struct mt_call {
     u64 last_free_sp;
 };
 BPF_HASH(mt_calls, u32, struct mt_call, 65536);
+
+/* Call sites of unprobed allocator wrappers (memtrack.capture.wrappers), keyed by the
+ * return address in a process (an address's meaning is the same in every process that
+ * maps the module there; entries of processes gone age out): the wrapper's family, CFA
+ * - rsp at the return address, the bytes from the wrapper's start to it, and the
+ * callee-saved registers it pushed (DWARF number, offset from the CFA). */
+struct mt_wrap {
+    u8 family;
+    u8 nsaved;
+    u16 cfa;
+    u32 delta;
+    u8 reg[2];
+    u16 _pad;
+    s16 off[2];
+};
+BPF_TABLE("lru_hash", u64, struct mt_wrap, mt_wrap_sites, 65536);
+
+#define MT_UNWRAP_DEPTH 3 /* nothrow new -> new -> malloc */
+BPF_PERCPU_ARRAY(mt_frames, struct mt_frame, 1); /* the current entry's (the BPF stack is full) */
+
+/* Follow the return addresses at sp through registered wrapper call sites: f is left
+ * at the outermost wrapper's entry (levels 0: none called us). */
+static __always_inline void mt_unwrap(struct pt_regs *ctx, struct mt_frame *f) {
+    u64 sp = PT_REGS_SP(ctx);
+#pragma unroll
+    for (int i = 0; i < MT_UNWRAP_DEPTH; i++) {
+        u64 ra = 0;
+        if (bpf_probe_read_user(&ra, sizeof(ra), (void *)sp))
+            break;
+        struct mt_wrap *w = mt_wrap_sites.lookup(&ra);
+        if (!w)
+            break;
+        u64 cfa = sp + 8 + w->cfa;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            u32 n = f->nsaved;
+            if (j >= w->nsaved || n >= MT_UNWRAP_SAVED)
+                break;
+            u64 v = 0;
+            bpf_probe_read_user(&v, sizeof(v), (void *)(cfa + w->off[j]));
+            f->val[n & (MT_UNWRAP_SAVED - 1)] = v;
+            f->reg[n & (MT_UNWRAP_SAVED - 1)] = w->reg[j];
+            f->nsaved = n + 1;
+        }
+        sp = cfa - 8;
+        f->ip = ra - w->delta;
+        f->family = w->family;
+        f->levels = i + 1;
+    }
+    f->sp = sp;
+}
 
 static __always_inline void mt_loss(int idx) {
     u64 *v = mt_core_losses.lookup(&idx);
@@ -128,8 +180,14 @@ static __always_inline void mt_retslot_pop(u32 tid) {
         r->depth -= 1;
 }
 
+static __always_inline int mt_wrapping(void) {
+    int k = MT_CONFIG_WRAPPED;
+    u64 *v = mt_config.lookup(&k);
+    return v && *v;
+}
+
 static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, u64 size,
-                                    u64 old_addr, u64 outp, u64 flags) {
+                                    u64 old_addr, u64 outp, u64 flags, u64 wrappable) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
     struct mt_call *c = mt_call_of(pid, tid);
@@ -143,6 +201,19 @@ static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, 
     c->last_free_ptr = 0;
     if (d != 0)
         return 0;
+    int zero = 0;
+    struct mt_frame *f = mt_frames.lookup(&zero);
+    if (!f)
+        return 0;
+    f->sp = PT_REGS_SP(ctx);
+    f->ip = PT_REGS_IP(ctx);
+    f->levels = 0;
+    f->nsaved = 0;
+    if (wrappable && mt_wrapping()) {
+        mt_unwrap(ctx, f);
+        if (f->levels)
+            allocator = f->family;
+    }
     c->kind = kind;
     c->allocator = allocator;
     c->size = size;
@@ -153,7 +224,7 @@ static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, 
     c->on = mt_is_enabled();
 #ifdef MT_STACKS
     if (c->on) {
-        c->stack_hash = mt_stack_capture(ctx, pid, tid);
+        c->stack_hash = mt_stack_capture(ctx, pid, tid, f);
 #ifdef MT_PYFRAMES
         c->stack_hash = mt_py_capture(pid, tid, c->stack_hash);
 #endif
@@ -238,7 +309,7 @@ int mt_alloc(struct pt_regs *ctx) {
     args[0] = 0;
     return mt_enter(ctx, ck & 0xff, (ck >> MT_CK_ALLOCATOR) & 0xff, size,
                     mt_arg(args, ck, MT_CK_OLD), mt_arg(args, ck, MT_CK_OUTP),
-                    mt_arg(args, ck, MT_CK_FLAGS));
+                    mt_arg(args, ck, MT_CK_FLAGS), (ck >> MT_CK_WRAPPABLE) & 1);
 }
 
 int mt_free(struct pt_regs *ctx) {

@@ -55,8 +55,25 @@ BPF_HASH(mt_tracked, u32, u8, 65536);
 
 /* mt_config[0]: 1 while recording is enabled (--start-disabled and the control FIFO
  * switch it); parts emit nothing while it is 0. mt_config[1]: 1 when allocator probes
- * are scoped to each traced process (lifecycle.c mt_new_process). */
+ * are scoped to each traced process (lifecycle.c mt_new_process). mt_config[2]: 1 once
+ * a wrapper's call site is registered (alloc.c mt_wrap_sites). */
 BPF_ARRAY(mt_config, u64, 4);
+#define MT_CONFIG_WRAPPED 2
+
+/* Where an allocation's stack starts: the probed function's entry (levels 0), or the
+ * entry of the outermost of the unprobed allocator wrappers that called it (alloc.c
+ * mt_unwrap): sp above their frames, ip at its start, and the callee-saved registers
+ * they had pushed, read back from the stack (reg: DWARF number). */
+#define MT_UNWRAP_SAVED 4
+struct mt_frame {
+    u64 sp;
+    u64 ip;
+    u32 levels;
+    u32 nsaved;
+    u64 val[MT_UNWRAP_SAVED];
+    u8 reg[MT_UNWRAP_SAVED];
+    u32 family;
+};
 
 static __always_inline int mt_is_tracked(u32 tgid) {
     return mt_tracked.lookup(&tgid) != 0;

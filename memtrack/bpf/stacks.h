@@ -377,9 +377,11 @@ static __always_inline u64 mt_stack_pack(struct mt_stack_scratch *s, u64 n, u64 
     return p;
 }
 
-/* Capture the calling thread's stack; returns its hash (0: no stack). Emits a stack
+/* Capture the calling thread's stack from the frame `f` (common.h: the probed
+ * function's entry, or its wrappers'); returns its hash (0: no stack). Emits a stack
  * record when the hash was not seen before. */
-static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 tid) {
+static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 tid,
+                                            struct mt_frame *f) {
     int cpu = bpf_get_smp_processor_id();
     struct mt_stack_scratch *s = mt_stack_scratch.lookup(&cpu);
     struct mt_stack_regions *rg = mt_regions();
@@ -388,7 +390,7 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     volatile struct mt_stack_scratch *vs = s;
     u8 *kept = rg->kept;
     mt_stack_count(MT_SS_CAPTURES);
-    u64 sp = ctx->sp;
+    u64 sp = f->sp;
     mt_stack_copy(s, sp, tid);
     u64 n = vs->nwords;
     if (n == 0 || n > MT_STACK_WORDS) {
@@ -412,12 +414,23 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     kept[(sp >> MT_REGION_SHIFT) & MT_REGION_MASK] = 1;
     kept[((sp + n * 8 - 1) >> MT_REGION_SHIFT) & MT_REGION_MASK] = 1;
     mt_stack_regs(s, ctx);
+    if (f->levels) {
+        s->regs[7] = sp;
+        s->regs[16] = f->ip;
+#pragma unroll
+        for (int i = 0; i < MT_UNWRAP_SAVED; i++)
+            if (i < f->nsaved)
+                s->regs[f->reg[i] & 15] = f->val[i];
+    }
     vs->nfp = 0;
     if (vs->cut) {
         mt_stack_count(MT_SS_CUT);
         long got = bpf_get_stack(ctx, &MT_O(s)[MT_HDR_WORDS], MT_FP_DEPTH * 8,
                                  BPF_F_USER_STACK);
         vs->nfp = got > 0 ? (u64)got / 8 : 0;
+        /* the chain starts at the live ip; the wrappers keep rbp, so the rest holds */
+        if (got > 0 && f->levels)
+            MT_O(s)[MT_HDR_WORDS] = f->ip;
     }
     n = vs->nwords;
     if (n > MT_STACK_WORDS)

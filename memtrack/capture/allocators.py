@@ -80,14 +80,16 @@ KIND_POSIX_MEMALIGN = 100  # the address is written to the out-pointer
 KIND_MALLOCX = 101  # jemalloc's flags decide: aligned, zeroed or plain
 
 # bpf/alloc.c MT_CK_*: where each field sits in a probe's attach cookie.
-CK_ALLOCATOR, CK_SIZE, CK_MUL, CK_OLD, CK_OUTP, CK_FLAGS = 8, 16, 18, 20, 22, 24
+CK_ALLOCATOR, CK_SIZE, CK_MUL, CK_OLD, CK_OUTP, CK_FLAGS, CK_WRAPPABLE = 8, 16, 18, 20, 22, 24, 26
 
 
 @dataclass(frozen=True)
 class Shape:
     """What a probed function's arguments mean: the event kind and which integer
     argument (1-3; 0 = none) holds the size, its multiplier, the old pointer, the
-    out-pointer and the flags. A free's pointer is always its first argument."""
+    out-pointer and the flags. A free's pointer is always its first argument.
+    `wrappable`: an unprobed wrapper may call it (memtrack.capture.wrappers), so its
+    entry looks for the wrapper's call site at [sp]."""
 
     kind: int
     size: int = 0
@@ -95,6 +97,7 @@ class Shape:
     old: int = 0
     outp: int = 0
     flags: int = 0
+    wrappable: bool = False
 
     @property
     def arg_regs(self) -> int:
@@ -106,12 +109,12 @@ class Shape:
     def cookie(self, family: Allocator) -> int:
         return (self.kind | int(family) << CK_ALLOCATOR | self.size << CK_SIZE
                 | self.mul << CK_MUL | self.old << CK_OLD | self.outp << CK_OUTP
-                | self.flags << CK_FLAGS)
+                | self.flags << CK_FLAGS | int(self.wrappable) << CK_WRAPPABLE)
 
 
 _K = EventKind
 SHAPES = {
-    "malloc": Shape(_K.MALLOC, size=1),
+    "malloc": Shape(_K.MALLOC, size=1, wrappable=True),
     "valloc": Shape(_K.ALIGNED_ALLOC, size=1),
     "calloc": Shape(_K.CALLOC, size=1, mul=2),
     "zalloc": Shape(_K.CALLOC, size=1),

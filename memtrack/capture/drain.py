@@ -216,6 +216,7 @@ class BatchWriter:
         self.write = write
         self.idle = idle
         self.error: BaseException | None = None
+        self.cpu_ns = 0  # the thread's CPU time, once it has stopped
         self._pending: dict[int, tuple[Source, list[Any], int, int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memtrack-writer", daemon=True)
@@ -224,6 +225,13 @@ class BatchWriter:
         self._thread.start()
 
     def _run(self) -> None:
+        cpu0 = time.thread_time_ns()
+        try:
+            self._loop()
+        finally:
+            self.cpu_ns = time.thread_time_ns() - cpu0
+
+    def _loop(self) -> None:
         while True:
             stopping = self._stop.is_set()
             # once stopping, the drain has stopped: what is left is taken without waiting

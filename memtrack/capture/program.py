@@ -442,6 +442,23 @@ class Program:
             raise LoadError(f"tracepoint {tpb.decode()} is not attached")
         detach_tracepoint(fd)
 
+    def run_stats(self) -> dict[str, dict[str, int]]:
+        """Per loaded program that ran, its own run time and runs ({"run_ns", "runs"}),
+        as the kernel counts them while kernel.bpf_stats_enabled is on (else nothing)."""
+        out = {}
+        for name, fn in self.funcs.items():
+            info = {}
+            try:
+                for line in Path(f"/proc/self/fdinfo/{fn.fd}").read_text().splitlines():
+                    k, _, v = line.partition(":")
+                    info[k] = v.strip()
+            except OSError:
+                continue
+            runs, ns = info.get("run_cnt", "0"), info.get("run_time_ns", "0")
+            if runs.isdigit() and ns.isdigit() and int(runs):
+                out[name.decode()] = {"run_ns": int(ns), "runs": int(runs)}
+        return out
+
     def cleanup(self) -> None:
         """Detach the tracepoints, close every program and map."""
         for tp in list(self.tracepoint_fds):

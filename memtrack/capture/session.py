@@ -192,6 +192,7 @@ class Session:
         child_env = dict(os.environ if env is None else env)
         child_env.update(self.control.env())
         self.start_ns = time.monotonic_ns()
+        self._cpu0 = time.thread_time_ns()
         m.start_ns = self.start_ns
         if self.status is not None:
             self.status.start()
@@ -435,7 +436,7 @@ class Session:
                 if "x" in m.perms and m.path.startswith("/") and m.inode:
                     src = str(map_file(pid, m))
                     self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m),
-                                             pid)
+                                             pid, m)
         for pid in stopped:
             self.stops.release(pid, ATTACH)
         self.modules.copy_pending()
@@ -494,6 +495,8 @@ class Session:
         d = self.drain
         m.drain = {"rounds": d.rounds, "bytes": d.bytes, "worst_gap_ns": d.worst_gap_ns,
                    "cpu_ns": d.cpu_ns, "backlog_peak_bytes": self.backlog.peak}
+        m.cost = {"main_cpu_ns": time.thread_time_ns() - self._cpu0,
+                  "writer_cpu_ns": self.batches.cpu_ns, "bpf": self.bpf.run_stats()}
 
     # -- the end --------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from memtrack.capture.allocators import Probe, probes_for, read_elf
 from memtrack.capture.core import CorePart
 from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.parts import BPF_DIR, PROBE_SCOPES, CaptureOptions, CapturePart
+from memtrack.capture.procfs import MapLine
 from memtrack.capture.program import (
     LoadError,
     ProgramCache,
@@ -42,6 +43,7 @@ from memtrack.capture.program import (
 )
 from memtrack.capture.session import CaptureError, CaptureResult, Session
 from memtrack.capture.supervisor import Supervisor
+from memtrack.capture.wrappers import Site, find_wrappers
 from memtrack.elf.image import ElfReadError
 from memtrack.schema import LOSS_COUNTERS
 
@@ -52,6 +54,8 @@ __all__ = ["CaptureError", "CaptureResult", "Session", "Tracker", "default_parts
 # (memtrack.capture.links); "auto" takes uprobe_multi links where the kernel has them.
 UPROBE_ATTACH = {"auto": None, "uprobe_multi": True, "perf_event": False}
 CONFIG_SCOPED = 1  # bpf/common.h mt_config slot: new processes stop for their links
+CONFIG_WRAPPED = 2  # bpf/common.h mt_config slot: wrapper call sites are registered
+WRAP_SITES = "mt_wrap_sites"  # bpf/alloc.c
 
 
 def find_command(name: str, env: dict[str, str] | None = None,
@@ -98,12 +102,14 @@ def default_parts(options: CaptureOptions) -> list[CapturePart]:
 @dataclass
 class _Placed:
     """A classified file: the path its probes attach to, the functions still probed and
-    their offsets in the function, and their records in Tracker.probes."""
+    their offsets in the function, their records in Tracker.probes, and the call sites
+    of its unprobed wrappers (memtrack.capture.wrappers)."""
 
     path: str
     probes: list[Probe]
     offsets: dict[str, int]
     records: list[dict[str, Any]]
+    sites: list[Site]
 
 
 def _placement(code: bytes, vaddr: int, name: str, arg_regs: int) -> tuple[int, str]:
@@ -264,30 +270,36 @@ class Tracker:
     # -- probes ---------------------------------------------------------------------
 
     def attach_file(self, open_path: str, mapped_path: str, build_id: str | None,
-                    pid: int) -> int:
+                    pid: int, mapping: MapLine | None = None) -> int:
         """Probe one ELF file's allocator functions for the process `pid` (scope
-        "process"), or for every process (scope "host": once per file). The file is
-        classified and its probes placed once per inode. Returns the number of probes
-        attached."""
+        "process"), or for every process (scope "host": once per file), and register
+        the call sites of its unprobed wrappers where `mapping` (pid's executable
+        mapping of it) puts them. The file is classified and its probes placed once per
+        inode. Returns the number of probes attached."""
         try:
             st = os.stat(open_path)
         except OSError:
             return 0
         key = (st.st_dev, st.st_ino)
         self.session_files.add(key)
+        if key not in self.classified:
+            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
+            first = True
+        else:
+            first = False
+        placed = self.classified[key]
+        if placed is not None and placed.sites and mapping is not None:
+            self._register_sites(placed.sites, mapping)
         owner = pid if self.scope == "process" else 0
         linked = self.linked.setdefault(owner, set())
         if key in linked:
             return 0
         linked.add(key)
-        if key not in self.classified:
-            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
-            placed = self.classified[key]
-            if placed is None:
-                return 0
+        if placed is None:
+            return 0
+        if first:
             return self._attach_first(placed, mapped_path, owner)
-        placed = self.classified[key]
-        if placed is None or not placed.offsets:
+        if not placed.offsets:
             return 0
         refused = self._attach(placed.path, placed.probes, placed.offsets, owner)
         for name, why in refused.items():
@@ -317,8 +329,32 @@ class Tracker:
             with open(open_path, "rb") as f:
                 code = f.read()
         first = len(self.probes)
+        wrapping = find_wrappers(open_path, info, probes)
+        for p in probes:
+            if p.name in wrapping.unprobed:
+                self._record(p, mapped_path, build_id, None, wrapping.unprobed[p.name])
+        probes = [p for p in probes if p.name not in wrapping.unprobed]
         offsets = {p.name: self._place_probe(p, mapped_path, build_id, code) for p in probes}
-        return _Placed(path, probes, offsets, self.probes[first:])
+        return _Placed(path, probes, offsets, self.probes[first:], wrapping.sites)
+
+    def _register_sites(self, sites: list[Site], mapping: MapLine) -> None:
+        """The wrapper call sites inside `mapping`, at their addresses there."""
+        table = self.bpf[WRAP_SITES]
+        size = mapping.end - mapping.start
+        for site in sites:
+            if not mapping.offset <= site.offset < mapping.offset + size:
+                continue
+            leaf = table.Leaf()
+            leaf.family = int(site.family)
+            leaf.nsaved = len(site.saved)
+            leaf.cfa = site.cfa
+            leaf.delta = site.delta
+            for i, (reg, off) in enumerate(site.saved):
+                leaf.reg[i] = reg
+                leaf.off[i] = off
+            table[table.Key(mapping.start + site.offset - mapping.offset)] = leaf
+        cfg = self.bpf["mt_config"]
+        cfg[cfg.Key(CONFIG_WRAPPED)] = cfg.Leaf(1)
 
     def _attach_first(self, placed: _Placed, mapped_path: str, owner: int) -> int:
         """The file's first attach: a chosen offset the kernel will not probe is tried
@@ -391,13 +427,20 @@ class Tracker:
         if code:
             offset, reason = _placement(code[p.file_offset:p.file_offset + p.size], p.vaddr,
                                         p.name, p.arg_regs)
+        self._record(p, mapped_path, build_id, offset, reason)
+        return offset
+
+    def _record(self, p: Probe, mapped_path: str, build_id: str | None, offset: int | None,
+                reason: str) -> None:
+        """A function's record in the manifest's probes (`probe_offset` None: not probed,
+        `reason` says how its calls are recorded)."""
         self.probes.append({
             "path": mapped_path, "build_id": build_id, "function": p.name,
-            "family": p.family.name.lower(), "program": p.program, "vaddr": p.vaddr,
-            "file_offset": p.file_offset, "probe_offset": offset, "reason": reason,
-            "retprobe": not p.is_free,
+            "family": p.family.name.lower(), "program": p.program if offset is not None
+            else None, "vaddr": p.vaddr, "file_offset": p.file_offset,
+            "probe_offset": offset, "reason": reason,
+            "retprobe": offset is not None and not p.is_free,
         })
-        return offset
 
     def on_stop(self, pid: int, maps: list[Any]) -> None:
         """A tracked process is stopped at an attach stop with these mappings: the parts

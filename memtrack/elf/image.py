@@ -22,6 +22,7 @@ from elftools.elf.elffile import ELFFile
 SHF_EXECINSTR = 0x4
 SHF_COMPRESSED = 0x800
 PF_X = 0x1
+R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT = 6, 7
 
 DWARF_SECTIONS = (
     ".debug_info", ".debug_abbrev", ".debug_str", ".debug_line_str", ".debug_line",
@@ -252,6 +253,28 @@ class ElfImage:
                 except OSError as e:
                     raise ElfReadError(f"{self.path}: segment at {off:#x} unreadable "
                                        f"({e})") from None
+        return out
+
+    def import_slots(self) -> dict[int, str]:
+        """GOT slot address -> the symbol the dynamic linker binds it to, for every
+        JUMP_SLOT and GLOB_DAT relocation (.rela.plt, .rela.dyn): what a PLT stub or a
+        `call *slot(%rip)` calls."""
+        from elftools.elf.relocation import RelocationSection
+
+        out: dict[int, str] = {}
+        try:
+            for sec in self.elf.iter_sections():
+                if not isinstance(sec, RelocationSection) or not sec.is_RELA():
+                    continue
+                symtab = self.elf.get_section(sec["sh_link"])
+                for rel in sec.iter_relocations():
+                    if rel["r_info_type"] not in (R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT):
+                        continue
+                    name = symtab.get_symbol(rel["r_info_sym"]).name
+                    if name:
+                        out[int(rel["r_offset"])] = name.split("@")[0]
+        except ELF_ERRORS as e:
+            raise ElfReadError(f"{self.path}: relocations unreadable ({e})") from None
         return out
 
     # ---- symbols -------------------------------------------------------------------

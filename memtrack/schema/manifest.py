@@ -111,6 +111,10 @@ class Manifest:
     # The drain thread: {"rounds", "bytes" read, "worst_gap_ns" between two reads,
     # "cpu_ns", "backlog_peak_bytes" (read, not written yet)}.
     drain: dict[str, Count] = field(default_factory=dict)
+    # What the capture itself took: {"main_cpu_ns" (attach stops, control), "writer_cpu_ns"
+    # (Arrow, compression, writes), "bpf": {program: {"run_ns", "runs"}}: the BPF
+    # programs' own run time, counted while kernel.bpf_stats_enabled is on (else {})}.
+    cost: dict[str, Any] = field(default_factory=dict)
     complete: bool = False  # set when capture finished writing every file
     # Per finished table file ("events.arrow"): "blake2b:HEX" of its bytes, written with
     # `complete`; a reader that finds a file whose bytes differ names it as damaged.
