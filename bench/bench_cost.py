@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bpfstats import bpf_stats  # noqa: E402
 from conftest import build  # noqa: E402
 
-from memtrack.capture.links import uprobe_multi_link  # noqa: E402
+from memtrack.capture.links import BPF_TRACE_UPROBE_MULTI, uprobe_multi_link  # noqa: E402
 from memtrack.schema import EventKind  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 
@@ -189,7 +189,7 @@ def main() -> None:
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(2 if args.busy else 0)]
     floor = BPF(text=FLOOR_PROGRAM)
-    floor_fd = floor.load_func("mt_floor", BPF.KPROBE).fd
+    floor_fd = floor.load_func(b"mt_floor", BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI).fd
     try:
         loads = workloads(tmp, args.quick)
         best: dict[tuple[str, str], float] = {}

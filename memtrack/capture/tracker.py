@@ -329,7 +329,7 @@ class Tracker:
             with open(open_path, "rb") as f:
                 code = f.read()
         first = len(self.probes)
-        wrapping = find_wrappers(open_path, info, probes)
+        wrapping = find_wrappers(open_path, mapped_path, info, probes)
         for p in probes:
             if p.name in wrapping.unprobed:
                 self._record(p, mapped_path, build_id, None, wrapping.unprobed[p.name])

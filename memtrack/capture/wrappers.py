@@ -10,10 +10,11 @@ in each process): when the inner function's entry probe finds a registered site 
 wrapper's entry (sp above the wrapper's frame, ip at its start, the callee-saved
 registers it pushed read back from the stack): the events and stacks are those the
 wrapper's own probe would give. Chains (nothrow `new` -> `new` -> `malloc`) are
-followed a few levels. The same holds for frees that only jump to another probed free
-of the module (`operator delete(void*, size_t)` -> `operator delete(void*)`): they are
-left unprobed, the jump's target reports the free (without the size the sized form
-passes, which nothing uses).
+followed a few levels. Frees that only jump to another probed free of the module
+(`operator delete[](void*)` -> `operator delete(void*)`) are left unprobed too: the
+jump's target reports the same pointer. A sized free keeps its probe (the size it
+passes is in the free event), and so does every free that reaches `free` itself: at
+`free` nothing else tells a delete from a C `free` (deletes tail-call it).
 
 Only the C++ runtime's own functions are treated so (libstdc++, libc++: code whose
 shape is known); a program's own `operator new` may allocate without malloc and stays
@@ -115,10 +116,12 @@ def _frame_at(insns: list[cs.CsInsn]) -> tuple[int, tuple[tuple[int, int], ...]]
     return 8 + depth, tuple(saved)
 
 
-def find_wrappers(path: str | Path, info: ElfInfo, probes: list[Probe]) -> Wrapping:
-    """The wrappers among a C++ runtime's probes (nothing for any other module)."""
+def find_wrappers(path: str | Path, mapped_path: str, info: ElfInfo, probes: list[Probe]
+                  ) -> Wrapping:
+    """The wrappers among a C++ runtime's probes (nothing for any other module): the
+    file read at `path`, named `mapped_path` in the process."""
     none = Wrapping({}, [])
-    if not RUNTIME_FILES.match(Path(path).name):
+    if not RUNTIME_FILES.match(Path(mapped_path).name):
         return none
     probed = {p.name: p for p in probes}
     names = {p.vaddr: p.name for p in probes}
@@ -135,7 +138,7 @@ def find_wrappers(path: str | Path, info: ElfInfo, probes: list[Probe]) -> Wrapp
                 insns = list(md.disasm(code, p.vaddr))
                 if not insns or insns[-1].address + insns[-1].size != p.vaddr + p.size:
                     continue  # not all of it decodes: keep the probe
-                if p.is_free:
+                if p.is_free and p.shape == "free":  # a sized free keeps its probe: the size
                     why = _free_jump(img, md, p, names, slots, probed)
                     if why:
                         out.unprobed[p.name] = why
