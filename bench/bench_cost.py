@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_overhead import make_sort_input, wall  # noqa: E402
 from bpfstats import bpf_stats  # noqa: E402
 from conftest import build  # noqa: E402
 
@@ -79,14 +80,7 @@ def workloads(tmp: Path, quick: bool) -> list[Workload]:
                    "".join(f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 100003}', "
                            f"{i}.5);\n" for i in range(100_000 // scale)) + "COMMIT;\n")
     lines = tmp / "sort.txt"
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
-             for _ in range(5000)]
-    out, n = [], 0
-    while n < (20 << 20) // scale:
-        line = " ".join(rng.choices(words, k=rng.randint(2, 8))) + "\n"
-        out.append(line)
-        n += len(line)
-    lines.write_text("".join(out))
+    make_sort_input(lines, (20 << 20) // scale)
     wc = build(["cost/wordcount.cc"], flags=("-O2",))
     tree = build(["placement/tree.c"], flags=("-O2",))
     loop = build(["placement/allocloop.cc"], flags=("-O2",))
@@ -130,15 +124,6 @@ def launch(cmd: list[str], links: list[tuple[int, str, list[int], bool]] | None 
     if status != 0:
         raise RuntimeError(f"{cmd[0]} ended with status {status:#x}")
     return elapsed
-
-
-def wall(cmd: list[str]) -> float:
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])}: {p.stderr.strip()[-300:]}")
-    return time.monotonic() - t0
 
 
 def floor_links(manifest: dict, prog_fd: int) -> list[tuple[int, str, list[int], bool]]:

@@ -3,9 +3,16 @@ probe by it."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from memtrack.capture.program import prog_info  # noqa: E402
+
+__all__ = ["bpf_stats", "prog_info", "prog_stats"]
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 
@@ -19,17 +26,6 @@ def bpf_stats() -> Iterator[None]:
         yield
     finally:
         STATS.write_text(saved)
-
-
-def prog_info(fd: int) -> dict[str, int]:
-    """The integer fields of a loaded BPF program's fdinfo (run_time_ns, run_cnt,
-    verified_insns, ...)."""
-    out = {}
-    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if v.strip().isdigit():
-            out[k] = int(v)
-    return out
 
 
 def prog_stats(fd: int) -> tuple[int, int]:

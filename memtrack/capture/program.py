@@ -447,16 +447,13 @@ class Program:
         as the kernel counts them while kernel.bpf_stats_enabled is on (else nothing)."""
         out = {}
         for name, fn in self.funcs.items():
-            info = {}
             try:
-                for line in Path(f"/proc/self/fdinfo/{fn.fd}").read_text().splitlines():
-                    k, _, v = line.partition(":")
-                    info[k] = v.strip()
+                info = prog_info(fn.fd)
             except OSError:
                 continue
-            runs, ns = info.get("run_cnt", "0"), info.get("run_time_ns", "0")
-            if runs.isdigit() and ns.isdigit() and int(runs):
-                out[name.decode()] = {"run_ns": int(ns), "runs": int(runs)}
+            if info.get("run_cnt"):
+                out[name.decode()] = {"run_ns": info.get("run_time_ns", 0),
+                                      "runs": info["run_cnt"]}
         return out
 
     def cleanup(self) -> None:
@@ -470,6 +467,17 @@ class Program:
             os.close(fd)
         self._map_fds = []
         self.tables.clear()
+
+
+def prog_info(fd: int) -> dict[str, int]:
+    """The integer fields of a loaded BPF program's fdinfo (run_time_ns, run_cnt,
+    verified_insns, ...)."""
+    out = {}
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    return out
 
 
 def test_run(prog_fd: int, args: list[int]) -> int:

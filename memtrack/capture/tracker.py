@@ -179,6 +179,7 @@ class Tracker:
         self.session_files: set[tuple[int, int]] = set()  # the files the session mapped
         self.probes: list[dict[str, Any]] = []
         self.session: Session | None = None
+        self.wrapping = False  # a wrapper call site is registered (mt_config[2] is on)
         self.closed = False
 
     def _choose_scope(self) -> str:
@@ -344,6 +345,10 @@ class Tracker:
         for site in sites:
             if not mapping.offset <= site.offset < mapping.offset + size:
                 continue
+            if not self.wrapping:
+                cfg = self.bpf["mt_config"]
+                cfg[cfg.Key(CONFIG_WRAPPED)] = cfg.Leaf(1)
+                self.wrapping = True
             leaf = table.Leaf()
             leaf.family = int(site.family)
             leaf.nsaved = len(site.saved)
@@ -353,8 +358,6 @@ class Tracker:
                 leaf.reg[i] = reg
                 leaf.off[i] = off
             table[table.Key(mapping.start + site.offset - mapping.offset)] = leaf
-        cfg = self.bpf["mt_config"]
-        cfg[cfg.Key(CONFIG_WRAPPED)] = cfg.Leaf(1)
 
     def _attach_first(self, placed: _Placed, mapped_path: str, owner: int) -> int:
         """The file's first attach: a chosen offset the kernel will not probe is tried
