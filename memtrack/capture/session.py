@@ -399,7 +399,7 @@ class Session:
         # Fixpoint: once a process is stopped, every request its threads filed is in
         # the ring; more processes may have stopped meanwhile.
         while reqs.size:
-            for pid in np.unique(reqs["pid"]).tolist():
+            for pid in sorted(set(reqs["pid"].tolist())):  # np.unique: +15 ms of numpy.ma
                 if pid not in stopped:
                     self.stops.hold(pid, ATTACH, int(reqs["ts"][reqs["pid"] == pid].min()))
                     stopped[pid] = wait_stopped(pid)
