@@ -1,6 +1,6 @@
 """The `memtrack` launcher (and `python -m memtrack`): `memtrack --version` is answered
 here, before the command line (typer) or anything it loads (rich, numpy, pyarrow) is
-imported; every other command line goes to memtrack.cli."""
+imported; every other command line goes to memtrack.cli (run_as_program)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def main() -> None:
     if sys.argv[1:] == ["--version"] and "_MEMTRACK_COMPLETE" not in os.environ:
         print(f"memtrack {version()}")
         sys.exit(0)
-    from memtrack.cli import main as cli_main
+    from memtrack.cli import run_as_program
 
-    cli_main()
+    run_as_program()
 
 
 if __name__ == "__main__":

@@ -168,6 +168,7 @@ def capture(
     """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
     from memtrack.commands import capture as cmd_
 
+    _ran["capture"] = True
     call(cmd_.run, cmd, output, force=force, stacks=on("--stacks", stacks),
          stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
          python_frames=on("--python-frames", python_frames),
@@ -388,6 +389,10 @@ def unwind_record(
     call(cmd.run, artifact, record, on("--host-modules", host_modules), sys.stdout)
 
 
+# the commands run by main() so far (run_as_program ends the process at once after capture)
+_ran: dict[str, bool] = {}
+
+
 def main() -> None:
     """The command line: a usage error is one line too (typer draws a box), naming the
     help of the command it concerns."""
@@ -409,5 +414,29 @@ def main() -> None:
     sys.exit(status if isinstance(status, int) else 0)
 
 
+
+def run_as_program() -> None:
+    """main() as the whole process (the launcher, python -m memtrack.cli). After a
+    capture the process ends as soon as main() returns: the artifact is closed and its
+    threads are gone (what releases the probes in the background is a process of its
+    own), and the interpreter's teardown of numpy, pyarrow and the rest (~0.1 s) is
+    left out (the exit handlers still run)."""
+    try:
+        main()
+    except SystemExit as e:
+        if not _ran.get("capture") or not isinstance(e.code, int):
+            raise
+        import atexit
+        import os
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(e.code)
+
+
 if __name__ == "__main__":
-    main()
+    run_as_program()
