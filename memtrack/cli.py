@@ -420,11 +420,13 @@ def run_as_program() -> None:
     capture the process ends as soon as main() returns: the artifact is closed and its
     threads are gone (what releases the probes in the background is a process of its
     own), and the interpreter's teardown of numpy, pyarrow and the rest (~0.1 s) is
-    left out (the exit handlers still run)."""
+    left out (the exit handlers still run; not under a profiler or coverage, which
+    write their results at the interpreter's exit)."""
     try:
         main()
     except SystemExit as e:
-        if not _ran.get("capture") or not isinstance(e.code, int):
+        if not _ran.get("capture") or not isinstance(e.code, int) or \
+                sys.gettrace() is not None or sys.getprofile() is not None:
             raise
         import atexit
         import os
