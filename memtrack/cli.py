@@ -3,16 +3,19 @@ option, its help and environment variable here; what a command does, there)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from memtrack.commands import CommandError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 app = typer.Typer(
     help="Linux memory-allocation profiler: eBPF capture, offline unwinding, DuckDB tables.",
@@ -20,19 +23,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-err = Console(stderr=True, highlight=False)
+
+
+@functools.cache
+def err() -> Console:
+    """The console of memtrack's own messages on stderr (rich is imported only when there
+    is something to say: a capture's start does not pay for it)."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"memtrack: {message}", markup=False, soft_wrap=True)
+    err().print(f"memtrack: {message}", markup=False, soft_wrap=True)
     return typer.Exit(code)
 
 
 def show_version(value: bool) -> None:
     if value:
-        from memtrack.schema.manifest import Manifest
+        from memtrack.__main__ import version
 
-        print(f"memtrack {Manifest().memtrack_version}")
+        print(f"memtrack {version()}")
         raise typer.Exit(0)
 
 
@@ -157,6 +168,7 @@ def capture(
     """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
     from memtrack.commands import capture as cmd_
 
+    _ran["capture"] = True
     call(cmd_.run, cmd, output, force=force, stacks=on("--stacks", stacks),
          stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
          python_frames=on("--python-frames", python_frames),
@@ -240,7 +252,7 @@ def process(
     call(cmd.run, artifact, output, parquet=parquet,
          host_modules=on("--host-modules", host_modules), cache_dir=cache_dir,
          no_cache=not on("--cache", cache), quiet=quiet,
-         say=lambda line: err.print(line, markup=False, soft_wrap=True),
+         say=lambda line: err().print(line, markup=False, soft_wrap=True),
          dataset=dataset, run_id=run_id, labels=label or [], force=force, jobs=jobs,
          python_frames=on("--python-frames", python_frames))
 
@@ -377,13 +389,17 @@ def unwind_record(
     call(cmd.run, artifact, record, on("--host-modules", host_modules), sys.stdout)
 
 
+# the commands run by main() so far (run_as_program ends the process at once after capture)
+_ran: dict[str, bool] = {}
+
+
 def main() -> None:
     """The command line: a usage error is one line too (typer draws a box), naming the
     help of the command it concerns."""
     try:
         status = app(standalone_mode=False)
     except KeyboardInterrupt:
-        err.print("memtrack: interrupted")
+        err().print("memtrack: interrupted")
         sys.exit(130)
     except typer.Abort:
         sys.exit(1)
@@ -392,11 +408,37 @@ def main() -> None:
         where = ctx.command_path if ctx is not None else "memtrack"
         message = " ".join(e.format_message().split())  # type: ignore[attr-defined]
         if message:  # none after the help a bare command prints
-            err.print(f"memtrack: {message} (`{where} -h` for help)", markup=False,
+            err().print(f"memtrack: {message} (`{where} -h` for help)", markup=False,
                       soft_wrap=True)
         sys.exit(getattr(e, "exit_code", 2))
     sys.exit(status if isinstance(status, int) else 0)
 
 
+
+def run_as_program() -> None:
+    """main() as the whole process (the launcher, python -m memtrack.cli). After a
+    capture the process ends as soon as main() returns: the artifact is closed and its
+    threads are gone (what releases the probes in the background is a process of its
+    own), and the interpreter's teardown of numpy, pyarrow and the rest (~0.1 s) is
+    left out (the exit handlers still run; not under a profiler or coverage, which
+    write their results at the interpreter's exit)."""
+    try:
+        main()
+    except SystemExit as e:
+        if not _ran.get("capture") or not isinstance(e.code, int) or \
+                sys.gettrace() is not None or sys.getprofile() is not None:
+            raise
+        import atexit
+        import os
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(e.code)
+
+
 if __name__ == "__main__":
-    main()
+    run_as_program()

@@ -8,9 +8,10 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # capture asks check_privileges only: it does not pay rich's import
+    from rich.console import Console
 
 TRACEFS = Path("/sys/kernel/tracing")
 SETUP = "run scripts/setup as root"
@@ -166,6 +167,9 @@ def check_uprobe_attach() -> Check:
 
 
 def run_doctor(console: Console | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     console = console or Console(highlight=False)
     cfg = _kernel_config()
     checks: list[Check] = [check_privileges(), check_bcc(), check_headers(), check_tracefs(),

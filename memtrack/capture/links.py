@@ -27,12 +27,13 @@ x86-64 only (syscall numbers), like the rest of capture.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as ct
 import errno
 import os
 import subprocess
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,8 +170,15 @@ class Closer:
 
     def __init__(self) -> None:
         self._fds: list[int] = []
+        self._held: list[int] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+
+    def hold(self, fds: list[int]) -> None:
+        """Keep `fds` open for stop() to hand over (links that trap nobody: release them
+        in the background rather than wait for their grace periods)."""
+        with self._cond:
+            self._held += fds
 
     def close(self, fds: list[int]) -> None:
         if not fds:
@@ -193,9 +201,11 @@ class Closer:
             close_all(fds)
 
     def stop(self) -> list[int]:
-        """Close no more: wait for the closes under way; the fds not closed yet."""
+        """Close no more: wait for the closes under way; the fds not closed yet (those
+        held among them)."""
         with self._cond:
-            pending, self._fds = self._fds, []
+            pending, self._fds = self._fds + self._held, []
+            self._held = []
             while self._thread is not None:
                 self._cond.wait()
         return pending
@@ -251,6 +261,7 @@ class UprobeLinks:
                     for name in self.PROGRAMS}
         self.links: dict[int, list[int]] = {}
         self.closer = Closer()
+        self._hold = False
 
     @property
     def mode(self) -> str:
@@ -307,8 +318,20 @@ class UprobeLinks:
         fds = self.links.pop(pid, [])
         if wait:
             close_all(fds)
+        elif self._hold:
+            self.closer.hold(fds)
         else:
             self.closer.close(fds)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Links released meanwhile (without `wait`) are held for closer.stop(), not
+        closed: for processes gone, whose links trap nobody, at the end of a session."""
+        self._hold = True
+        try:
+            yield
+        finally:
+            self._hold = False
 
     def owners(self) -> list[int]:
         """The pids that have links of their own (not 0)."""

@@ -16,18 +16,22 @@ from memtrack.schema import EVENT_DTYPE
 
 def check_options(options: CaptureOptions) -> None:
     """One-line errors for option values capture cannot use."""
-    from memtrack.capture.stacks import record_words
-
     cpus = os.cpu_count() or 1
-    for name, pages, record in (
-            ("--events-ring-pages", options.events_ring_pages, EVENT_DTYPE.itemsize),
-            ("--stacks-ring-pages", options.stacks_ring_pages,
-             record_words(options.stack_budget, options.stack_copies) * 8)):
+    for name, pages in (("--events-ring-pages", options.events_ring_pages),
+                        ("--stacks-ring-pages", options.stacks_ring_pages)):
         if pages <= 0 or pages & (pages - 1):
             raise CaptureError(f"{name} {pages}: must be a power of two (pages)")
+        if options.on_ring_full != "pause" or (name == "--stacks-ring-pages"
+                                                and not options.stacks):
+            continue
+        if name == "--events-ring-pages":
+            record = EVENT_DTYPE.itemsize
+        else:  # only with stacks on: capture.stacks is not imported otherwise
+            from memtrack.capture.stacks import record_words
+
+            record = record_words(options.stack_budget, options.stack_copies) * 8
         need = min_ring_pages(record, cpus)
-        if options.on_ring_full == "pause" and pages < need and (
-                name != "--stacks-ring-pages" or options.stacks):
+        if pages < need:
             raise CaptureError(f"{name} {pages}: too small to pause the producers in time "
                                f"on {cpus} CPUs (at least {need})")
     if options.probe_placement not in ("auto", "entry"):

@@ -103,9 +103,26 @@ class Pauses:
         """`rings`: (ring id, map fd, high watermark bytes) of every ring drained;
         pause=False (--on-ring-full drop) puts 0 in place of every watermark."""
         slots, at = self.bpf["mt_rings"], self.bpf["mt_pause_at"]
-        for ring_id, fd, high in rings:
-            slots[ct.c_int(ring_id)] = ct.c_int(fd)
+        for ring_id, _, high in rings:
             at[ct.c_int(ring_id)] = ct.c_uint64(high if pause else 0)
+        # Each update of an array of maps returns only after an RCU grace period (the
+        # kernel waits for the programs that may still see the old map): 5-10 ms each
+        # here, one after the other. Side by side, the waits overlap.
+        errors: list[BaseException] = []
+
+        def put(ring_id: int, fd: int) -> None:
+            try:
+                slots[ct.c_int(ring_id)] = ct.c_int(fd)
+            except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=put, args=(ring_id, fd)) for ring_id, fd, _ in rings]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         self.enabled = pause
 
     def disable(self) -> None:
