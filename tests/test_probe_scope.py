@@ -264,6 +264,9 @@ def test_two_captures_at_once(tmp_path: Path) -> None:
     does alone, nothing of the other's, and loses nothing."""
     exe, lib = scopetree()
     loop = build(["capture/outside.c"])
+    # long enough (seconds) that the loop's capture is still running once its manifest
+    # lists its probes (rewritten every second) and the tree's capture has started
+    mallocs = "2000000"
 
     def start(name: str, cmd: list[str]) -> subprocess.Popen[str]:
         return subprocess.Popen([*MEMTRACK, "capture", "--stacks", "off", "--fail-on-loss",
@@ -271,7 +274,7 @@ def test_two_captures_at_once(tmp_path: Path) -> None:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     alone = {}
-    for name, cmd in (("tree", [str(exe), str(lib)]), ("loop", [str(loop), "mallocs", "300000"])):
+    for name, cmd in (("tree", [str(exe), str(lib)]), ("loop", [str(loop), "mallocs", mallocs])):
         p = start(f"{name}-alone", cmd)
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
@@ -281,7 +284,7 @@ def test_two_captures_at_once(tmp_path: Path) -> None:
             alone[name] = {"loop": collections.Counter(
                 (e["kind"], e["size"]) for e in art.read("events").table.to_pylist()
                 if e["kind"] in HEAP_KINDS)}
-    loop_p = start("loop", [str(loop), "mallocs", "300000"])
+    loop_p = start("loop", [str(loop), "mallocs", mallocs])
     _ready(tmp_path / "loop.memtrack", loop_p)
     tree_p = start("tree", [str(exe), str(lib)])
     tree_out, tree_err = tree_p.communicate(timeout=300)

@@ -2,8 +2,8 @@
 
 The harness is common.h + stacks.h (as StacksPart builds them, its tracepoints attached)
 plus a uprobe on libc's malloc that calls mt_stack_capture and reports (hash, size, tid)
-on a ring; for the uretprobe case, an operator-new probe pair maintains common.h's
-mt_retslots the way the allocator probes do.
+on a ring; for the uretprobe case, an operator-new probe pair maintains the thread's
+return slots (common.h mt_thread) the way the allocator probes do.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ int mt_test_malloc(struct pt_regs *ctx) {
     u32 pid = id >> 32, tid = (u32)id;
     if (!mt_is_tracked(pid))
         return 0;
+    struct mt_thread *t = mt_thread_of(pid, tid, 1);
+    if (!t)
+        return 0;
     struct mt_test_ev ev = {};
     struct mt_frame f = {.sp = PT_REGS_SP(ctx), .ip = PT_REGS_IP(ctx)};
     ev.hash = mt_stack_capture(ctx, pid, tid, &f);
@@ -52,10 +55,10 @@ int mt_test_push(struct pt_regs *ctx) {
     u32 pid = id >> 32, tid = (u32)id;
     if (!mt_is_tracked(pid))
         return 0;
-    struct mt_retslots zero = {};
-    struct mt_retslots *r = mt_retslots.lookup_or_try_init(&tid, &zero);
-    if (!r)
+    struct mt_thread *t = mt_thread_of(pid, tid, 1);
+    if (!t)
         return 0;
+    struct mt_retslots *r = &t->rs;
     u32 d = r->depth;
     if (d < MT_MAX_NEST) {
         u64 sp = PT_REGS_SP(ctx), v = 0;
@@ -68,10 +71,10 @@ int mt_test_push(struct pt_regs *ctx) {
 }
 
 int mt_test_pop(struct pt_regs *ctx) {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct mt_retslots *r = mt_retslots.lookup(&tid);
-    if (r && r->depth)
-        r->depth -= 1;
+    u64 id = bpf_get_current_pid_tgid();
+    struct mt_thread *t = mt_thread_of(id >> 32, (u32)id, 0);
+    if (t && t->rs.depth)
+        t->rs.depth -= 1;
     return 0;
 }
 """

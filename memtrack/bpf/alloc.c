@@ -44,23 +44,6 @@ BPF_PERCPU_ARRAY(mt_core_losses, u64, 4);
 
 BPF_RINGBUF_OUTPUT(mt_events, MT_EVENTS_PAGES);
 
-/* Per-thread allocator call state: nesting depth and the outer call's arguments. */
-struct mt_call {
-    u32 depth;
-    u8 kind;
-    u8 allocator;
-    u8 on;          /* recording was enabled at the outer entry */
-    u8 _pad;
-    u64 size;
-    u64 old_addr;
-    u64 outp;
-    u64 flags;
-    u64 stack_hash;
-    u64 last_free_ptr; /* tail-called / nested free of the same pointer: report once */
-    u64 last_free_sp;
-};
-BPF_HASH(mt_calls, u32, struct mt_call, 65536);
-
 /* Call sites of unprobed allocator wrappers (memtrack.capture.wrappers), keyed by the
  * return address in a process (an address's meaning is the same in every process that
  * maps the module there; entries of processes gone age out): the wrapper's family, CFA
@@ -81,13 +64,14 @@ BPF_TABLE("lru_hash", u64, struct mt_wrap, mt_wrap_sites, 65536);
 BPF_PERCPU_ARRAY(mt_frames, struct mt_frame, 1); /* the current entry's (the BPF stack is full) */
 
 /* Follow the return addresses at sp through registered wrapper call sites: f is left
- * at the outermost wrapper's entry (levels 0: none called us). */
-static __always_inline void mt_unwrap(struct pt_regs *ctx, struct mt_frame *f) {
+ * at the outermost wrapper's entry (levels 0: none called us). ra0: the return address
+ * at the entry's sp when the caller has read it already, else 0. */
+static __always_inline void mt_unwrap(struct pt_regs *ctx, struct mt_frame *f, u64 ra0) {
     u64 sp = PT_REGS_SP(ctx);
 #pragma unroll
     for (int i = 0; i < MT_UNWRAP_DEPTH; i++) {
-        u64 ra = 0;
-        if (bpf_probe_read_user(&ra, sizeof(ra), (void *)sp))
+        u64 ra = ra0;
+        if ((i > 0 || !ra) && bpf_probe_read_user(&ra, sizeof(ra), (void *)sp))
             break;
         struct mt_wrap *w = mt_wrap_sites.lookup(&ra);
         if (!w)
@@ -132,36 +116,11 @@ static __always_inline void mt_emit(u32 pid, u32 tid, u8 kind, u8 allocator, u64
     mt_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
 
-/* The calling thread's state; created on first use by a tracked process. A thread
- * with state is tracked (the state goes at thread exit and when capture ends), which
- * saves the mt_tracked lookup on the hot path. */
-static __always_inline struct mt_call *mt_call_of(u32 pid, u32 tid) {
-    struct mt_call *c = mt_calls.lookup(&tid);
-    if (c)
-        return c;
-    if (!mt_is_tracked(pid))
-        return 0;
-    struct mt_call zero = {};
-    mt_calls.update(&tid, &zero);
-    return mt_calls.lookup(&tid);
-}
-
 /* Remember the return-address slot a uretprobe is about to hijack (common.h); only
- * stack copies need them, so only with MT_STACKS. */
-static __always_inline void mt_retslot_push(u32 tid, u64 sp) {
-    struct mt_retslots *r = mt_retslots.lookup(&tid);
-    if (!r) {
-        struct mt_retslots zero = {};
-        mt_retslots.update(&tid, &zero);
-        r = mt_retslots.lookup(&tid);
-        if (!r)
-            return;
-    }
+ * stack copies need them, so only with MT_STACKS. Returns the return address the slot
+ * held (0: unreadable). */
+static __always_inline u64 mt_retslot_push(struct mt_retslots *r, u64 sp) {
     u32 d = r->depth;
-    if (d >= MT_MAX_NEST) {
-        r->depth = d + 1;
-        return;
-    }
     u64 value = 0;
     /* A tail call re-enters with the same sp: its slot already holds the trampoline,
      * keep the original value recorded by the outer entry. */
@@ -169,15 +128,12 @@ static __always_inline void mt_retslot_push(u32 tid, u64 sp) {
         value = r->value[(d - 1) & (MT_MAX_NEST - 1)];
     else
         bpf_probe_read_user(&value, sizeof(value), (void *)sp);
-    r->slot[d & (MT_MAX_NEST - 1)] = sp;
-    r->value[d & (MT_MAX_NEST - 1)] = value;
+    if (d < MT_MAX_NEST) {
+        r->slot[d & (MT_MAX_NEST - 1)] = sp;
+        r->value[d & (MT_MAX_NEST - 1)] = value;
+    }
     r->depth = d + 1;
-}
-
-static __always_inline void mt_retslot_pop(u32 tid) {
-    struct mt_retslots *r = mt_retslots.lookup(&tid);
-    if (r && r->depth > 0)
-        r->depth -= 1;
+    return value;
 }
 
 static __always_inline int mt_wrapping(void) {
@@ -190,11 +146,13 @@ static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, 
                                     u64 old_addr, u64 outp, u64 flags, u64 wrappable) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    struct mt_call *c = mt_call_of(pid, tid);
-    if (!c)
+    struct mt_thread *t = mt_thread_of(pid, tid, 1);
+    if (!t)
         return 0;
+    struct mt_call *c = &t->call;
+    u64 ra = 0;
 #ifdef MT_STACKS
-    mt_retslot_push(tid, PT_REGS_SP(ctx));
+    ra = mt_retslot_push(&t->rs, PT_REGS_SP(ctx));
 #endif
     u32 d = c->depth;
     c->depth = d + 1;
@@ -210,7 +168,7 @@ static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, 
     f->levels = 0;
     f->nsaved = 0;
     if (wrappable && mt_wrapping()) {
-        mt_unwrap(ctx, f);
+        mt_unwrap(ctx, f, ra);
         if (f->levels)
             allocator = f->family;
     }
@@ -236,14 +194,16 @@ static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, 
 int mt_ret(struct pt_regs *ctx) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    struct mt_call *c = mt_calls.lookup(&tid);
-    if (!c || c->depth == 0) {
+    struct mt_thread *t = mt_thread_of(pid, tid, 0);
+    if (!t || t->call.depth == 0) {
         if (mt_is_tracked(pid))
             mt_loss(MT_L_UNPAIRED_RETURN);
         return 0;
     }
+    struct mt_call *c = &t->call;
 #ifdef MT_STACKS
-    mt_retslot_pop(tid);
+    if (t->rs.depth > 0)
+        t->rs.depth -= 1;
 #endif
     c->depth -= 1;
     if (c->depth != 0 || !c->on)
@@ -276,9 +236,10 @@ static __always_inline int mt_free_enter(struct pt_regs *ctx, u8 allocator, u64 
     u32 pid = pt >> 32, tid = (u32)pt;
     if (ptr == 0)
         return 0;
-    struct mt_call *c = mt_call_of(pid, tid);
-    if (!c || c->depth != 0)
+    struct mt_thread *t = mt_thread_of(pid, tid, 1);
+    if (!t || t->call.depth != 0)
         return 0;
+    struct mt_call *c = &t->call;
     u64 sp = PT_REGS_SP(ctx);
     /* operator delete -> free (tail or nested call) passes the same pointer on a stack
      * at or below the outer one with no allocation in between: report it once. */

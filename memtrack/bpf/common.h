@@ -56,7 +56,8 @@ BPF_HASH(mt_tracked, u32, u8, 65536);
 /* mt_config[0]: 1 while recording is enabled (--start-disabled and the control FIFO
  * switch it); parts emit nothing while it is 0. mt_config[1]: 1 when allocator probes
  * are scoped to each traced process (lifecycle.c mt_new_process). mt_config[2]: 1 once
- * a wrapper's call site is registered (alloc.c mt_wrap_sites). */
+ * a wrapper's call site is registered (alloc.c mt_wrap_sites). mt_config[3]: the
+ * session's generation (mt_threads). */
 BPF_ARRAY(mt_config, u64, 4);
 #define MT_CONFIG_WRAPPED 2
 
@@ -134,6 +135,23 @@ static __always_inline int mt_is_enabled(void) {
     return v && *v;
 }
 
+/* Per-thread allocator call state (alloc.c): nesting depth and the outer call's
+ * arguments. */
+struct mt_call {
+    u32 depth;
+    u8 kind;
+    u8 allocator;
+    u8 on;          /* recording was enabled at the outer entry */
+    u8 _pad;
+    u64 size;
+    u64 old_addr;
+    u64 outp;
+    u64 flags;
+    u64 stack_hash;
+    u64 last_free_ptr; /* tail-called / nested free of the same pointer: report once */
+    u64 last_free_sp;
+};
+
 /* Return-address slots hijacked by live uretprobes on this thread, innermost last.
  * The allocator probes push (slot = sp at entry, value = the return address there)
  * at each probed entry that has a uretprobe, and pop at its return; a stack copy
@@ -146,6 +164,78 @@ struct mt_retslots {
     u64 slot[MT_MAX_NEST];
     u64 value[MT_MAX_NEST];
 };
-BPF_HASH(mt_retslots, u32, struct mt_retslots, 65536);
+
+/* A traced thread's state: its allocator call, its hijacked return slots, and its
+ * stack's end as stacks.h last read it from mt_stack_ends (0: not read yet).
+ *
+ * One slot per thread in a direct-mapped array indexed by the tid's low bits: the
+ * verifier inlines an array lookup (~1 ns) where a hash lookup costs ~50 ns, and the
+ * probes of one malloc/free pair looked this state up seven times. A slot belongs to
+ * `owner` = the session's generation << 32 | tid; a thread claims a free one (never
+ * used, given back, or an earlier session's) by compare-and-swap at its first
+ * allocator call, and gives it back at exit and exec (lifecycle.c). A thread whose
+ * slot another live thread holds (their tids share the low bits) has its state in
+ * mt_threads_spill. The end of a session bumps the generation (mt_config[3]), which
+ * frees every slot at once; userspace empties the spill. */
+struct mt_thread {
+    struct mt_call call; /* first: a pointer to it is one to the state */
+    struct mt_retslots rs;
+    u64 stack_end;
+    u64 owner;
+};
+#define MT_THREAD_SLOTS 16384
+#define MT_CONFIG_GENERATION 3
+BPF_ARRAY(mt_threads, struct mt_thread, MT_THREAD_SLOTS);
+BPF_HASH(mt_threads_spill, u32, struct mt_thread, 4096);
+BPF_PERCPU_ARRAY(mt_thread_blank, struct mt_thread, 1); /* a spill entry's template */
+
+static __always_inline u64 mt_owner(u32 tid) {
+    int k = MT_CONFIG_GENERATION;
+    u64 *g = mt_config.lookup(&k);
+    return ((g ? *g : 0) << 32) | tid;
+}
+
+/* The calling thread's state, or 0. With `create`, a thread of a tracked process
+ * without state gets it (zeroed); a thread with state is tracked, which saves the
+ * mt_tracked lookup on the hot path. */
+static __always_inline struct mt_thread *mt_thread_of(u32 pid, u32 tid, int create) {
+    u64 me = mt_owner(tid);
+    u32 idx = tid & (MT_THREAD_SLOTS - 1);
+    struct mt_thread *t = mt_threads.lookup(&idx);
+    if (!t)
+        return 0;
+    u64 old = t->owner;
+    if (old == me)
+        return t;
+    struct mt_thread *s = mt_threads_spill.lookup(&tid);
+    if (s && s->owner == me)
+        return s;
+    if (!create || !mt_is_tracked(pid))
+        return 0;
+    if ((old == 0 || (old >> 32) != (me >> 32)) &&
+        __sync_val_compare_and_swap(&t->owner, old, me) == old) {
+        __builtin_memset(&t->call, 0, sizeof(t->call));
+        __builtin_memset(&t->rs, 0, sizeof(t->rs));
+        t->stack_end = 0;
+        return t;
+    }
+    int zero = 0;
+    struct mt_thread *b = mt_thread_blank.lookup(&zero);
+    if (!b)
+        return 0;
+    b->owner = me;
+    mt_threads_spill.update(&tid, b);
+    return mt_threads_spill.lookup(&tid);
+}
+
+/* A thread's state goes back (at its exit, at exec). */
+static __always_inline void mt_thread_release(u32 tid) {
+    u64 me = mt_owner(tid);
+    u32 idx = tid & (MT_THREAD_SLOTS - 1);
+    struct mt_thread *t = mt_threads.lookup(&idx);
+    if (t && t->owner == me)
+        t->owner = 0;
+    mt_threads_spill.delete(&tid);
+}
 
 #endif

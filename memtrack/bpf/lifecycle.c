@@ -127,6 +127,10 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
         return 0;
     }
     mt_brk.delete(&pid);
+    /* the new image starts with no allocator call and a new stack; a thread other
+     * than the leader that execs takes the leader's tid and leaves its own */
+    mt_thread_release(tid);
+    mt_thread_release((u32)args->old_pid);
     mt_emit(pid, tid, MT_EXEC, MT_A_NONE, 0, (u32)args->old_pid, 0, 0, 0);
     mt_request_attach(pid, tid, MT_REQ_EXEC, -1, 0, (u32)args->old_pid);
     return 0;
@@ -135,8 +139,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
 TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 pt = bpf_get_current_pid_tgid();
     u32 pid = pt >> 32, tid = (u32)pt;
-    mt_calls.delete(&tid);
-    mt_retslots.delete(&tid);
+    mt_thread_release(tid);
     mt_sys.delete(&tid);
     if (!mt_is_tracked(pid))
         return 0;

@@ -34,7 +34,8 @@
  *
  * Copy length: a thread's stack ends at mt_stack_ends[tid] (the main thread: its initial
  * sp, argc's slot, set at exec; a thread: the top of the stack clone3/clone gave it; else
- * learned from the first read that faults). Reads are page by page (one read per page,
+ * learned from the first read that faults); the thread's state (common.h mt_thread)
+ * keeps what it read there. Reads are page by page (one read per page,
  * none that faults when the end is known: a faulting read costs ~0.5 us).
  *
  * Record layout (little-endian u64 words; memtrack.schema.stackrecord describes it):
@@ -117,7 +118,6 @@ struct mt_stack_scratch {
     u64 regkept;
     u64 pos;
     u64 pos2;
-    u64 end;
 };
 
 struct mt_stack_regions {
@@ -186,12 +186,22 @@ static __always_inline void mt_mark(u8 *kept, u64 lo, u64 hi) {
 }
 
 /* Copy [sp, min(sp + budget, stack end)) page by page. A thread without a known end
- * reads until a page faults, and remembers that page as its end. Leaves the word count,
- * whether the budget cut the copy, and the end in s. */
-static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp, u32 tid) {
+ * reads until a page faults, and remembers that page as its end (mt_stack_ends and its
+ * state). Leaves the word count (0: no copy) and whether the budget cut the copy in s. */
+static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp, u32 pid,
+                                          u32 tid) {
     u64 *W = MT_W(s);
-    u64 *endp = mt_stack_ends.lookup(&tid);
-    u64 end = endp ? *endp : 0;
+    struct mt_thread *t = mt_thread_of(pid, tid, 0);
+    if (!t) {
+        s->nwords = 0;
+        return;
+    }
+    u64 end = t->stack_end;
+    if (!end) {
+        u64 *endp = mt_stack_ends.lookup(&tid);
+        end = endp ? *endp : 0;
+        t->stack_end = end;
+    }
     u64 known = end > sp && end - sp < MT_STACK_SANE;
     u64 limit = MT_STACK_BUDGET;
     if (known && end - sp < limit)
@@ -233,31 +243,33 @@ static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp, u3
     }
     s->nwords = got / 8;
     s->cut = cut;
-    s->end = known ? 0 : end;
+    if (!known && end) {
+        mt_stack_ends.update(&tid, &end);
+        t->stack_end = end;
+        mt_stack_count(MT_SS_END_LEARNED);
+    }
 }
 
 /* Put back the return addresses that live uretprobes replaced with their trampoline
  * (common.h mt_retslots) and list the restored slots in s->fix; branch-free per slot.
  * Leaves the count in s->nfix. */
-static __always_inline void mt_stack_fixups(struct mt_stack_scratch *s, u32 tid, u64 sp, u64 n) {
-    struct mt_retslots *rs = mt_retslots.lookup(&tid);
+static __always_inline void mt_stack_fixups(struct mt_stack_scratch *s, struct mt_retslots *rs,
+                                            u64 sp, u64 n) {
     u64 *W = MT_W(s);
     u64 nfix = 0;
-    if (rs) {
-        u64 depth = rs->depth;
+    u64 depth = rs->depth;
 #pragma unroll
-        for (int i = 0; i < MT_MAX_NEST; i++) {
-            u64 off = rs->slot[i] - sp;
-            u64 idx = (off / 8) & MT_SW_MASK;
-            u64 ok = mt_lt(i, depth) & (1 - mt_nz(off & 7)) & mt_lt(off / 8, n) &
-                     mt_lt(off, 1ULL << 32);
-            u64 m = 0 - ok;
-            u64 old = W[idx];
-            W[idx] = (rs->value[i] & m) | (old & ~m);
-            s->fix[(2 * nfix) & (2 * MT_MAX_NEST - 1)] = rs->slot[i];
-            s->fix[(2 * nfix + 1) & (2 * MT_MAX_NEST - 1)] = rs->value[i];
-            nfix += ok;
-        }
+    for (int i = 0; i < MT_MAX_NEST; i++) {
+        u64 off = rs->slot[i] - sp;
+        u64 idx = (off / 8) & MT_SW_MASK;
+        u64 ok = mt_lt(i, depth) & (1 - mt_nz(off & 7)) & mt_lt(off / 8, n) &
+                 mt_lt(off, 1ULL << 32);
+        u64 m = 0 - ok;
+        u64 old = W[idx];
+        W[idx] = (rs->value[i] & m) | (old & ~m);
+        s->fix[(2 * nfix) & (2 * MT_MAX_NEST - 1)] = rs->slot[i];
+        s->fix[(2 * nfix + 1) & (2 * MT_MAX_NEST - 1)] = rs->value[i];
+        nfix += ok;
     }
     s->nfix = nfix;
 }
@@ -378,8 +390,9 @@ static __always_inline u64 mt_stack_pack(struct mt_stack_scratch *s, u64 n, u64 
 }
 
 /* Capture the calling thread's stack from the frame `f` (common.h: the probed
- * function's entry, or its wrappers'); returns its hash (0: no stack). Emits a stack
- * record when the hash was not seen before. */
+ * function's entry, or its wrappers'); the thread has state (common.h mt_thread_of).
+ * Returns the stack's hash (0: no stack). Emits a stack record when the hash was not
+ * seen before. */
 static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 tid,
                                             struct mt_frame *f) {
     int cpu = bpf_get_smp_processor_id();
@@ -391,23 +404,21 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     u8 *kept = rg->kept;
     mt_stack_count(MT_SS_CAPTURES);
     u64 sp = f->sp;
-    mt_stack_copy(s, sp, tid);
+    mt_stack_copy(s, sp, pid, tid);
     u64 n = vs->nwords;
     if (n == 0 || n > MT_STACK_WORDS) {
         mt_stack_count(MT_SS_COPY_FAILED);
         return 0;
-    }
-    if (vs->end) {
-        u64 end = vs->end;
-        mt_stack_ends.update(&tid, &end);
-        mt_stack_count(MT_SS_END_LEARNED);
     }
     u64 *W = MT_W(s);
     /* zero-pad the last group */
 #pragma unroll
     for (int j = 0; j < MT_GROUP; j++)
         W[n + j] = 0;
-    mt_stack_fixups(s, tid, sp, n);
+    struct mt_thread *t = mt_thread_of(pid, tid, 0);
+    if (!t)
+        return 0;
+    mt_stack_fixups(s, &t->rs, sp, n);
     /* this stack's own regions: the one below sp's, sp's, and the copy end's (a copy
      * spans two regions at most) */
     kept[((sp >> MT_REGION_SHIFT) - 1) & MT_REGION_MASK] = 1;

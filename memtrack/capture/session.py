@@ -516,13 +516,14 @@ class Session:
                 del tracked[k]
             except KeyError:
                 pass
-        for name in ("mt_pending", "mt_calls"):
+        for name in ("mt_pending", "mt_threads_spill"):
             table = self.bpf[name]
             for k in list(table.keys()):
                 try:
                     del table[k]
                 except KeyError:
                     pass
+        self.tracker.next_generation()  # every thread's state (bpf/common.h mt_threads) goes
         self._serve_attach()
         self.stops.release_all()
         for pid in pids:

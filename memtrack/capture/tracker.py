@@ -55,6 +55,7 @@ __all__ = ["CaptureError", "CaptureResult", "Session", "Tracker", "default_parts
 UPROBE_ATTACH = {"auto": None, "uprobe_multi": True, "perf_event": False}
 CONFIG_SCOPED = 1  # bpf/common.h mt_config slot: new processes stop for their links
 CONFIG_WRAPPED = 2  # bpf/common.h mt_config slot: wrapper call sites are registered
+CONFIG_GENERATION = 3  # bpf/common.h mt_config slot: the session's generation (mt_threads)
 WRAP_SITES = "mt_wrap_sites"  # bpf/alloc.c
 
 
@@ -215,6 +216,13 @@ class Tracker:
     def set_enabled(self, on: bool) -> None:
         cfg = self.bpf["mt_config"]
         cfg[cfg.Key(0)] = cfg.Leaf(1 if on else 0)
+
+    def next_generation(self) -> None:
+        """A new generation of thread states: every slot of bpf/common.h mt_threads
+        (the last session's threads) is free for the next session's."""
+        cfg = self.bpf["mt_config"]
+        key = cfg.Key(CONFIG_GENERATION)
+        cfg[key] = cfg.Leaf(cfg[key].value + 1)
 
     def spawn(self, cmd: list[str], output: Path | str, *, env: dict[str, str] | None = None,
               cwd: str | Path | None = None, overwrite: bool = False,
