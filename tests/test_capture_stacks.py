@@ -83,3 +83,34 @@ def _text_ranges(r: Any, exe: Path) -> list[tuple[int, int]]:
             if m["path"] == str(exe) and "x" in m["perms"]]
     assert text
     return text
+
+
+def test_threads_beyond_their_slots_spill(tmp_path: Path) -> None:
+    """Six threads and two per-thread slots (bpf/common.h mt_threads): the threads whose
+    slot another one holds keep their state in the spill hash, and every allocation is
+    paired and carries its own thread's stack and return slot as with a slot each."""
+    from memtrack.capture.tracker import Tracker
+
+    exe = build(["stacks/churn.c"], libs=("-lpthread",), flags=("-O1",))
+    iters, threads = 300, 6
+    with Tracker(CaptureOptions(rss=False, extra={"thread_slots": 2})) as t:
+        r = run(t, tmp_path, [str(exe), str(iters), str(threads)])
+    assert r.result.nonzero_losses() == {}
+    stacks = {s["hash"]: s for s in r.art.read("stacks").table.to_pylist()}
+    workers = {e["tid"] for e in r.heap() if e["tid"] != r.result.pid}
+    assert len(workers) == threads
+    for tid in workers:
+        mine = [e for e in r.heap() if e["tid"] == tid]
+        mallocs = [e for e in mine if e["kind"] == M]
+        # thread k's sizes: 16 + ((i + k * 1000003) % 7) * 8, i < iters
+        sizes = sorted(e["size"] for e in mallocs)
+        assert any(sizes == sorted(16 + ((i + k * 1000003) % 7) * 8 for i in range(iters))
+                   for k in range(threads))
+        # each malloc's block is freed next (thread exit frees blocks of its own too)
+        for a, b in zip(mine, mine[1:]):
+            if a["kind"] == M:
+                assert (b["kind"], b["addr"]) == (F, a["addr"])
+        for e in mallocs:
+            rec = stacks[e["stack_hash"]]
+            assert rec["tid"] == tid
+            assert [f["slot"] for f in rec["ret_fixups"]] == [rec["sp"]]

@@ -183,7 +183,9 @@ struct mt_thread {
     u64 stack_end;
     u64 owner;
 };
-#define MT_THREAD_SLOTS 16384
+#ifndef MT_THREAD_SLOTS
+#define MT_THREAD_SLOTS 16384 /* a power of two */
+#endif
 #define MT_CONFIG_GENERATION 3
 BPF_ARRAY(mt_threads, struct mt_thread, MT_THREAD_SLOTS);
 BPF_HASH(mt_threads_spill, u32, struct mt_thread, 4096);

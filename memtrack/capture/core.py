@@ -40,6 +40,7 @@ REQ_FORK = 3  # a new process of the tree, stopped before it runs (scoped probes
 # bpf/alloc.c mt_core_losses slots -> manifest loss counters
 LOSS_SLOTS = ("events_ring_full", "attach_requests_dropped", "unpaired_returns")
 ATTACH_RING_PAGES = 64
+THREAD_SLOTS = 16384  # bpf/common.h mt_threads: one per thread, indexed by the tid's low bits
 EVENTS_RING = Ring("mt_events", RING_EVENTS, EVENT_DTYPE, EVENT_DTYPE.itemsize)
 
 
@@ -66,8 +67,12 @@ class CorePart:
         return ["alloc.c", "lifecycle.c"]
 
     def cflags(self) -> list[str]:
+        # bpf/common.h mt_threads; fewer slots (a power of two) only to test the spill
+        slots = int(self.options.extra.get("thread_slots", THREAD_SLOTS))
+        if slots < 1 or slots & (slots - 1):
+            raise ValueError(f"thread slots {slots}: expected a power of two")
         return [f"-DMT_EVENTS_PAGES={self.options.events_ring_pages}",
-                f"-DMT_ATTACH_PAGES={ATTACH_RING_PAGES}"]
+                f"-DMT_ATTACH_PAGES={ATTACH_RING_PAGES}", f"-DMT_THREAD_SLOTS={slots}"]
 
     def attach(self, bpf: Any) -> list[str]:
         self.events = RingReader(bpf, "mt_events")
