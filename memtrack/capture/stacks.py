@@ -46,6 +46,7 @@ KERNEL_STATS = (
     "stack_deduped",
     "stack_captures",
     "stack_ends_learned",
+    "stack_pages_absent",
 )
 KERNEL_LOSSES = ("stack_copy_failed", "stack_copies_cut", "stack_dedupe_full",
                  "stacks_ring_full")
