@@ -318,7 +318,9 @@ def diff(
     top: Annotated[int, typer.Option("--top", help="Sites per list.")] = 10,
     fail_above: Annotated[float | None, typer.Option(
         "--fail-above", metavar="PCT",
-        help="Exit with status 1 when a gated total grew by more than PCT percent.")] = None,
+        help="Exit with status 1 when a gated total grew by more than PCT percent, 3 when "
+             "the runs are not comparable (data lost, or different allocator functions "
+             "refused).")] = None,
     fail_on: Annotated[list[str] | None, typer.Option(
         "--fail-on", show_default="peak,allocated,leaked",
         help="The gated totals: peak, allocated, leaked, calls, temporary, rss (repeatable "

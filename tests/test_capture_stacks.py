@@ -3,6 +3,7 @@ the hash of the stack record taken at its outer entry."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def test_threads_beyond_their_slots_spill(tmp_path: Path) -> None:
         assert any(sizes == sorted(16 + ((i + k * 1000003) % 7) * 8 for i in range(iters))
                    for k in range(threads))
         # each malloc's block is freed next (thread exit frees blocks of its own too)
-        for a, b in zip(mine, mine[1:]):
+        for a, b in itertools.pairwise(mine):
             if a["kind"] == M:
                 assert (b["kind"], b["addr"]) == (F, a["addr"])
         for e in mallocs:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
@@ -209,6 +210,32 @@ def test_gate_fails_the_regression_and_passes_reruns(runs: dict[str, Any]) -> No
     assert r.returncode == 0
     assert r.stdout.splitlines()[-1] == (
         "gate: passed (none of peak, allocated, leaked grew by more than 10%)")
+
+
+def test_gate_refuses_to_compare_a_run_that_lost_data(runs: dict[str, Any],
+                                                       tmp_path: Path) -> None:
+    """A run whose capture lost events cannot be compared, whatever its figures say:
+    the gate exits 3 (not 1: nothing is known to have grown) and says why, on either
+    side; a note that is not a loss (a cut stack copy) changes nothing."""
+    lossy = tmp_path / "lossy.duckdb"
+    shutil.copy(runs["rerun"], lossy)
+    con = duckdb.connect(str(lossy))
+    con.execute("UPDATE meta SET value = ? WHERE key = 'losses'",
+                [json.dumps({"events_ring_full": 4, "stack_copies_cut": 2})])
+    con.close()
+    base = str(runs["base"])
+    for a, b, side in ((base, str(lossy), "head"), (str(lossy), base, "base")):
+        code, out, _ = invoke("diff", a, b, "--fail-above", "10")
+        assert code == 3, out
+        assert f"NOT COMPARABLE: {side} lost data: events_ring_full 4" in out
+        assert "stack_copies_cut" not in out.split("NOT COMPARABLE")[1].splitlines()[0]
+        code, d = diff_json(a, b)  # no gate: the figures, and the warning in the data
+        assert code == 0 and d["trust"]["trusted"] is False
+    con = duckdb.connect(str(lossy))
+    con.execute("UPDATE meta SET value = ? WHERE key = 'losses'",
+                [json.dumps({"stack_copies_cut": 2})])
+    con.close()
+    assert invoke("diff", base, str(lossy), "--fail-above", "0")[0] == 0
 
 
 def test_diff_selects_processes(runs: dict[str, Any]) -> None:

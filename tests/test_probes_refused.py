@@ -2,7 +2,8 @@
 tool holds a uprobe with a reference counter (a USDT semaphore) on the same function of
 the same file, so the kernel refuses memtrack's (EINVAL: one uprobe, two counters). The
 gap is counted (probes_refused), printed by capture, fails --fail-on-loss, and is in
-`info` and in the report's header."""
+`info`, in the report's header and page, and makes `diff`'s gate say the runs are not
+comparable unless both have the same gap."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import build
+from support.page import browsing, page_data
 
 from memtrack.capture import links
 from memtrack.capture.allocators import probes_for, read_elf
@@ -41,6 +43,11 @@ def hold_uprobe(path: Path, offset: int, ref_ctr_offset: int) -> int:
                                             links.PERF_FLAG_FD_CLOEXEC), "perf_event_open")
 
 
+def memtrack(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MEMTRACK, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
 def test_refused_probe_is_a_loss(tmp_path: Path) -> None:
     lib = tmp_path / "libmyalloc-copy.so"  # a private copy: nobody else maps it
     shutil.copy(build(["capture/myalloc.c"], name="libmyalloc", shared=True), lib)
@@ -58,6 +65,9 @@ def test_refused_probe_is_a_loss(tmp_path: Path) -> None:
     finally:
         for fd in held:
             os.close(fd)
+    clean = tmp_path / "clean.memtrack"  # the same run with every probe in place
+    assert memtrack("capture", "--stacks", "off", "--fail-on-loss", "-o", str(clean), "--",
+                    str(exe), str(lib)).returncode == 0
     assert cap.returncode == 1, cap.stderr
     assert "memtrack: LOST probes_refused = 1" in cap.stderr
     assert f"cannot probe mi_malloc in {lib}" in cap.stderr
@@ -84,3 +94,29 @@ def test_refused_probe_is_a_loss(tmp_path: Path) -> None:
     (warnings,), = con.execute("select value from meta where key = 'capture_warnings'"
                                ).fetchall()
     assert any("cannot probe mi_malloc" in w for w in json.loads(warnings))
+
+    # the report names the function; so does its page, drawn in Chromium
+    assert f"not recorded: mi_malloc in {lib} (probe refused: " in rep.stdout
+    page = tmp_path / "r.html"
+    assert memtrack("report", str(db), "--html", str(page)).returncode == 0
+    assert page_data(page)["report"]["probes_refused"][0]["function"] == "mi_malloc"
+    with browsing(page) as b:
+        shown = b.eval("document.getElementById('losses').innerText")
+    assert "capture lost: probes_refused 1" in shown and "not recorded: mi_malloc in" in shown
+
+    # diff: a gap on one side only makes the gate's comparison untrustworthy (exit 3),
+    # whichever side has it; the same gap on both sides is compared (and said)
+    clean_db = tmp_path / "clean.duckdb"
+    assert memtrack("process", str(clean), "-o", str(clean_db)).returncode == 0
+    for base, head, side in ((db, clean_db, "base"), (clean_db, db, "head")):
+        d = memtrack("diff", str(base), str(head), "--fail-above", "1000")
+        assert d.returncode == 3, d.stdout + d.stderr
+        assert (f"NOT COMPARABLE: only {side} has probes refused (calls not recorded): "
+                f"mi_malloc in {lib.name}") in d.stdout
+        assert "gate: the runs are not comparable" in d.stdout
+        assert memtrack("diff", str(base), str(head)).returncode == 0  # no gate asked
+    same = memtrack("diff", str(db), str(db), "--fail-above", "0", "--format", "json")
+    assert same.returncode == 0, same.stdout
+    trust = json.loads(same.stdout)["trust"]
+    assert trust == {"trusted": True, "problems": [],
+                     "refused_in_both": [f"mi_malloc in {lib.name}"]}

@@ -115,6 +115,15 @@ def test_query_formats(run_db: Path) -> None:
     assert out.rstrip().endswith("(3 rows)")
 
 
+def test_no_progress_bar_in_output(run_db: Path) -> None:
+    """DuckDB prints a progress bar to stdout once a query runs for two seconds (on a busy
+    machine, in the middle of `query --format json`): every connection has it off."""
+    from memtrack.schema.ddl import open_run
+
+    con = open_run(run_db)
+    assert con.execute("SELECT current_setting('enable_progress_bar')").fetchone() == (False,)
+
+
 def test_query_errors(run_db: Path, tmp_path: Path) -> None:
     code, out, err = invoke("query", str(run_db), "SELECT nope FROM allocations")
     assert code == 2 and out == ""

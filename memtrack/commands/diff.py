@@ -1,6 +1,8 @@
 """`memtrack diff BASE.duckdb HEAD.duckdb` (or `--dataset DIR BASE_ID HEAD_ID`): what
 changed between two runs (memtrack.report.diff), as text, JSON or markdown; with
-`--fail-above PCT` exit status 1 when a gated total grew by more than PCT percent."""
+`--fail-above PCT` exit status 1 when a gated total grew by more than PCT percent, 3
+when the two runs cannot be compared (either lost data, or the kernel refused different
+allocator functions in each)."""
 
 from __future__ import annotations
 
@@ -94,4 +96,4 @@ def run(base: str, head: str, *, dataset: Path | None = None, fmt: str = "text",
         raise CommandError(f"diff: {first_line(e)}") from None
     render = {"text": format_text, "json": format_json, "markdown": format_markdown}[fmt]
     out.write(render(diff))
-    return 1 if diff.failed else 0
+    return diff.exit_status

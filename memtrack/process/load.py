@@ -33,6 +33,7 @@ from memtrack.schema.ddl import (
     RSS_CAUSES,
     RSS_MEMBERS,
     TABLE_NAMES,
+    connect,
     create_schema,
     derive,
 )
@@ -192,8 +193,7 @@ class RunDatabase:
         self.tmp.unlink(missing_ok=True)
         # DuckDB keeps at most MEMORY_LIMIT of the tables it is given in memory and
         # writes the rest out to the database file (its default is 80 % of the RAM)
-        self.con = duckdb.connect(str(self.tmp), config={"memory_limit": MEMORY_LIMIT,
-                                                         "threads": threads})
+        self.con = connect(str(self.tmp), memory_limit=MEMORY_LIMIT, threads=threads)
         create_schema(self.con)
         self.stack_ids: pa.Table | None = None  # stack_hash -> stack_id, once loaded
 

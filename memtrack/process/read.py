@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from memtrack.process.spill import EventSpill, OutOfOrder, rechunk
 from memtrack.schema import EVENTS, table_file
 from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError
+from memtrack.schema.ddl import connect
 from memtrack.schema.enums import Allocator, EventKind, RssMember
 from memtrack.schema.stackrecord import MAX_BUDGET
 
@@ -183,7 +184,7 @@ def read_artifact(art: Artifact, spill: EventSink | None = None,
     if spill is None:
         events = sort_events(pa.Table.from_batches(list(_valid(art, counts)), schema=EVENTS))
     else:
-        _spill(art, spill, con or duckdb.connect(), counts)
+        _spill(art, spill, con or connect(), counts)
         events = spill.other_events()
     bad_rows["events"], bad = counts["bad_rows"], counts["bad_kind"]
     return ArtifactTables(

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
-
-import duckdb
 
 from memtrack.report.reader import METRICS, RunReader
 from memtrack.report.regions import RegionReader
 from memtrack.report.text import backtrace_lines, human_bytes
+from memtrack.schema import is_loss
+from memtrack.schema.ddl import connect
 
 Data = dict[str, Any]
 
@@ -56,6 +57,7 @@ SITE_METRICS = {
 MAX_FRAMES = 16  # frames per backtrace in text; markdown keeps fewer
 MD_FRAMES = 10
 MD_LIMIT = 60000  # characters: a GitHub comment holds 65536
+EXIT_NOT_COMPARABLE = 3  # the gate's status when the runs did not see the same things
 
 
 @dataclass
@@ -317,7 +319,7 @@ KINDS = ("matched", "head_only", "base_only")
 
 
 def build_sites(base: Side, head: Side, opts: DiffOptions) -> Data:
-    con = duckdb.connect()
+    con = connect()
     try:
         con.register("base", base.reader.call_paths())
         con.register("head", head.reader.call_paths())
@@ -470,6 +472,40 @@ def gate_line(g: Data) -> str:
             + "; ".join(f"{c['label']} {c['change']}" for c in failed))
 
 
+# ---- trust: did both runs see the same things? ---------------------------------------
+def _refused(side: Side) -> set[tuple[str, str]]:
+    """(function, module file name) of each refused probe: the module's directory may
+    differ between machines and runs."""
+    return {(r["function"], PurePath(r["path"]).name) for r in side.reader.probes_refused}
+
+
+def trust(base: Side, head: Side) -> Data:
+    """Whether the figures of the two runs can be compared: neither lost data, and the
+    kernel refused the same allocator functions in both (the same gap on both sides
+    leaves the comparison fair; a gap in one only changes its figures by itself)."""
+    problems = []
+    for key, side in (("base", base), ("head", head)):
+        lost = {k: v for k, v in side.reader.losses.items()
+                if is_loss(k) and k != "probes_refused"}
+        if lost:
+            problems.append(f"{key} lost data: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
+    refused = _refused(base), _refused(head)
+    for key, mine, other in (("base", *refused), ("head", *reversed(refused))):
+        if mine - other:
+            problems.append(f"only {key} has probes refused (calls not recorded): " +
+                            ", ".join(f"{f} in {m}" for f, m in sorted(mine - other)))
+    return {"trusted": not problems, "problems": problems,
+            "refused_in_both": [f"{f} in {m}" for f, m in sorted(refused[0] & refused[1])]}
+
+
+def trust_lines(t: Data) -> list[str]:
+    lines = [f"NOT COMPARABLE: {p}" for p in t["problems"]]
+    if t["refused_in_both"]:
+        lines.append("probes refused in both runs (calls not recorded in either): "
+                     + ", ".join(t["refused_in_both"]))
+    return lines
+
+
 # ---- the diff -------------------------------------------------------------------------
 def describe(side: Side) -> Data:
     r = side.reader
@@ -486,6 +522,13 @@ class Diff:
     def failed(self) -> bool:
         return bool(self.data.get("gate") and self.data["gate"]["failed"])
 
+    @property
+    def exit_status(self) -> int:
+        """With a gate: 3 when the runs cannot be compared (trust), 1 when it failed."""
+        if not self.data.get("gate"):
+            return 0
+        return EXIT_NOT_COMPARABLE if not self.data["trust"]["trusted"] else int(self.failed)
+
 
 def diff_data(base: Side, head: Side, opts: DiffOptions | None = None) -> Diff:
     """Everything the diff shows, as plain data (the --format json output)."""
@@ -495,7 +538,7 @@ def diff_data(base: Side, head: Side, opts: DiffOptions | None = None) -> Diff:
         built = s.build(base, head, opts)
         if built is not None:
             sections[s.key] = built
-    return Diff({"base": describe(base), "head": describe(head),
+    return Diff({"base": describe(base), "head": describe(head), "trust": trust(base, head),
                  "sections": sections, "gate": gate(sections["totals"], opts)})
 
 
@@ -509,12 +552,15 @@ def _side_line(key: str, d: Data) -> str:
 
 def format_text(diff: Diff) -> str:
     d = diff.data
-    lines = [_side_line("base", d["base"]), _side_line("head", d["head"])]
+    lines = [_side_line("base", d["base"]), _side_line("head", d["head"]),
+             *trust_lines(d["trust"])]
     for s in SECTIONS:
         if s.key in d["sections"]:
             lines += ["", *s.text(d["sections"][s.key])]
     if d["gate"]:
         lines += ["", gate_line(d["gate"])]
+        if not d["trust"]["trusted"]:
+            lines.append("gate: the runs are not comparable (see NOT COMPARABLE above)")
     return "\n".join(lines) + "\n"
 
 
@@ -526,6 +572,8 @@ def format_markdown(diff: Diff) -> str:
         labels = ", ".join(f"{k}={v}" for k, v in side["labels"].items())
         lines.append(f"**{key}** {md(side['name'])}" + (f" ({labels})" if labels else "") +
                      (f" {md(' '.join(side['command']))}" if side["command"] else "") + "  ")
+    if d["trust"]["problems"] or d["trust"]["refused_in_both"]:
+        lines += ["", *(f":warning: {md(line)}  " for line in trust_lines(d["trust"]))]
     if d["gate"]:
         mark = ":x:" if d["gate"]["failed"] else ":white_check_mark:"
         lines += ["", f"{mark} {gate_line(d['gate'])}"]

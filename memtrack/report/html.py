@@ -22,6 +22,7 @@ import duckdb
 from memtrack.report import regions
 from memtrack.report.reader import METRICS, UNITS, Costs, RunReader
 from memtrack.report.text import SECTIONS, ReportOptions, report_data
+from memtrack.schema import is_loss
 
 TIMELINE_POINTS = 1500  # per process and series, at most (reader.downsampled)
 FLAME_METRICS = {"allocated": "bytes allocated", "calls": "calls", "peak": "alive at peak",
@@ -70,6 +71,7 @@ def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, 
         "timelines": run.timelines(TIMELINE_POINTS),
         "hotspots": RunReader(con).hotspots(50),
         "regions": regions.html_data(run, opts.top),
+        "loss_counters": [k for k in run.losses if is_loss(k)],
     }
 
 
@@ -128,6 +130,7 @@ tr.bt > td { padding: 2px 0 8px 2.2em; }
 .plot .cursor { stroke: #555; stroke-dasharray: 3 3; }
 .plot .readout { font-weight: 600; fill: #222; }
 .hidden { display: none; } small { color: #666; }
+.loss { color: #b00; margin: 2px 0; }
 th[data-sorted="asc"]::after { content: " \25B4"; }
 th[data-sorted="desc"]::after { content: " \25BE"; }
 </style></head>
@@ -137,6 +140,7 @@ th[data-sorted="desc"]::after { content: " \25BE"; }
 <span id="matched"></span></header>
 <div id="command"></div>
 <div id="totals"></div>
+<div id="losses"></div>
 <div id="regions"></div>
 <h2>Flame graph <small>(root at the top; click to zoom, click the root to reset)</small></h2>
 <div id="metric"></div>
@@ -208,6 +212,11 @@ function totals() {
                  : bytes(t.peak_rss_bytes) + at(t.peak_rss_at_s)],
     ["leaked", bytes(t.leaked_bytes) + " (" + count(t.leaked_allocations) + " allocations)"],
   ], [false, true]);
+  const lost = Object.entries(D.report.losses), box = document.getElementById("losses");
+  lost.forEach(([k, v]) => el("p", {class: "loss"}, box,
+    (D.loss_counters.includes(k) ? "capture lost: " : "capture note: ") + k + " " + count(v)));
+  D.report.probes_refused.forEach(r => el("p", {class: "loss"}, box,
+    "not recorded: " + r.function + " in " + r.path + " (probe refused: " + r.why + ")"));
 }
 
 let zoom = null;

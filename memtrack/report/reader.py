@@ -181,6 +181,21 @@ class RunReader:
         return json.loads(self.meta.get("labels", "{}"))
 
     @property
+    def losses(self) -> dict[str, int]:
+        """The capture's non-zero loss and fidelity counters (its manifest's losses)."""
+        losses = _json(self.meta.get("losses"), {})
+        return {k: v for k, v in losses.items() if isinstance(v, int) and v} \
+            if isinstance(losses, dict) else {}
+
+    @property
+    def probes_refused(self) -> list[dict[str, str]]:
+        """The allocator functions the kernel refused to probe ({path, function, why}):
+        their calls are missing from the run."""
+        refused = _json(self.meta.get("probes_refused"), [])
+        return [{k: str(r.get(k, "")) for k in ("path", "function", "why")}
+                for r in (refused if isinstance(refused, list) else []) if isinstance(r, dict)]
+
+    @property
     def title(self) -> str:
         """The run's name in one short line: its command, the first line of it, at most
         TITLE_CHARS characters."""
@@ -485,6 +500,14 @@ class RunReader:
             if heap or rss:
                 out.append({"pid": p, "name": name or "?", "heap": heap, "rss": rss})
         return out
+
+
+def _json(text: str | None, default: Any) -> Any:
+    """A meta value decoded, or `default` where it is missing or not JSON."""
+    try:
+        return json.loads(text) if text else default
+    except ValueError:
+        return default
 
 
 def downsampled(series: str, points: int) -> str:

@@ -90,7 +90,8 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
         "totals": run.totals(),
         "processes": run.processes(),
         "sections": {s.key: s.data(run, opts) for s in SECTIONS},
-        "losses": {k: v for k, v in json.loads(run.meta.get("losses", "{}")).items() if v},
+        "losses": run.losses,
+        "probes_refused": run.probes_refused,
         "regions": regions.top(opts.top),  # the most bytes allocated first
         "regions_total": regions.count(),
     }
@@ -131,6 +132,12 @@ def printable(text: str) -> str:
         lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
+def refused_lines(refused: list[dict[str, str]]) -> list[str]:
+    """Each allocator function the kernel refused to probe: its calls are not in the run."""
+    return [f"  not recorded: {r['function']} in {r['path']} (probe refused: {r['why']})"
+            for r in refused]
+
+
 def format_text(data: dict) -> str:
     t = data["totals"]
     lines = []
@@ -165,7 +172,7 @@ def format_text(data: dict) -> str:
         if len(data["processes"]) > len(procs):
             lines.append(f"  ({len(data['processes']) - len(procs)} more with fewer calls: "
                          "--format json lists them all)")
-    lines += loss_lines(data["losses"])
+    lines += loss_lines(data["losses"]) + refused_lines(data["probes_refused"])
     if data["regions_total"]:
         from memtrack.report.regions import region_table_lines
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from memtrack.schema.ddl import EXPORT_TABLES, SCHEMA_VERSION, VIEWS, first_line
+from memtrack.schema.ddl import EXPORT_TABLES, SCHEMA_VERSION, VIEWS, connect, first_line
 
 PARTITION = "run"
 RUNS_TABLE = "runs"
@@ -91,7 +91,7 @@ def open_dataset(root: Path) -> duckdb.DuckDBPyConnection:
     root = Path(root)
     if not run_ids(root):
         raise DatasetError(f"{root}: the dataset holds no run yet")
-    con = duckdb.connect()
+    con = connect()
     with _reading(con, root):
         con.execute(f"CREATE VIEW {RUNS_TABLE} AS SELECT * FROM {_scan(root, RUNS_TABLE)}")
         for name in EXPORT_TABLES:
@@ -125,7 +125,7 @@ def open_dataset_run(root: Path, run_id: str) -> duckdb.DuckDBPyConnection:
     root = Path(root)
     if run_id not in run_ids(root):
         raise DatasetError(f"{root}: no run {run_id!r} in this dataset")
-    con = duckdb.connect()
+    con = connect()
     for name in EXPORT_TABLES:
         f = partition(root, name, run_id) / DATA_FILE
         if not f.is_file():

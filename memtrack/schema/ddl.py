@@ -377,13 +377,23 @@ def derive(con: duckdb.DuckDBPyConnection, *tables: str) -> None:
 RELATIONS = tuple(re.findall(r"CREATE (?:TABLE|VIEW) (\w+)", TABLES + VIEWS))
 
 
+def connect(database: str = ":memory:", *, read_only: bool = False,
+            **config: object) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection as memtrack opens every one: without DuckDB's progress bar,
+    which it prints to stdout once a query runs for two seconds (a slow query on a busy
+    machine put it in the middle of `query --format json`)."""
+    con = duckdb.connect(database, read_only=read_only, config=config)
+    con.execute("SET enable_progress_bar = false")  # a session option, not a config one
+    return con
+
+
 def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConnection:
     """Open a run database, refusing (RunError, one line) anything but this format."""
     path = Path(path)
     if not path.is_file():
         raise RunError(f"{path}: no such run database")
     try:
-        con = duckdb.connect(str(path), read_only=read_only)
+        con = connect(str(path), read_only=read_only)
     except duckdb.Error as e:
         raise RunError(f"{path}: not a DuckDB database ({first_line(e)})") from None
     try:
