@@ -81,12 +81,13 @@ static __always_inline int mt_is_tracked(u32 tgid) {
 }
 
 /* Backpressure (--on-ring-full pause): a producer that finds a ring's unconsumed data
- * at or above its high watermark is stopped (SIGSTOP to its process; mt_paused holds
- * the pids stopped and since when) and its current record is still written; the
- * session's drain resumes it once the rings are below their low watermark. Every ring
- * write calls mt_backpressure(its MT_RING_* id) first. The session puts each ring in
- * mt_rings (bcc 0.26 has no ring.ringbuf_query(): an array of maps gives the helper
- * the map) and its high watermark in bytes in mt_pause_at (0: --on-ring-full drop). */
+ * at or above its high watermark is stopped (SIGSTOP to the writing thread, which stops
+ * its process; mt_paused holds the pids stopped and since when) and its current record
+ * is still written; the session's drain resumes it once the rings are below their low
+ * watermark. Every ring write calls mt_backpressure(its MT_RING_* id) first. The
+ * session puts each ring in mt_rings (bcc 0.26 has no ring.ringbuf_query(): an array of
+ * maps gives the helper the map) and its high watermark in bytes in mt_pause_at (0:
+ * --on-ring-full drop). */
 #define MT_SIGSTOP 19
 #define MT_RING_EVENTS 0
 #define MT_RING_STACKS 1
@@ -112,13 +113,21 @@ static __always_inline void mt_backpressure(int ring) {
     if (!mt_is_tracked(pid))
         return;
     /* mt_paused keeps the first stop (when; and the pause is counted once), but every
-     * producer that runs while the ring is above its watermark stops its process again:
-     * a SIGCONT sent meanwhile (by anyone: a shell's `bg`, a supervisor, the drain's
-     * resume racing with a thread still in flight) cancels a pending stop, and a second
-     * SIGSTOP to a process stopping already changes nothing. */
+     * producer that runs while the ring is above its watermark stops again: a SIGCONT
+     * sent meanwhile (by anyone: a shell's `bg`, a supervisor, the drain's resume racing
+     * with a thread still in flight) cancels a pending stop, and a second SIGSTOP to a
+     * process stopping already changes nothing.
+     * The stop goes to the calling thread, not to its process: a process-wide SIGSTOP
+     * already pending is not queued again and wakes no thread, so while the thread
+     * that sent the first one was preempted before its return to user mode (where the
+     * group stop begins), the other threads of its process wrote on, every send a
+     * no-op, until the ring was full (the likely cause of 4 events lost in CI: a
+     * one-page ring, 4 threads on 2 CPUs). A thread's own SIGSTOP stops it at its next
+     * return to user mode and from there every thread of its process, as a
+     * process-wide one does. */
     u64 now = bpf_ktime_get_ns();
     int first = mt_paused.insert(&pid, &now) == 0;
-    if (bpf_send_signal(MT_SIGSTOP)) {
+    if (bpf_send_signal_thread(MT_SIGSTOP)) {
         /* an exiting task cannot be stopped: let another of its threads try */
         if (first)
             mt_paused.delete(&pid);
