@@ -253,6 +253,9 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
             if read.position > furthest:
                 furthest = read.position
                 progress(furthest, size, events=events)
+        if furthest < size:  # the stream's end marker, or a truncated file's rest
+            furthest = size
+            progress(size, size, events=events)
 
     try:
         for chunk in rechunk(slices(), EVENTS, SLICE_ROWS):
