@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from test_process_jobs import checksums, synth
+from test_process_jobs import checksums
 from test_stackrecord import skeleton_table
 
 import memtrack.process.parallel as parallel
@@ -51,14 +51,7 @@ def test_records_that_changed_are_refused() -> None:
         list(records.read(np.arange(10), [10]))  # cut short
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    art = tmp_path_factory.mktemp("pieces") / "synth.memtrack"
-    synth().generate(art, 12_000, 1_500, threads=4, depth=12, quiet=True)
-    return art
-
-
-def test_lowered_piece_size_same_tables(artifact: Path, tmp_path: Path,
+def test_lowered_piece_size_same_tables(small_synth: Path, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of at most 32 KiB of copies (a few dozen records each), decoded and unwound
     in this process so that each can be looked at: none holds more, none of its columns
@@ -74,17 +67,17 @@ def test_lowered_piece_size_same_tables(artifact: Path, tmp_path: Path,
         return out
 
     monkeypatch.setattr(parallel, "decode_table", spy)
-    process(artifact, tmp_path / "small.duckdb", progress=False, jobs=1, chunk_bytes=bound)
+    process(small_synth, tmp_path / "small.duckdb", progress=False, jobs=1, chunk_bytes=bound)
     assert len(seen) > 10
     assert all(copies <= bound or n == 1 for n, copies, _ in seen)
     assert all(stack <= bound + 8 * (n + 1) for n, _, stack in seen)  # + offsets
     seen.clear()
-    process(artifact, tmp_path / "one.duckdb", progress=False, jobs=1, chunk_bytes=1 << 40)
+    process(small_synth, tmp_path / "one.duckdb", progress=False, jobs=1, chunk_bytes=1 << 40)
     assert len(seen) == 1
     assert checksums(tmp_path / "small.duckdb") == checksums(tmp_path / "one.duckdb")
 
 
-def test_sigterm_leaves_nothing(artifact: Path, tmp_path: Path) -> None:
+def test_sigterm_leaves_nothing(small_synth: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.duckdb"
     # what a run killed outright left: its database and spill, its process gone
     dead = subprocess.Popen(["true"])
@@ -94,7 +87,7 @@ def test_sigterm_leaves_nothing(artifact: Path, tmp_path: Path) -> None:
         p.write_bytes(b"x")
     (tmp_path / f".r.duckdb.{dead.pid}.tmp.spill").mkdir()
     (tmp_path / f".r.duckdb.{dead.pid}.tmp.spill" / "ops-0.arrow").write_bytes(b"x")
-    p = subprocess.Popen([sys.executable, "-m", "memtrack.cli", "process", str(artifact),
+    p = subprocess.Popen([sys.executable, "-m", "memtrack.cli", "process", str(small_synth),
                           "-o", str(out), "--cache", "off", "--jobs", "2"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     spill = tmp_path / f".r.duckdb.{p.pid}.tmp.spill"

@@ -11,9 +11,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-from test_process_jobs import synth
-
 from memtrack.process.pipeline import process
 from memtrack.process.progress import STAGES
 
@@ -35,17 +32,10 @@ class Recorder:
         self.log.append(("finish", stage, seconds))
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    art = tmp_path_factory.mktemp("progress") / "synth.memtrack"
-    synth().generate(art, 12_000, 1_500, threads=4, depth=12, quiet=True)
-    return art
-
-
-def test_stages_in_order_counts_to_their_totals(artifact: Path, tmp_path: Path) -> None:
+def test_stages_in_order_counts_to_their_totals(small_synth: Path, tmp_path: Path) -> None:
     rec = Recorder()
     # pieces of 256 KiB: 1,500 stacks of ~1 KiB are unwound in several
-    summary = process(artifact, tmp_path / "r.duckdb", progress=rec, jobs=2,
+    summary = process(small_synth, tmp_path / "r.duckdb", progress=rec, jobs=2,
                       chunk_bytes=256 << 10, cache_dir=None)
     bounds = [e[:2] for e in rec.log if e[0] != "advance"]
     assert bounds == [(what, s) for s in STAGES for what in ("start", "finish")]
@@ -99,8 +89,8 @@ def terminal_run(*args: str) -> tuple[int, str]:
                                                      out.decode(errors="replace"))
 
 
-def test_terminal_shows_stages_with_counts_and_times(artifact: Path, tmp_path: Path) -> None:
-    status, out = terminal_run("process", str(artifact), "-o", str(tmp_path / "r.duckdb"),
+def test_terminal_shows_stages_with_counts_and_times(small_synth: Path, tmp_path: Path) -> None:
+    status, out = terminal_run("process", str(small_synth), "-o", str(tmp_path / "r.duckdb"),
                                "--cache", "off", "--jobs", "1")
     assert status == 0, out
     done = r"done in \d+\.\d\ds"
@@ -109,6 +99,6 @@ def test_terminal_shows_stages_with_counts_and_times(artifact: Path, tmp_path: P
     assert re.search(rf"pair .*buckets \d+ ranges \d+ {done}", out), out
     for stage in STAGES:
         assert re.search(rf"(?:^|\r){stage} +[^\r]*{done}", out, re.M), (stage, out)
-    status, quiet = terminal_run("process", str(artifact), "-o", str(tmp_path / "q.duckdb"),
+    status, quiet = terminal_run("process", str(small_synth), "-o", str(tmp_path / "q.duckdb"),
                                  "--cache", "off", "--jobs", "1", "-q")
     assert status == 0 and "done in" not in quiet, quiet
