@@ -97,3 +97,14 @@ def build(sources: list[str | Path], *, name: str | None = None, flags: tuple[st
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     os.replace(tmp, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def small_synth(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic artifact (bench/synth_artifact.py): 12 k events, 1,500 stacks
+    that unwind to _start."""
+    from test_process_jobs import synth
+
+    art = tmp_path_factory.mktemp("synth") / "small.memtrack"
+    synth().generate(art, 12_000, 1_500, threads=4, depth=12, quiet=True)
+    return art

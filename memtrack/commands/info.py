@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from memtrack.commands import CommandError
+from memtrack.process.decode import StackRecords
 from memtrack.process.spill import OtherEvents
 from memtrack.schema import ALLOC_KINDS, TABLES, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactError
@@ -127,14 +128,15 @@ def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any,
     return rows
 
 
-def stack_records(stacks: Any, tally: EventTally, py_stacks: Any = None, top: int = 10
+def stack_records(stacks: StackRecords, tally: EventTally, py_stacks: Any = None, top: int = 10
                   ) -> dict[str, Any]:
     """Stack records: how many, how many were cut at the budget, distinct hashes, the
     allocations without a stack, and the `top` most frequent stacks by allocations
     referencing them (a Python stack counts for the native record it extends)."""
     from memtrack.process.pyframes import native_hashes
 
-    hashes = stacks.column("hash").to_numpy()
+    index = stacks.index
+    hashes = index.column("hash").to_numpy()
 
     def native(counts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         h, c = counts
@@ -148,8 +150,8 @@ def stack_records(stacks: Any, tally: EventTally, py_stacks: Any = None, top: in
     if hashes.size:
         uniq, idx = np.unique(hashes, return_index=True)
         first = dict(zip(uniq.tolist(), idx.tolist(), strict=True))
-    pids = stacks.column("pid").to_numpy()
-    lens = stacks.column("copy_len").to_numpy()
+    pids = index.column("pid").to_numpy()
+    lens = index.column("copy_len").to_numpy()
     rows = []
     for u, c in zip(used[order].tolist(), counts[order].tolist(), strict=True):
         i = first.get(u)
@@ -158,9 +160,9 @@ def stack_records(stacks: Any, tally: EventTally, py_stacks: Any = None, top: in
                      "copy_len": int(lens[i]) if i is not None else None})
     return {
         "records": int(hashes.size),
-        "cut": int(pc.sum(stacks.column("truncated")).as_py() or 0),
+        "cut": int(pc.sum(index.column("truncated")).as_py() or 0),
         "distinct_hashes": int(np.unique(hashes).size),
-        "payload_bytes": int(pc.sum(pc.binary_length(stacks.column("payload"))).as_py() or 0),
+        "payload_bytes": stacks.payload_bytes,
         "allocations": int(allocs_n.sum()),
         "allocations_without_stack": int(allocs_n[allocs == 0].sum()),
         "unresolved_hashes": int(np.setdiff1d(used, hashes).size),

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from memtrack.commands import CommandError, check_output, give_to_invoking_user
@@ -51,11 +54,40 @@ def parse_labels(labels: Sequence[str]) -> dict[str, str]:
     return out
 
 
+@contextmanager
+def ended_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP end `process` as Ctrl-C does, through every cleanup (no spill,
+    no half-written database is left): SystemExit(128 + the signal). A SIGKILL leaves
+    them; the next run that writes the same database deletes them
+    (memtrack.process.load.remove_leftovers)."""
+    def ended(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    main = threading.current_thread() is threading.main_thread()  # signals go there only
+    before = {s: signal.signal(s, ended) for s in (signal.SIGTERM, signal.SIGHUP) if main}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool,
         cache_dir: Path | None, no_cache: bool, quiet: bool,
         say: Callable[[str], None], dataset: Path | None = None, run_id: str | None = None,
         labels: Sequence[str] = (), force: bool = False, jobs: int | None = None,
         python_frames: bool = True) -> int:
+    with ended_by_signals():
+        return _run(artifact, output, parquet=parquet, host_modules=host_modules,
+                    cache_dir=cache_dir, no_cache=no_cache, quiet=quiet, say=say,
+                    dataset=dataset, run_id=run_id, labels=labels, force=force, jobs=jobs,
+                    python_frames=python_frames)
+
+
+def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool,
+         cache_dir: Path | None, no_cache: bool, quiet: bool,
+         say: Callable[[str], None], dataset: Path | None, run_id: str | None,
+         labels: Sequence[str], force: bool, jobs: int | None, python_frames: bool) -> int:
     from memtrack.schema.dataset import DatasetError
 
     meta_labels = parse_labels(labels)

@@ -13,15 +13,16 @@ exactly as the whole table would.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.schema import NUM_REGS
-from memtrack.schema.artifact import Artifact
+from memtrack.schema import NUM_REGS, STACKS
+from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.schema.stackrecord import rebuild, skeleton_hash
 from memtrack.schema.stages import DECODED_RECORDS
 
@@ -33,7 +34,90 @@ class DecodedRecords:
     kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their rows
 
 
-DEFAULT_MAX_BYTES = 64 << 20  # rebuilt stack bytes per decode_chunks run
+DEFAULT_MAX_BYTES = 64 << 20  # rebuilt stack bytes per piece (decode_chunks, unwind)
+
+
+def piece_ends(copy_len: np.ndarray, max_bytes: int, most: int | None = None) -> list[int]:
+    """Where consecutive records (their copy lengths) are cut into pieces of at most
+    `max_bytes` of rebuilt copies (one record at least) and `most` records: each piece's
+    end, the last one len(copy_len)."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, not {max_bytes}")
+    ends = np.cumsum(copy_len.astype(np.int64) // 8 * 8)
+    out: list[int] = []
+    a = 0
+    while a < ends.size:
+        first = int(ends[a - 1]) if a else 0
+        b = max(int(np.searchsorted(ends, first + max_bytes, side="right")), a + 1)
+        a = b if most is None else min(b, a + most)
+        out.append(a)
+    return out
+
+
+class StackRecords:
+    """Stack records (STACKS rows, file order) never held whole: what choosing and
+    cutting them needs (`index`: hash, pid, copy_len, truncated; 17 bytes a record) is
+    kept, the records themselves are read again, a piece at a time, from `batches` (a
+    callable that gives the same record batches each time: an artifact's stacks.arrow
+    read again, or a table in memory). A piece's rows are taken out of the batches they
+    came in: never one column of more than a piece, whatever the whole adds up to."""
+
+    def __init__(self, batches: Callable[[], Iterable[pa.RecordBatch]],
+                 path: Path | None = None) -> None:
+        self._batches, self.path = batches, path
+        parts: list[pa.Table] = []
+        self.payload_bytes = 0
+        for b in batches():
+            # copied: a column of the batch would hold the batch's buffers
+            parts.append(pa.table({n: pa.array(b.column(n).to_numpy(zero_copy_only=False))
+                                   for n in INDEX}))
+            self.payload_bytes += int(pc.sum(pc.binary_length(b.column("payload"))).as_py()
+                                      or 0)
+        self.index = pa.concat_tables(parts).combine_chunks() if parts else \
+            pa.schema([STACKS.field(n) for n in INDEX]).empty_table()
+
+    @classmethod
+    def of(cls, table: pa.Table) -> StackRecords:
+        """The records of a STACKS table in memory."""
+        return cls(lambda: table.to_batches())
+
+    @property
+    def num_rows(self) -> int:
+        return self.index.num_rows
+
+    def read(self, rows: np.ndarray, ends: Sequence[int]) -> Iterator[pa.Table]:
+        """The records at `rows` (ascending positions in `index`), a piece at a time:
+        rows[:ends[0]], rows[ends[0]:ends[1]], ... as STACKS tables, in one pass over
+        the batches. A record whose hash is not the index's (the file changed since) is
+        an ArtifactError."""
+        if not len(ends):
+            return
+        hashes = self.index.column("hash").to_numpy()
+        held: list[pa.RecordBatch] = []
+        base = j = piece = 0
+        for batch in self._batches():
+            upto = int(np.searchsorted(rows, base + batch.num_rows))
+            while j < upto:
+                stop = min(upto, ends[piece])
+                part = batch.take(pa.array(rows[j:stop] - base))
+                if not np.array_equal(part.column("hash").to_numpy(), hashes[rows[j:stop]]):
+                    raise self._changed()
+                held.append(part)
+                j = stop
+                if j == ends[piece]:
+                    yield pa.Table.from_batches(held, schema=STACKS)
+                    held, piece = [], piece + 1
+            if piece == len(ends):
+                return
+            base += batch.num_rows
+        raise self._changed()
+
+    def _changed(self) -> ArtifactError:
+        return ArtifactError(self.path or Path("stacks"),
+                             "changed while being processed (its stack records differ)")
+
+
+INDEX = ("hash", "pid", "copy_len", "truncated")  # StackRecords.index
 
 
 def decode(artifact: Artifact) -> DecodedRecords:
@@ -41,28 +125,29 @@ def decode(artifact: Artifact) -> DecodedRecords:
     return decode_table(artifact.read("stacks", required=False).table)
 
 
-def decode_chunks(source: Artifact | pa.Table, max_bytes: int = DEFAULT_MAX_BYTES
+def decode_chunks(source: Artifact | pa.Table | StackRecords,
+                  max_bytes: int = DEFAULT_MAX_BYTES, rows: np.ndarray | None = None
                   ) -> Iterator[DecodedRecords]:
-    """Decode an artifact's (or a STACKS table's) records in runs of consecutive records
-    whose copies add up to at most `max_bytes` (a run holds one record at least). The
-    runs' tables, concatenated, are decode_table's table and their counters sum to its
-    counters; only one run's rebuilt bytes are held at a time."""
+    """Decode an artifact's (or a STACKS table's, or some `rows` of stack records') records
+    in runs of consecutive records whose copies add up to at most `max_bytes` (a run
+    holds one record at least). The runs' tables, concatenated, are decode_table's table
+    and their counters sum to its counters; only one run's records and rebuilt bytes are
+    held at a time."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, not {max_bytes}")
-    stacks = source.read("stacks", required=False).table if isinstance(source, Artifact) \
-        else source
-    if stacks.num_rows == 0:
-        yield decode_table(stacks)
+    if isinstance(source, Artifact):
+        source = source.read("stacks", required=False).table
+    records = source if isinstance(source, StackRecords) else StackRecords.of(source)
+    rows = np.arange(records.num_rows) if rows is None else rows
+    if not len(rows):
+        yield decode_table(STACKS.empty_table())
         return
-    ends = np.cumsum(stacks.column("copy_len").to_numpy() // 8 * 8, dtype=np.int64)
-    a = 0
-    while a < ends.size:
-        first = int(ends[a - 1]) if a else 0
-        b = max(int(np.searchsorted(ends, first + max_bytes, side="right")), a + 1)
-        out = decode_table(stacks.slice(a, b - a))
+    copy_len = records.index.column("copy_len").to_numpy()[rows]
+    for piece in records.read(rows, piece_ends(copy_len, max_bytes)):
+        out = decode_table(piece)
+        del piece
         yield out
         del out  # not held while the next run is decoded
-        a = b
 
 
 def _binary_parts(arr: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -10,8 +10,10 @@ Python.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -189,6 +191,7 @@ class RunDatabase:
 
     def __init__(self, out_db: Path, threads: int = 1) -> None:
         self.out_db = Path(out_db)
+        remove_leftovers(self.out_db)
         self.tmp = self.out_db.with_name(f".{self.out_db.name}.{os.getpid()}.tmp")
         self.tmp.unlink(missing_ok=True)
         # DuckDB keeps at most MEMORY_LIMIT of the tables it is given in memory and
@@ -308,6 +311,28 @@ class RunDatabase:
         self.con.close()
         self.tmp.unlink(missing_ok=True)
         Path(str(self.tmp) + ".wal").unlink(missing_ok=True)
+
+
+def remove_leftovers(out_db: Path) -> None:
+    """Delete what a run that wrote `out_db` and was killed outright (SIGKILL, a crash)
+    left beside it: its `.NAME.PID.tmp` database, WAL and spill, whose process is gone
+    (a run still going, even another user's, keeps its files)."""
+    prefix = f".{out_db.name}."
+    for path in out_db.parent.glob(f"{glob.escape(prefix)}*.tmp*"):
+        pid = path.name[len(prefix):].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, str]],

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.process.lifecycle import Lifecycle
+from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import (
     OPS,
     OPS_PER_BUCKET,
@@ -95,10 +96,12 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
 
 def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
                  allocations: Callable[[pa.Table], None],
-                 timeline: Callable[[pa.Table], None]) -> dict[str, int]:
+                 timeline: Callable[[pa.Table], None], progress: Advance = no_progress
+                 ) -> dict[str, int]:
     """Pair the events of `spill`, bucket by bucket; hands the allocations (ALLOCATIONS,
     by alloc_id) to `allocations` and the heap timeline (HEAP_TIMELINE, in event order)
-    to `timeline`, a table at a time; returns the counters.
+    to `timeline`, a table at a time; returns the counters. `progress` is told after
+    each bucket and each range.
 
     A bucket's rows go to streams by their event's range (RANGE_EVENTS events or more):
     the allocations and, for each realloc, the block it freed; a range at a time, they are
@@ -127,23 +130,24 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     blocks = spill.streams(BLOCK_ROWS, "blocks", ranges)
     freed = spill.streams(REALLOC_FREED, "freed", ranges)
     copies: list[pa.Table] = []
-    # a bucket too big is split again by address where children inherit, else matched
-    # a span of time at a time
-    matched = (m for bucket in spill.ops
-               for stream in (split(bucket, spill) if len(forks.ev) else [bucket])
-               for m in _matched(stream, bounds, forks, exits, end_ts))
-    for rows, got in matched:
-        for k, v in got.items():
-            counters[k] += v
-        _changes(rows, changes, span)
-        real = rows.column("fork").null_count == rows.num_rows
-        if not real:
-            is_copy = pc.is_valid(rows.column("fork"))
-            copies.append(rows.filter(is_copy))
-        _by_range(rows if real else rows.filter(pc.invert(is_copy)),
-                  rows.column("event_id").to_numpy() if real else None, blocks, span)
-        _realloc_freed(rows, freed, span)
-        del rows
+    steps = len(spill.ops) + ranges
+    for k, bucket in enumerate(spill.ops):
+        # a bucket too big is split again by address where children inherit, else
+        # matched a span of time at a time
+        for stream in (split(bucket, spill) if len(forks.ev) else [bucket]):
+            for rows, got in _matched(stream, bounds, forks, exits, end_ts):
+                for name, v in got.items():
+                    counters[name] += v
+                _changes(rows, changes, span)
+                real = rows.column("fork").null_count == rows.num_rows
+                if not real:
+                    is_copy = pc.is_valid(rows.column("fork"))
+                    copies.append(rows.filter(is_copy))
+                _by_range(rows if real else rows.filter(pc.invert(is_copy)),
+                          rows.column("event_id").to_numpy() if real else None, blocks, span)
+                _realloc_freed(rows, freed, span)
+                del rows
+        progress(k + 1, steps, buckets=k + 1)
     counters["frees_unmatched"] -= counters["frees_at_thread_exit"]
     copy_rows, copy_ids = _copies(copies, spill.allocations)
     del copies
@@ -154,6 +158,7 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
         freed[k].remove()
         timeline(heap.timeline(changes[k].table()))
         changes[k].remove()
+        progress(len(spill.ops) + k + 1, steps, buckets=len(spill.ops), ranges=k + 1)
     if copy_rows.num_rows:
         allocations(copy_rows)
     return counters

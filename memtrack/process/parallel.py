@@ -6,7 +6,10 @@ recorded more than once (a forked child, the kernel's dedupe map forgetting) are
 first only to learn which verify (`decode`), so that the rest of the work splits into
 pieces that need nothing from each other (`unwind`: decode, then walk). A piece holds at
 most `chunk_bytes` of rebuilt copies; with more than one job, pieces are also cut so that
-every job gets one (never below MIN_PIECE records, never above MAX_PIECE). Which records
+every job gets one (never below MIN_PIECE records, never above MAX_PIECE). The pieces
+are read from the artifact as the jobs take them (memtrack.process.decode.StackRecords):
+what this process holds of the records is their index and a few pieces, whatever the
+stack bytes add up to. Which records
 are unwound, and so every table, does not depend on the pieces or the jobs: each stack
 is walked alone, and the load stage orders stacks by hash and frames by stack and depth.
 
@@ -19,8 +22,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.decode import decode_chunks, decode_table
+from memtrack.process.decode import StackRecords, decode_chunks, decode_table, piece_ends
+from memtrack.process.progress import Advance, no_progress
 from memtrack.process.unwind import Unwinder, UnwoundStacks
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
@@ -49,48 +54,42 @@ class StackWork:
     problems: list[str] = field(default_factory=list)  # sorted, each once
 
 
-def choose_records(records: pa.Table, chunk_bytes: int) -> tuple[pa.Table, dict[str, int]]:
-    """The records to unwind (STACKS rows, file order): every record whose hash occurs
-    once, and the first verified record of each hash that occurs more often. Counts the
-    repeated hashes' records that did not verify, and `stacks_duplicate_hash` (the same
-    bytes recorded by more than one process: one stack, the first's)."""
+def choose_records(records: StackRecords, chunk_bytes: int,
+                   progress: Advance = no_progress) -> tuple[np.ndarray, dict[str, int]]:
+    """The records to unwind (positions in `records`, file order): every record whose
+    hash occurs once, and the first verified record of each hash that occurs more often
+    (those are decoded, `progress` told after each run). Counts the repeated hashes'
+    records that did not verify, and `stacks_duplicate_hash` (the same bytes recorded by
+    more than one process: one stack, the first's)."""
     counters = {"decode_mismatch": 0, "decode_bad_payload": 0, "stacks_duplicate_hash": 0}
-    h = records.column("hash").to_numpy()
+    h = records.index.column("hash").to_numpy()
     uniq, counts = np.unique(h, return_counts=True)
     repeated = counts[np.searchsorted(uniq, h)] > 1
     if not repeated.any():
-        return records, counters
+        return np.arange(h.size), counters
     rows = np.flatnonzero(repeated)
     verified = []
     start = 0
-    for run in decode_chunks(records.take(pa.array(rows)), chunk_bytes):
+    for run in decode_chunks(records, chunk_bytes, rows):
         verified.append(rows[start + run.kept])
         start += run.counters["stack_records"]
         counters["decode_mismatch"] += run.counters["decode_mismatch"]
         counters["decode_bad_payload"] += run.counters["decode_bad_payload"]
+        progress(start, rows.size, records=start)
     ok = np.concatenate(verified)
     _, first = np.unique(h[ok], return_index=True)
     keep = ~repeated
     keep[ok[first]] = True
-    pid = records.column("pid").to_numpy()
+    pid = records.index.column("pid").to_numpy()
     pairs = np.unique(np.stack([h[ok], pid[ok].astype(np.uint64)]), axis=1).shape[1]
     counters["stacks_duplicate_hash"] = pairs - len(first)
-    return records.filter(pa.array(keep)), counters
+    return np.flatnonzero(keep), counters
 
 
-def pieces(records: pa.Table, chunk_bytes: int, jobs: int) -> Iterator[pa.Table]:
-    """Consecutive slices of at most chunk_bytes of copies (one record at least) and,
-    with jobs > 1, at most a job's share of the records and MAX_PIECE."""
-    n = records.num_rows
-    share = min(max(MIN_PIECE, -(-n // jobs)), MAX_PIECE) if jobs > 1 else n
-    ends = np.cumsum(records.column("copy_len").to_numpy() // 8 * 8, dtype=np.int64)
-    a = 0
-    while a < n:
-        first = int(ends[a - 1]) if a else 0
-        b = max(int(np.searchsorted(ends, first + chunk_bytes, side="right")), a + 1)
-        b = min(b, a + share)
-        yield records.slice(a, b - a)
-        a = b
+def piece_size(n: int, jobs: int) -> int | None:
+    """The most records of a piece: with jobs > 1 a job's share of the `n` records (never
+    below MIN_PIECE, never above MAX_PIECE), so that every job gets one."""
+    return min(max(MIN_PIECE, -(-n // jobs)), MAX_PIECE) if jobs > 1 else None
 
 
 Piece = tuple[pa.Table, pa.Table, dict[str, int], list[str]]
@@ -104,57 +103,72 @@ def _start_worker(mappings: pa.Table, artifact: Path, host_modules: bool,
                          cache_dir=cache_dir)
 
 
-def _piece(records: pa.Table, unwinder: Unwinder | None = None,
-           stage: Callable[[str], AbstractContextManager[None]] | None = None) -> Piece:
+def _piece(records: pa.Table, unwinder: Unwinder | None = None) -> Piece:
     """Decode and unwind one piece (in a worker: with the worker's unwinder)."""
-    from contextlib import nullcontext
-
-    timed = stage or (lambda _name: nullcontext())
     u = unwinder or _unwinder
     assert u is not None
-    with timed("decode"):
-        run = decode_table(records)
+    run = decode_table(records)
+    del records
     counters = {k: v for k, v in run.counters.items() if k != "stack_records"}
-    with timed("unwind"):
-        out = u.unwind(run.table)
+    out = u.unwind(run.table)
     del run
     counters.update({k: counters.get(k, 0) + v for k, v in out.counters.items()})
     return out.stacks, out.stack_frames, counters, u.problems
 
 
-def unwind_records(records: pa.Table, mappings: pa.Table, artifact: Path, host_modules: bool,
-                   store: ModuleStore, chunk_bytes: int, jobs: int,
-                   stage: Callable[[str], AbstractContextManager[None]],
+def unwind_records(records: StackRecords, mappings: pa.Table, artifact: Path,
+                   host_modules: bool, store: ModuleStore, chunk_bytes: int, jobs: int,
+                   stage: Callable[[str], AbstractContextManager[Advance]],
                    cache_dir: Path | None = None) -> StackWork:
-    """Stacks and stack frames of every stack hash of `records` (the artifact's STACKS
-    table), on `jobs` processes (1: in this one), with the CFI cache under `cache_dir`
-    (None: none). `stage(name)` times "decode" (choosing
-    records) and "unwind" (with several jobs the pieces' decoding too)."""
+    """Stacks and stack frames of every stack hash of `records` (the artifact's), on
+    `jobs` processes (1: in this one), with the CFI cache under `cache_dir` (None: none).
+    `stage(name)` runs "decode" (choosing records) then "unwind" (decoding and unwinding
+    the pieces, read from the records one at a time as the jobs take them: no more than
+    two per job are held at once)."""
     counters: dict[str, int] = {"stack_records": records.num_rows}
-    if records.num_rows == 0:
-        return StackWork(UnwoundStacks(UNWOUND_STACKS.empty_table(),
-                                       UNWOUND_STACK_FRAMES.empty_table()), counters)
-    with stage("decode"):
-        chosen, picked = choose_records(records, chunk_bytes)
+    with stage("decode") as progress:
+        chosen, picked = choose_records(records, chunk_bytes, progress)
     counters.update(picked)
-    parts = list(pieces(chosen, chunk_bytes, jobs))
-    del chosen
+    copy_len = records.index.column("copy_len").to_numpy()[chosen]
+    ends = piece_ends(copy_len, chunk_bytes, piece_size(chosen.size, jobs)) \
+        if chosen.size else []
     results: list[Piece] = []
-    if jobs <= 1 or len(parts) == 1:
-        unwinder = Unwinder(mappings, store, cache_dir=cache_dir)
-        while parts:
-            results.append(_piece(parts.pop(0), unwinder, stage))
-    else:
-        with stage("unwind"), ProcessPoolExecutor(
-                max_workers=min(jobs, len(parts)), mp_context=multiprocessing.get_context(
-                    "spawn"), initializer=_start_worker,
-                initargs=(mappings, artifact, host_modules, cache_dir)) as pool:
-            results = list(pool.map(_piece, parts))
+    with stage("unwind") as progress:
+        def done(result: Piece) -> None:
+            results.append(result)
+            progress(len(results), len(ends), records=ends[len(results) - 1],
+                     stacks=sum(r[0].num_rows for r in results))
+
+        parts = records.read(chosen, ends)
+        if jobs <= 1 or len(ends) <= 1:
+            unwinder = Unwinder(mappings, store, cache_dir=cache_dir) if ends else None
+            for part in parts:
+                done(_piece(part, unwinder))
+        else:
+            with ProcessPoolExecutor(
+                    max_workers=min(jobs, len(ends)), mp_context=multiprocessing.get_context(
+                        "spawn"), initializer=_start_worker,
+                    initargs=(mappings, artifact, host_modules, cache_dir)) as pool:
+                running: deque[Future[Piece]] = deque()
+                try:
+                    for part in parts:
+                        running.append(pool.submit(_piece, part))
+                        del part
+                        if len(running) > 2 * jobs:
+                            done(running.popleft().result())
+                    while running:
+                        done(running.popleft().result())
+                except BaseException:
+                    pool.shutdown(cancel_futures=True)  # the pieces not started, dropped
+                    raise
     problems: set[str] = set()
     for _, _, c, p in results:
         for k, v in c.items():
             counters[k] = counters.get(k, 0) + v
         problems.update(p)
+    if not results:
+        return StackWork(UnwoundStacks(UNWOUND_STACKS.empty_table(),
+                                       UNWOUND_STACK_FRAMES.empty_table()), counters)
     return StackWork(UnwoundStacks(pa.concat_tables([r[0] for r in results]),
                                    pa.concat_tables([r[1] for r in results])),
                      counters, sorted(problems))

@@ -19,15 +19,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pyarrow as pa
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from memtrack.process import metadata
 from memtrack.process.addrspace import inherited_mappings
@@ -35,6 +33,7 @@ from memtrack.process.decode import DEFAULT_MAX_BYTES
 from memtrack.process.load import Aside, RunDatabase, meta_rows
 from memtrack.process.pair import pair_spilled
 from memtrack.process.parallel import default_jobs, unwind_records
+from memtrack.process.progress import Advance, ProgressSink, TerminalProgress
 from memtrack.process.pyframes import merge as merge_python
 from memtrack.process.read import read_artifact, spilled_events
 from memtrack.process.regions import regions
@@ -119,32 +118,30 @@ NOTABLE = (
 
 
 class Stages:
-    """Times each stage and drives a progress bar (only on a terminal)."""
+    """Runs the stages one after another, each once (progress.STAGES), times them and
+    tells `sink` (None: nobody) where they are."""
 
-    def __init__(self, summary: Summary, show: bool) -> None:
-        self.summary = summary
-        self.tasks: dict[str, Any] = {}
-        self.progress = Progress(
-            TextColumn("{task.description:<10}"), BarColumn(), TimeElapsedColumn(),
-            console=Console(stderr=True), disable=not show, transient=False,
-        )
+    def __init__(self, summary: Summary, sink: ProgressSink | None) -> None:
+        self.summary, self.sink = summary, sink
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """A stage, or one more run of it (decode and unwind run once per run of stack
-        records): its time adds up, its progress line pulses until the last run ends."""
-        if name not in self.tasks:
-            self.tasks[name] = self.progress.add_task(name, total=None)
+    def stage(self, name: str) -> Iterator[Advance]:
+        """A stage: what it yields tells how far the stage is."""
+        sink = self.sink
+        if sink is not None:
+            sink.start(name)
+
+        def advance(done: int, total: int | None = None, **counts: int) -> None:
+            if sink is not None:
+                sink.advance(name, done, total, counts)
+
         t0 = time.perf_counter()
-        yield
+        yield advance
         # what the stage freed goes back to the system, not to the next stage's pool
         pa.default_memory_pool().release_unused()
-        timings = self.summary.timings
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
-
-    def done(self) -> None:
-        for task in self.tasks.values():
-            self.progress.update(task, total=1, completed=1)
+        self.summary.timings[name] = seconds = time.perf_counter() - t0
+        if sink is not None:
+            sink.finish(name, seconds)
 
     def run(self, name: str, fn: Callable[[], T]) -> T:
         with self.stage(name):
@@ -158,7 +155,7 @@ def process(
     parquet_dir: Path | str | None = None,
     host_modules: bool = True,
     cache_dir: Path | str | None = None,
-    progress: bool | None = None,
+    progress: bool | ProgressSink | None = None,
     chunk_bytes: int | None = None,
     labels: dict[str, str] | None = None,
     jobs: int | None = None,
@@ -169,7 +166,8 @@ def process(
     host_modules: where the artifact lacks a module, use the host file at its mapped path
     when its build id matches. cache_dir: the symbol and CFI caches (per module), None
     for none.
-    progress: a progress bar per stage; None = only when stderr is a terminal.
+    progress: where the stages are (memtrack.process.progress): True draws it on stderr
+    (TerminalProgress), None only when stderr is a terminal, False nowhere; or a sink.
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
     labels: what the user says of the run (`--label commit=...`), kept in meta.
@@ -186,8 +184,11 @@ def process(
     if out_db.is_dir():
         raise ProcessError(f"{out_db}: is a directory, not a run database path")
     summary = Summary(artifact_path, out_db)
-    st = Stages(summary, sys.stderr.isatty() if progress is None else progress)
-    with st.progress:
+    if progress is None:
+        progress = sys.stderr.isatty()
+    shown = TerminalProgress() if progress is True else None
+    st = Stages(summary, shown or (progress if not isinstance(progress, bool) else None))
+    with shown or nullcontext():
         art = Artifact.open(artifact_path)
         db = RunDatabase(out_db, jobs)
         spill = EventSpill(db.tmp.with_name(db.tmp.name + ".spill"),
@@ -202,7 +203,6 @@ def process(
             raise
         finally:
             spill.remove()
-        st.done()
     return summary
 
 
@@ -226,7 +226,8 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     m = art.manifest
     artifact_path = art.path
     summary.losses = dict(m.losses)
-    tables = st.run("read", lambda: read_artifact(art, spill, db.con))
+    with st.stage("read") as progress:
+        tables = read_artifact(art, spill, db.con, progress)
     summary.counters["events_bad_kind"] = tables.events_bad_kind
     summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
     summary.events = spill.n
@@ -237,7 +238,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
 
     store = ModuleStore(artifact_path, host_modules=host_modules)
     spaces = inherited_mappings(tables.mappings, res.life.forks,
-                                tables.stacks.column("pid").to_numpy())
+                                tables.stacks.index.column("pid").to_numpy())
     work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
                           store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
     summary.add(work.counters)
@@ -251,28 +252,26 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
                             pa.concat_tables([unwound.stack_frames, merged.stack_frames]))
     summary.stacks = unwound.stacks.num_rows
     modules = modules_table(tables.mappings, unwound.stack_frames, store, artifact_path)
-    with st.stage("load"):
+    with st.stage("symbolize") as progress:
         known = db.stacks(unwound.stacks, unwound.stack_frames, modules)
-    del unwound, work
-    with st.stage("symbolize"):
+        del unwound, work
         symbolized = symbolize_locations(store, known, cache)
-    with st.stage("load"):
+        progress(known.num_rows, known.num_rows or None, locations=known.num_rows)
         loaded = db.frames(known, symbolized, merged.locations)
     del known, symbolized, merged
     # the events go into the database beside pair, and pair's rows as it hands them
     # over, each on a connection of its own (DuckDB's threads and numpy's share the
     # cores; pair reads the buckets, the events' copy the artifact)
-    with ThreadPoolExecutor(1) as aside:
+    with ThreadPoolExecutor(1) as aside, st.stage("pair") as progress:
         copied = aside.submit(db.events, spilled_events(art, spill), aside=True)
         rows = Aside(db)
         try:
-            counters = st.run("pair", lambda: pair_spilled(
+            counters = pair_spilled(
                 spill, res.life, m.end_ns or None, partial(rows.insert, "allocations"),
-                partial(rows.insert, "heap_timeline")))
+                partial(rows.insert, "heap_timeline"), progress)
         finally:
-            with st.stage("load"):
-                rows.close()
-                copied.result()
+            rows.close()
+            copied.result()
     summary.add(counters)
     summary.allocations = counters["allocations"]
     with st.stage("load"):

@@ -13,9 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.process.decode import StackRecords
+from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import EventSpill, OutOfOrder, rechunk
 from memtrack.schema import EVENTS, table_file
-from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError
+from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError, TableRead
 from memtrack.schema.ddl import connect
 from memtrack.schema.enums import Allocator, EventKind, RssMember
 from memtrack.schema.stackrecord import MAX_BUDGET
@@ -41,7 +43,7 @@ class ArtifactTables:
     processes: pa.Table
     rss: pa.Table
     faults: pa.Table
-    stacks: pa.Table  # the stack records, in file order
+    stacks: StackRecords  # the stack records, in file order (read again a piece at a time)
     region_names: pa.Table  # region_id, name
     py_stacks: pa.Table  # the Python stack records (format 2.2; empty before)
     py_codes: pa.Table
@@ -169,30 +171,44 @@ class EventSink(Protocol):
 
 
 def read_artifact(art: Artifact, spill: EventSink | None = None,
-                  con: duckdb.DuckDBPyConnection | None = None) -> ArtifactTables:
+                  con: duckdb.DuckDBPyConnection | None = None,
+                  progress: Advance = no_progress) -> ArtifactTables:
     """Every file of `art` (events required, the others empty where missing). With a
     spill, the events go to it a batch at a time (an EventSpill's in time order: sorted
-    by DuckDB in `con` first when they are not), and `events` keeps the other kinds
-    only."""
+    by DuckDB in `con` first when they are not), `progress` told the bytes of the events
+    file read after each slice, and `events` keeps the other kinds only."""
     bad_rows: dict[str, int] = {}
     out: dict[str, pa.Table] = {}
     for name in ROW_RULES:
-        if name != "events":
+        if name not in ("events", "stacks"):
             out[name], bad_rows[name] = checked(name, art.read(name, required=False).table)
+    stacks = StackRecords(lambda: _checked_batches(art, "stacks", bad_rows),
+                          art.path / table_file("stacks"))
     out["mappings"], bad_rows["mappings_build_id"] = _mapping_build_ids(out["mappings"])
     counts: dict[str, int] = {}
     if spill is None:
         events = sort_events(pa.Table.from_batches(list(_valid(art, counts)), schema=EVENTS))
     else:
-        _spill(art, spill, con or connect(), counts)
+        _spill(art, spill, con or connect(), counts, progress)
         events = spill.other_events()
     bad_rows["events"], bad = counts["bad_rows"], counts["bad_kind"]
     return ArtifactTables(
         events=events, mappings=out["mappings"], processes=out["processes"],
-        rss=out["rss"], faults=out["faults"], stacks=out["stacks"],
+        rss=out["rss"], faults=out["faults"], stacks=stacks,
         region_names=out["region_names"], py_stacks=out["py_stacks"], py_codes=out["py_codes"],
         events_bad_kind=bad, bad_rows={k: v for k, v in bad_rows.items() if v},
     )
+
+
+def _checked_batches(art: Artifact, name: str, bad_rows: dict[str, int]
+                     ) -> Iterator[pa.RecordBatch]:
+    """The rows of an artifact's `name` table that ROW_RULES allows, a batch at a time
+    (`bad_rows[name]`: how many were not)."""
+    bad_rows[name] = 0
+    for batch in art.batches(name, required=False):
+        t, bad = checked(name, pa.Table.from_batches([batch]))
+        bad_rows[name] += bad
+        yield from t.to_batches()
 
 
 def _valid_kinds(events: pa.Table) -> tuple[pa.Table, int]:
@@ -203,12 +219,13 @@ def _valid_kinds(events: pa.Table) -> tuple[pa.Table, int]:
     return (events.filter(ok) if bad else events), bad
 
 
-def _valid(art: Artifact, counts: dict[str, int]) -> Iterator[pa.RecordBatch]:
+def _valid(art: Artifact, counts: dict[str, int], into: TableRead | None = None
+           ) -> Iterator[pa.RecordBatch]:
     """The artifact's events that ROW_RULES and the known kinds allow, in file order, a
     slice at a time (what a batch costs beyond its own bytes stays bounded); counts
-    the rows left out."""
+    the rows left out (and `into` how far the file is read)."""
     counts.update(bad_rows=0, bad_kind=0)
-    for whole in art.batches("events"):
+    for whole in art.batches("events", into=into):
         for at in range(0, whole.num_rows, SLICE_ROWS):
             t, bad_rows = checked("events", pa.Table.from_batches([whole.slice(at, SLICE_ROWS)]))
             t, bad_kind = _valid_kinds(t)
@@ -218,12 +235,31 @@ def _valid(art: Artifact, counts: dict[str, int]) -> Iterator[pa.RecordBatch]:
 
 
 def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
-           counts: dict[str, int]) -> None:
+           counts: dict[str, int], progress: Advance) -> None:
     """The artifact's valid events into `spill`, `counts` of the rows left out. Events in
     time order (as capture writes them) are not staged: `spilled_events` reads them
-    again; others are sorted by DuckDB and staged in that order."""
+    again; others are sorted by DuckDB and staged in that order. `progress`: the bytes
+    of the events file read (a second reading, of events out of order, is told once it
+    is further than the first)."""
+    size = art.file(table_file("events")).stat().st_size
+    read = TableRead(EVENTS.empty_table())
+    furthest = 0
+
+    def slices() -> Iterator[pa.RecordBatch]:
+        nonlocal furthest
+        events = 0
+        for batch in _valid(art, counts, read):
+            yield batch
+            events += batch.num_rows
+            if read.position > furthest:
+                furthest = read.position
+                progress(furthest, size, events=events)
+        if furthest < size:  # the stream's end marker, or a truncated file's rest
+            furthest = size
+            progress(size, size, events=events)
+
     try:
-        for chunk in rechunk(_valid(art, counts), EVENTS, SLICE_ROWS):
+        for chunk in rechunk(slices(), EVENTS, SLICE_ROWS):
             spill.add(chunk.combine_chunks().to_batches()[0])  # a call's cost, per event
     except OutOfOrder:
         assert isinstance(spill, EventSpill)  # the one that wants them in order
@@ -235,7 +271,7 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
                     "SELECT 0::UBIGINT AS seq, * FROM read_empty WHERE false")
         con.unregister("read_empty")
         seq = 0
-        for chunk in rechunk(_valid(art, counts), EVENTS):
+        for chunk in rechunk(slices(), EVENTS):
             con.register("read_chunk", chunk.add_column(
                 0, "seq", pa.array(np.arange(seq, seq + chunk.num_rows, dtype=np.uint64))))
             con.execute("INSERT INTO read_unsorted SELECT * FROM read_chunk")

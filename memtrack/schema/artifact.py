@@ -297,6 +297,7 @@ class TableRead:
     table: pa.Table
     truncated: bool = False  # the file ended inside a batch; rows up to the last whole one
     problem: str = ""
+    position: int = 0  # bytes of the file read so far (batches)
 
 
 @dataclass
@@ -361,7 +362,7 @@ class Artifact:
         rows = 0
         if fpath.stat().st_size == 0 and not self.manifest.complete:
             # a capture killed before this table's first batch (older memtrack)
-            self.warnings.append(f"{shown}: empty; read as no rows")
+            self.warn(f"{shown}: empty; read as no rows")
             into.truncated, into.problem = True, "empty"
             return
         with pa.OSFile(str(fpath)) as f:
@@ -392,6 +393,7 @@ class Artifact:
                     batch = pa.RecordBatch.from_arrays(
                         [batch.column(n) for n in schema.names], schema=schema)
                 rows += batch.num_rows
+                into.position = f.tell()
                 yield batch
         want = self.manifest.checksums.get(table_file(name))
         if not into.truncated and want is not None and file_checksum(fpath) != want:
@@ -400,7 +402,12 @@ class Artifact:
                                        "wrote in the manifest")
         if into.truncated:
             self.truncated.add(name)
-            self.warnings.append(f"{shown}: {into.problem}; reading the whole batches before it")
+            self.warn(f"{shown}: {into.problem}; reading the whole batches before it")
+
+    def warn(self, text: str) -> None:
+        """A warning, once (a table read again warns again)."""
+        if text not in self.warnings:
+            self.warnings.append(text)
 
     def module_copies(self) -> list[ModuleCopy]:
         """The modules copied into the artifact whose module.json is valid (the others
