@@ -241,7 +241,10 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
     again; others are sorted by DuckDB and staged in that order. `progress`: the bytes
     of the events file read (a second reading, of events out of order, is told once it
     is further than the first)."""
-    size = art.file(table_file("events")).stat().st_size
+    try:
+        size: int | None = art.file(table_file("events")).stat().st_size
+    except FileNotFoundError:  # the reading below says so, as for any other table
+        size = None
     read = TableRead(EVENTS.empty_table())
     furthest = 0
 
@@ -254,7 +257,7 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
             if read.position > furthest:
                 furthest = read.position
                 progress(furthest, size, events=events)
-        if furthest < size:  # the stream's end marker, or a truncated file's rest
+        if size is not None and furthest < size:  # the end marker, or a truncated rest
             furthest = size
             progress(size, size, events=events)
 
