@@ -55,7 +55,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
         cache_dir: Path | None, no_cache: bool, quiet: bool,
         say: Callable[[str], None], dataset: Path | None = None, run_id: str | None = None,
         labels: Sequence[str] = (), force: bool = False, jobs: int | None = None,
-        python_frames: bool = True) -> int:
+        python_frames: bool = True, accept_damaged: bool = False) -> int:
     from memtrack.schema.dataset import DatasetError
 
     meta_labels = parse_labels(labels)
@@ -67,7 +67,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
         assert output is not None
         return _process(artifact, output, parquet, host_modules, cache_dir, no_cache,
                         force, quiet, say, meta_labels, jobs,
-                        python_frames)[0]
+                        python_frames, accept_damaged)[0]
     from memtrack.process.dataset import append_run, check_target
 
     try:
@@ -85,7 +85,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
         db = output if work is None else work / "run.duckdb"
         status, metadata = _process(artifact, db, parquet, host_modules, cache_dir, no_cache,
                                     force, quiet, say, meta_labels, jobs,
-                                    python_frames,
+                                    python_frames, accept_damaged,
                                     shown=None if work is None else f"{dataset} run {run_id}")
         try:
             replaced = append_run(dataset, run_id, db, metadata=metadata, force=force)
@@ -106,7 +106,8 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
 def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: bool,
              cache_dir: Path | None, no_cache: bool, force: bool, quiet: bool,
              say: Callable[[str], None], labels: dict[str, str], jobs: int | None,
-             python_frames: bool, shown: str | None = None) -> tuple[int, Path | None]:
+             python_frames: bool, accept_damaged: bool,
+             shown: str | None = None) -> tuple[int, Path | None]:
     """Run the pipeline; the exit status and the memory_metadata.json it wrote. `shown`:
     the name the summary gives the run (default: the database written). Nothing that
     exists is replaced without `force`."""
@@ -122,7 +123,7 @@ def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: b
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()),
             progress=False if quiet else None, labels=labels, jobs=jobs,
-            python_frames=python_frames,
+            python_frames=python_frames, accept_damaged=accept_damaged,
         )
     except (ArtifactError, ProcessError) as e:
         raise CommandError(str(e)) from None
