@@ -154,7 +154,7 @@ def run_db(capture: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("args", "code", "says"), [
-    (["report", "{db}", "--top", "-5"], 2, "--top: expected 0 or more locations, got -5"),
+    (["report", "{db}", "--top", "-5"], 2, "--top: expected 0 to 1000000, got -5"),
     (["report", "{db}", "--top", "0"], 0, "calls to allocation functions"),
     (["query", "{db}", ""], 2, "query: no SQL given"),
     (["query", "{db}", "select 1 where false"], 0, "(0 rows)"),

@@ -18,6 +18,20 @@ class CommandError(Exception):
     """The message is one line for the user (`memtrack: MESSAGE`, exit status 2)."""
 
 
+# The bounds of the numeric options (an unbounded --top reached DuckDB as a value
+# beyond BIGINT: a traceback).
+MAX_TOP = 1_000_000  # --top: rows per section
+MAX_PID = (1 << 32) - 1  # --pid: a pid column is UINTEGER
+MAX_JOBS = 1024  # --jobs
+
+
+def bounded(option: str, value: int, low: int, high: int) -> int:
+    """`value` of `option` if low <= value <= high, else CommandError."""
+    if not low <= value <= high:
+        raise CommandError(f"{option}: expected {low} to {high}, got {value}")
+    return value
+
+
 def check_output(path: Path, force: bool) -> None:
     """An output path a command may write: its directory exists (nothing creates it),
     and what is there already is replaced only with --force; else CommandError."""

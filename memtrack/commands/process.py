@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from memtrack.commands import CommandError, check_output, give_to_invoking_user
+from memtrack.commands import MAX_JOBS, CommandError, bounded, check_output, give_to_invoking_user
 
 DUCKDB_MAGIC = b"DUCK"  # at offset 8 of every DuckDB file
 
@@ -59,6 +59,8 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
     from memtrack.schema.dataset import DatasetError
 
     meta_labels = parse_labels(labels)
+    if jobs is not None:
+        bounded("--jobs", jobs, 1, MAX_JOBS)
     if (dataset is None) != (run_id is None):
         raise CommandError("--dataset and --run-id go together")
     if output is None and dataset is None:

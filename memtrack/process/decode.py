@@ -46,11 +46,15 @@ def decode_chunks(source: Artifact | pa.Table, max_bytes: int = DEFAULT_MAX_BYTE
     """Decode an artifact's (or a STACKS table's) records in runs of consecutive records
     whose copies add up to at most `max_bytes` (a run holds one record at least). The
     runs' tables, concatenated, are decode_table's table and their counters sum to its
-    counters; only one run's rebuilt bytes are held at a time."""
+    counters; only one run's rebuilt bytes are held at a time. An artifact's records
+    are those process reads (memtrack.process.read.ROW_RULES: a copy_len beyond the
+    budget indexed past the copy)."""
+    from memtrack.process.read import checked
+
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, not {max_bytes}")
-    stacks = source.read("stacks", required=False).table if isinstance(source, Artifact) \
-        else source
+    stacks = checked("stacks", source.read("stacks", required=False).table)[0] \
+        if isinstance(source, Artifact) else source
     if stacks.num_rows == 0:
         yield decode_table(stacks)
         return

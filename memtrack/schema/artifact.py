@@ -376,7 +376,10 @@ class Artifact:
                                         ) from None
                 raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})"
                                     ) from None
-            diff = _schema_diff(reader.schema, schema)
+            try:
+                diff = _schema_diff(reader.schema, schema)
+            except UnicodeDecodeError:  # pyarrow decodes a field's name as it is asked
+                diff = "a field name that is not UTF-8"
             if diff:
                 raise ArtifactError(shown, f"wrong schema for {name!r}: {diff}")
             while True:
