@@ -80,15 +80,22 @@ def call(run: Callable[..., int], *args: object, **kwargs: object) -> None:
     raise typer.Exit(status)
 
 
+# an artifact reader's option (memtrack.schema.artifact.Artifact.accept_damaged)
+AcceptDamaged = Annotated[bool, typer.Option(
+    "--accept-damaged", help="Read a table damaged in a capture that ended normally up to "
+                             "the damage (else an error).")]
+
+
 @app.command()
 def info(
     artifact: Annotated[Path, typer.Argument(help="An artifact directory (NAME.memtrack).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    accept_damaged: AcceptDamaged = False,
 ) -> None:
     """Print an artifact's manifest, row counts per file, loss counters and modules."""
     from memtrack.commands import info as cmd
 
-    call(cmd.run, artifact, as_json)
+    call(cmd.run, artifact, as_json, accept_damaged)
 
 
 @app.command()
@@ -239,6 +246,7 @@ def process(
     python_frames: Annotated[str, typer.Option(
         "--python-frames", **SWITCH, help="Merge the captured Python frames into the stacks "
                                           "(off: native frames only).")] = "on",
+    accept_damaged: AcceptDamaged = False,
 ) -> None:
     """Decode, unwind, symbolize and load an artifact into DuckDB tables (and/or a run
     dataset).
@@ -254,7 +262,7 @@ def process(
          no_cache=not on("--cache", cache), quiet=quiet,
          say=lambda line: err().print(line, markup=False, soft_wrap=True),
          dataset=dataset, run_id=run_id, labels=label or [], force=force, jobs=jobs,
-         python_frames=on("--python-frames", python_frames))
+         python_frames=on("--python-frames", python_frames), accept_damaged=accept_damaged)
 
 
 @app.command()
@@ -383,12 +391,14 @@ def unwind_record(
     host_modules: Annotated[str, typer.Option(
         "--host-modules", **SWITCH,
         help="Read modules missing from the artifact from this host.")] = "off",
+    accept_damaged: AcceptDamaged = False,
 ) -> None:
     """Unwind one stack record and print its frames with method (regs, cfi, fp, fp-kernel)
     and symbol."""
     from memtrack.commands import unwind as cmd
 
-    call(cmd.run, artifact, record, on("--host-modules", host_modules), sys.stdout)
+    call(cmd.run, artifact, record, on("--host-modules", host_modules), sys.stdout,
+         accept_damaged)
 
 
 # the commands run by main() so far (run_as_program ends the process at once after capture)

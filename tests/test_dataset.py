@@ -244,7 +244,7 @@ def test_gate_edges(dbs: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("args,message", [
     (["--format", "html"], "--format: expected text, json or markdown"),
-    (["--top", "0"], "--top: expected at least 1"),
+    (["--top", "0"], "--top: expected 1 to 1000000, got 0"),
     (["--fail-on", "peak"], "--fail-on goes with --fail-above PCT"),
     (["--fail-above", "5", "--fail-on", "nope"], "--fail-on: expected one of allocated"),
     (["--fail-above", "-1"], "--fail-above: expected a percentage >= 0"),

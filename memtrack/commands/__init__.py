@@ -18,6 +18,20 @@ class CommandError(Exception):
     """The message is one line for the user (`memtrack: MESSAGE`, exit status 2)."""
 
 
+# The bounds of the numeric options (an unbounded --top reached DuckDB as a value
+# beyond BIGINT: a traceback).
+MAX_TOP = 1_000_000  # --top: rows per section
+MAX_PID = (1 << 32) - 1  # --pid: a pid column is UINTEGER
+MAX_JOBS = 1024  # --jobs
+
+
+def bounded(option: str, value: int, low: int, high: int) -> int:
+    """`value` of `option` if low <= value <= high, else CommandError."""
+    if not low <= value <= high:
+        raise CommandError(f"{option}: expected {low} to {high}, got {value}")
+    return value
+
+
 def check_output(path: Path, force: bool) -> None:
     """An output path a command may write: its directory exists (nothing creates it),
     and what is there already is replaced only with --force; else CommandError."""
@@ -33,9 +47,10 @@ def check_output(path: Path, force: bool) -> None:
         raise CommandError(f"{path}: already exists (use --force to replace it)")
 
 
-def open_run_db(path: Path) -> duckdb.DuckDBPyConnection:
-    """A run database opened read-only, or CommandError (an artifact given instead says
-    to process it first)."""
+def open_run_db(path: Path, *, files: bool = False) -> duckdb.DuckDBPyConnection:
+    """A run database opened for reading (memtrack.schema.ddl.open_run: no file access
+    unless `files`), or CommandError (an artifact given instead says to process it
+    first)."""
     from memtrack.schema.ddl import RunError, open_run
 
     try:
@@ -46,7 +61,7 @@ def open_run_db(path: Path) -> duckdb.DuckDBPyConnection:
         raise CommandError(f"{path} is a capture artifact, not a run database: run "
                            f"`memtrack process {path} -o {path.with_suffix('.duckdb')}` first")
     try:
-        return open_run(path)
+        return open_run(path, files=files)
     except RunError as e:
         raise CommandError(str(e)) from None
 

@@ -12,7 +12,7 @@ from typing import TextIO
 
 import duckdb
 
-from memtrack.commands import CommandError, open_run_db
+from memtrack.commands import MAX_PID, MAX_TOP, CommandError, bounded, open_run_db
 from memtrack.schema.ddl import first_line
 
 FORMATS = ("text", "json", "markdown")
@@ -33,7 +33,8 @@ def parse_pids(pid: str) -> tuple[int, int]:
     parts = pid.split(":")
     if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
         raise CommandError(f"--pid: expected PID or BASE_PID:HEAD_PID, got {pid!r}")
-    return int(parts[0]), int(parts[-1])
+    return bounded("--pid", int(parts[0]), 0, MAX_PID), bounded("--pid", int(parts[-1]), 0,
+                                                                MAX_PID)
 
 
 def run(base: str, head: str, *, dataset: Path | None = None, fmt: str = "text",
@@ -54,8 +55,7 @@ def run(base: str, head: str, *, dataset: Path | None = None, fmt: str = "text",
 
     if fmt not in FORMATS:
         raise CommandError(f"--format: expected text, json or markdown, got {fmt!r}")
-    if top < 1:
-        raise CommandError(f"--top: expected at least 1, got {top}")
+    bounded("--top", top, 1, MAX_TOP)
     if fail_above is not None and not fail_above >= 0:
         raise CommandError(f"--fail-above: expected a percentage >= 0, got {fail_above}")
     if fail_on and fail_above is None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memtrack.commands import CommandError, check_output, give_to_invoking_user, open_run_db
+from memtrack.commands import (
+    MAX_PID,
+    CommandError,
+    bounded,
+    check_output,
+    give_to_invoking_user,
+    open_run_db,
+)
 
 
 def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None, *,
@@ -18,6 +25,8 @@ def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None, *,
     if metric not in EXPORT_METRICS:
         raise CommandError(
             f"--metric: expected one of {', '.join(EXPORT_METRICS)}, got {metric!r}")
+    if pid is not None:
+        bounded("--pid", pid, 0, MAX_PID)
     check_output(output, force)
     data = EXPORTS[fmt](RunReader(open_run_db(run_db), pid), metric, pids)
     try:

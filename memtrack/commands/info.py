@@ -70,13 +70,13 @@ def _merged(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.
     return u, np.bincount(inv, weights=c, minlength=len(u)).astype(np.int64)
 
 
-def collect_info(path: Path) -> dict[str, Any]:
+def collect_info(path: Path, *, accept_damaged: bool = False) -> dict[str, Any]:
     """Everything `info` prints, as plain data (also the --json output). The tables are
     read as `process` reads them (memtrack.process.read: bad rows counted and skipped),
     the events a batch at a time."""
     from memtrack.process.read import read_artifact
 
-    art = Artifact.open(path)
+    art = Artifact.open(path, accept_damaged=accept_damaged)
     m = art.manifest
     tables: dict[str, Any] = {}
     tally = EventTally()
@@ -170,16 +170,16 @@ def stack_records(stacks: StackRecords, tally: EventTally, py_stacks: Any = None
     }
 
 
-def run(artifact: Path, as_json: bool) -> int:
+def run(artifact: Path, as_json: bool, accept_damaged: bool = False) -> int:
     try:
-        show_info(artifact, as_json=as_json)
+        show_info(artifact, as_json=as_json, accept_damaged=accept_damaged)
     except ArtifactError as e:
         raise CommandError(str(e)) from None
     return 0
 
 
-def show_info(path: Path, *, as_json: bool = False) -> None:
-    data = collect_info(path)
+def show_info(path: Path, *, as_json: bool = False, accept_damaged: bool = False) -> None:
+    data = collect_info(path, accept_damaged=accept_damaged)
     if as_json:
         print(json.dumps(data, indent=2))
         return

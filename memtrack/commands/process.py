@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from memtrack.commands import CommandError, check_output, give_to_invoking_user
+from memtrack.commands import MAX_JOBS, CommandError, bounded, check_output, give_to_invoking_user
 
 DUCKDB_MAGIC = b"DUCK"  # at offset 8 of every DuckDB file
 
@@ -76,21 +76,24 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
         cache_dir: Path | None, no_cache: bool, quiet: bool,
         say: Callable[[str], None], dataset: Path | None = None, run_id: str | None = None,
         labels: Sequence[str] = (), force: bool = False, jobs: int | None = None,
-        python_frames: bool = True) -> int:
+        python_frames: bool = True, accept_damaged: bool = False) -> int:
     with ended_by_signals():
         return _run(artifact, output, parquet=parquet, host_modules=host_modules,
                     cache_dir=cache_dir, no_cache=no_cache, quiet=quiet, say=say,
                     dataset=dataset, run_id=run_id, labels=labels, force=force, jobs=jobs,
-                    python_frames=python_frames)
+                    python_frames=python_frames, accept_damaged=accept_damaged)
 
 
 def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool,
          cache_dir: Path | None, no_cache: bool, quiet: bool,
          say: Callable[[str], None], dataset: Path | None, run_id: str | None,
-         labels: Sequence[str], force: bool, jobs: int | None, python_frames: bool) -> int:
+         labels: Sequence[str], force: bool, jobs: int | None, python_frames: bool,
+         accept_damaged: bool) -> int:
     from memtrack.schema.dataset import DatasetError
 
     meta_labels = parse_labels(labels)
+    if jobs is not None:
+        bounded("--jobs", jobs, 1, MAX_JOBS)
     if (dataset is None) != (run_id is None):
         raise CommandError("--dataset and --run-id go together")
     if output is None and dataset is None:
@@ -99,7 +102,7 @@ def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modu
         assert output is not None
         return _process(artifact, output, parquet, host_modules, cache_dir, no_cache,
                         force, quiet, say, meta_labels, jobs,
-                        python_frames)[0]
+                        python_frames, accept_damaged)[0]
     from memtrack.process.dataset import append_run, check_target
 
     try:
@@ -117,7 +120,7 @@ def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modu
         db = output if work is None else work / "run.duckdb"
         status, metadata = _process(artifact, db, parquet, host_modules, cache_dir, no_cache,
                                     force, quiet, say, meta_labels, jobs,
-                                    python_frames,
+                                    python_frames, accept_damaged,
                                     shown=None if work is None else f"{dataset} run {run_id}")
         try:
             replaced = append_run(dataset, run_id, db, metadata=metadata, force=force)
@@ -138,7 +141,8 @@ def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modu
 def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: bool,
              cache_dir: Path | None, no_cache: bool, force: bool, quiet: bool,
              say: Callable[[str], None], labels: dict[str, str], jobs: int | None,
-             python_frames: bool, shown: str | None = None) -> tuple[int, Path | None]:
+             python_frames: bool, accept_damaged: bool,
+             shown: str | None = None) -> tuple[int, Path | None]:
     """Run the pipeline; the exit status and the memory_metadata.json it wrote. `shown`:
     the name the summary gives the run (default: the database written). Nothing that
     exists is replaced without `force`."""
@@ -154,7 +158,7 @@ def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: b
             artifact, output, parquet_dir=parquet, host_modules=host_modules,
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()),
             progress=False if quiet else None, labels=labels, jobs=jobs,
-            python_frames=python_frames,
+            python_frames=python_frames, accept_damaged=accept_damaged,
         )
     except (ArtifactError, ProcessError) as e:
         raise CommandError(str(e)) from None

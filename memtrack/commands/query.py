@@ -29,21 +29,17 @@ def run(args: Sequence[str], fmt: str, out: TextIO, dataset: Path | None = None,
     sql = args[-1]
     if not sql.strip():
         raise CommandError("query: no SQL given")
-    readable: list[str] = []  # what the SQL may read with file access off
+    # read_text('/etc/shadow'), COPY ... TO: not from a query unless --allow-files
     if dataset is not None:
         from memtrack.schema.dataset import DatasetError, open_dataset
 
         try:
-            con = open_dataset(dataset)
+            con = open_dataset(dataset, files=allow_files)
         except DatasetError as e:
             raise CommandError(str(e)) from None
-        readable.append(str(dataset.resolve()) + "/")  # the views read its Parquet files
     else:
-        con = open_run_db(Path(args[0]))
+        con = open_run_db(Path(args[0]), files=allow_files)
     try:
-        if not allow_files:  # read_text('/etc/shadow'), COPY ... TO: not from a query
-            con.execute("SET allowed_directories = ?", [readable])
-            con.execute("SET enable_external_access = false")
         cur = con.execute(sql)
         names = [d[0] for d in cur.description or []]
         # through Arrow: TIMESTAMPTZ values need no pytz

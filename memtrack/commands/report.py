@@ -7,7 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TextIO
 
-from memtrack.commands import CommandError, check_output, give_to_invoking_user, open_run_db
+from memtrack.commands import (
+    MAX_PID,
+    MAX_TOP,
+    CommandError,
+    bounded,
+    check_output,
+    give_to_invoking_user,
+    open_run_db,
+)
 
 
 def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
@@ -17,8 +25,9 @@ def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
 
     if fmt not in ("text", "json"):
         raise CommandError(f"--format: expected text or json, got {fmt!r}")
-    if top < 0:
-        raise CommandError(f"--top: expected 0 or more locations, got {top}")
+    bounded("--top", top, 0, MAX_TOP)
+    if pid is not None:
+        bounded("--pid", pid, 0, MAX_PID)
 
     if html is not None:
         check_output(html, force)

@@ -29,9 +29,11 @@ def find_record(art: Artifact, stack_hash: int) -> pa.Table | None:
     return None
 
 
-def run(artifact: Path, record: str, host_modules: bool, out: TextIO) -> int:
+def run(artifact: Path, record: str, host_modules: bool, out: TextIO,
+        accept_damaged: bool = False) -> int:
     try:
-        return show_record(artifact, record, out, host_modules=host_modules)
+        return show_record(artifact, record, out, host_modules=host_modules,
+                           accept_damaged=accept_damaged)
     except (ArtifactError, ValueError) as e:
         raise CommandError(f"unwind: {e}") from None
 
@@ -49,11 +51,11 @@ def parse_hash(text: str) -> int:
 
 
 def show_record(artifact_path: Path, record: str, out: TextIO, *,
-                host_modules: bool = False) -> int:
+                host_modules: bool = False, accept_damaged: bool = False) -> int:
     """Print one stack record's frames with how each was found and its symbol (inline
     frames indented). Returns the exit status."""
     want = parse_hash(record)
-    art = Artifact.open(artifact_path)
+    art = Artifact.open(artifact_path, accept_damaged=accept_damaged)
     rows = find_record(art, want)
     if rows is None:
         raise ValueError(f"no stack record with hash {want:#x} in {artifact_path}")

@@ -19,10 +19,13 @@ def _crc32(path: Path) -> int:
 
 
 def find_debug_file(path: str | Path, build_id: str | None = None,
-                    debug_roots: tuple[Path, ...] = DEBUG_ROOTS) -> Path | None:
+                    debug_roots: tuple[Path, ...] = DEBUG_ROOTS,
+                    artifact: Path | None = None) -> Path | None:
     """The separate debug file of `path`: by build id under each debug root
     (.build-id/xx/rest.debug), then by .gnu_debuglink next to the file, in its .debug/
-    directory and under the debug roots, with the link's CRC checked."""
+    directory and under the debug roots, with the link's CRC checked. `artifact`: `path`
+    is a module copy of this artifact, and a file beside it is one of the artifact's
+    (memtrack.schema.artifact.artifact_file: no symlink out, a regular file) or none."""
     path = Path(path)
     build_id = build_id or read_build_id(path)
     if build_id and len(build_id) > 2:
@@ -41,7 +44,19 @@ def find_debug_file(path: str | Path, build_id: str | None = None,
     if "/" in name or name in ("", ".", ".."):
         return None  # the link names a file beside the module, never a path
     d = path.resolve().parent
-    cands = [d / name, d / ".debug" / name]
+    beside = [(name,), (".debug", name)]
+    if artifact is None:
+        cands = [d.joinpath(*names) for names in beside]
+    else:
+        from memtrack.schema.artifact import ArtifactError, artifact_file
+
+        inner = d.relative_to(Path(artifact).resolve()).parts
+        cands = []
+        for names in beside:
+            try:
+                cands.append(artifact_file(Path(artifact), *inner, *names))
+            except (ArtifactError, OSError):
+                continue
     cands += [root / str(d).lstrip("/") / name for root in debug_roots]
     for cand in cands:
         if cand.is_file() and cand.resolve() != path.resolve() and _crc32(cand) == crc:

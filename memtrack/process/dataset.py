@@ -3,15 +3,20 @@ dataset, every table as one Parquet file of the run's partition and the run's ro
 `runs` last (memtrack.schema.dataset: the layout and its readers).
 
 The files are written by DuckDB's COPY from the run database, as `--parquet` writes
-them (`write_parquet`), each to a hidden temporary name renamed into place: no engine
-reads a file whose name starts with a dot, and a rename is atomic, so a reader sees a
-run's table whole or not at all.
+them, each into a hidden staging directory of the dataset (its own, new) and renamed
+into place: no engine reads a file whose name starts with a dot, and a rename is
+atomic, so a reader sees a run's table whole or not at all. A dataset lives on shared
+storage: its directories are opened one component at a time without following a
+symbolic link, and the rename replaces a link, never what it points to.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,24 +25,57 @@ import pyarrow as pa
 
 from memtrack.schema.dataset import (
     DATA_FILE,
+    PARTITION,
     RUNS,
     RUNS_TABLE,
     DatasetError,
     check_run_id,
     partition,
 )
-from memtrack.schema.ddl import EXPORT_TABLES, RunError, open_run
+from memtrack.schema.ddl import EXPORT_TABLES, RunError, open_run, sql_literal
+
+
+def copy_parquet(con: duckdb.DuckDBPyConnection, query: str, path: Path) -> None:
+    """The rows of `query` as a zstd Parquet file at `path`."""
+    con.execute(f"COPY ({query}) TO {sql_literal(path)} (FORMAT parquet, COMPRESSION zstd)")
 
 
 def write_parquet(con: duckdb.DuckDBPyConnection, query: str, target: Path) -> None:
     """The rows of `query` as a zstd Parquet file at `target`, renamed into place."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    literal = "'" + str(tmp).replace("'", "''") + "'"
     try:
-        con.execute(f"COPY ({query}) TO {literal} (FORMAT parquet, COMPRESSION zstd)")
+        copy_parquet(con, query, tmp)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def open_directory(root_fd: int, root: Path, *names: str) -> int:
+    """The directory `root/names...` (each created if missing) opened, one component at
+    a time, never through a symbolic link (DatasetError)."""
+    fd = os.dup(root_fd)
+    path = root
+    try:
+        for name in names:
+            path = path / name
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise DatasetError(f"{path}: not a directory of this dataset (a symbolic "
+                                       "link, or another kind of file): nothing written "
+                                       "through it") from None
+                raise
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def check_target(root: Path, run_id: str, force: bool) -> None:
@@ -64,24 +102,44 @@ def append_run(root: Path, run_id: str, run_db: Path, *, metadata: Path | None =
     root = Path(root)
     check_target(root, run_id, force)
     try:
-        con = open_run(run_db)
+        con = open_run(run_db, files=True)  # the database process just wrote
     except RunError as e:
         raise DatasetError(str(e)) from None
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".append-", dir=root))
+    fds: list[int] = []
+
+    def directory(table: str) -> int:
+        fds.append(open_directory(fds[0], root, table, f"{PARTITION}={run_id}"))
+        return fds[-1]
+
+    def place(table: str) -> None:  # staging/table -> table/run=ID/data.parquet
+        os.replace(table, DATA_FILE, src_dir_fd=fds[1], dst_dir_fd=directory(table))
+
     try:
-        runs_file = partition(root, RUNS_TABLE, run_id) / DATA_FILE
-        replaced = runs_file.exists()
+        fds.append(os.open(root, os.O_RDONLY | os.O_DIRECTORY))
+        fds.append(os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))
+        runs_dir = directory(RUNS_TABLE)
+        try:
+            os.stat(DATA_FILE, dir_fd=runs_dir, follow_symlinks=False)
+            replaced = True
+        except FileNotFoundError:
+            replaced = False
         # the run leaves the dataset until every table of its new version is in place
-        runs_file.unlink(missing_ok=True)
+        if replaced:
+            os.unlink(DATA_FILE, dir_fd=runs_dir)
         for name in EXPORT_TABLES:
-            d = partition(root, name, run_id)
-            d.mkdir(parents=True, exist_ok=True)
-            write_parquet(con, f"SELECT * FROM {name}", d / DATA_FILE)
+            copy_parquet(con, f"SELECT * FROM {name}", staging / name)
+            place(name)
         con.register("runs_row", runs_row(dict(con.execute(
             "SELECT key, value FROM meta").fetchall()), metadata))
-        runs_file.parent.mkdir(parents=True, exist_ok=True)
-        write_parquet(con, "SELECT * FROM runs_row", runs_file)
+        copy_parquet(con, "SELECT * FROM runs_row", staging / RUNS_TABLE)
+        place(RUNS_TABLE)
     finally:
         con.close()
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
     return replaced
 
 

@@ -132,11 +132,15 @@ def decode_chunks(source: Artifact | pa.Table | StackRecords,
     in runs of consecutive records whose copies add up to at most `max_bytes` (a run
     holds one record at least). The runs' tables, concatenated, are decode_table's table
     and their counters sum to its counters; only one run's records and rebuilt bytes are
-    held at a time."""
+    held at a time. An artifact's records are those process reads
+    (memtrack.process.read.ROW_RULES: a copy_len beyond the budget indexed past the
+    copy)."""
+    from memtrack.process.read import checked
+
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, not {max_bytes}")
     if isinstance(source, Artifact):
-        source = source.read("stacks", required=False).table
+        source = checked("stacks", source.read("stacks", required=False).table)[0]
     records = source if isinstance(source, StackRecords) else StackRecords.of(source)
     rows = np.arange(records.num_rows) if rows is None else rows
     if not len(rows):

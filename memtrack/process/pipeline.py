@@ -160,6 +160,7 @@ def process(
     labels: dict[str, str] | None = None,
     jobs: int | None = None,
     python_frames: bool = True,
+    accept_damaged: bool = False,
 ) -> Summary:
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
@@ -174,6 +175,8 @@ def process(
     jobs: processes that decode and unwind stack records, and DuckDB's threads (None:
     the machine's cores); the output does not depend on it either.
     python_frames: False leaves the Python frames out (the native stacks only).
+    accept_damaged: read a damaged table of a complete artifact up to the damage
+    (Artifact.accept_damaged).
     """
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
@@ -189,7 +192,7 @@ def process(
     shown = TerminalProgress() if progress is True else None
     st = Stages(summary, shown or (progress if not isinstance(progress, bool) else None))
     with shown or nullcontext():
-        art = Artifact.open(artifact_path)
+        art = Artifact.open(artifact_path, accept_damaged=accept_damaged)
         db = RunDatabase(out_db, jobs)
         spill = EventSpill(db.tmp.with_name(db.tmp.name + ".spill"),
                            buckets_for(_events_estimate(art)))

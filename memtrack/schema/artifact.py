@@ -308,9 +308,12 @@ class Artifact:
     manifest: Manifest
     warnings: list[str] = field(default_factory=list)
     truncated: set[str] = field(default_factory=set)  # tables read up to a cut batch
+    # a table cut short in an artifact whose manifest says the capture ended normally is
+    # damage (ArtifactError) unless accepted (`--accept-damaged`): read up to the cut
+    accept_damaged: bool = False
 
     @classmethod
-    def open(cls, path: Path | str) -> Artifact:
+    def open(cls, path: Path | str, *, accept_damaged: bool = False) -> Artifact:
         path = Path(path)
         if not path.exists():
             raise ArtifactError(path, "no such artifact")
@@ -326,7 +329,7 @@ class Artifact:
             manifest = Manifest.decode(data)
         except ManifestError as e:
             raise ArtifactError(mpath, str(e)) from None
-        art = cls(path=path, manifest=manifest)
+        art = cls(path=path, manifest=manifest, accept_damaged=accept_damaged)
         if not manifest.complete:
             art.warnings.append(f"{path}: the capture was cut short (memtrack killed?): "
                                 "tables hold what was written up to their last whole batch")
@@ -374,7 +377,10 @@ class Artifact:
                                         ) from None
                 raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})"
                                     ) from None
-            diff = _schema_diff(reader.schema, schema)
+            try:
+                diff = _schema_diff(reader.schema, schema)
+            except UnicodeDecodeError:  # pyarrow decodes a field's name as it is asked
+                diff = "a field name that is not UTF-8"
             if diff:
                 raise ArtifactError(shown, f"wrong schema for {name!r}: {diff}")
             while True:
@@ -400,6 +406,10 @@ class Artifact:
             # it parses, but its values are not those capture wrote (a flipped byte)
             raise ArtifactError(shown, "damaged: its bytes differ from the checksum capture "
                                        "wrote in the manifest")
+        if into.truncated and self.manifest.complete and not self.accept_damaged:
+            raise ArtifactError(shown, f"damaged: {into.problem}, yet the manifest says the "
+                                "capture ended normally (--accept-damaged reads the whole "
+                                "batches before the damage)")
         if into.truncated:
             self.truncated.add(name)
             self.warn(f"{shown}: {into.problem}; reading the whole batches before it")

@@ -19,14 +19,24 @@ reader).
 from __future__ import annotations
 
 import re
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
-from memtrack.schema.ddl import EXPORT_TABLES, SCHEMA_VERSION, VIEWS, connect, first_line
+from memtrack.schema.ddl import (
+    EXPORT_TABLES,
+    SCHEMA_VERSION,
+    VIEWS,
+    first_line,
+    lock,
+    reading_session,
+)
 
 PARTITION = "run"
 RUNS_TABLE = "runs"
@@ -71,81 +81,123 @@ def partition(root: Path, table: str, run_id: str) -> Path:
     return Path(root) / table / f"{PARTITION}={run_id}"
 
 
+def data_file(root: Path, table: str, run_id: str) -> Path | None:
+    """One run's file of one table, or None where there is none. A dataset is hostile
+    input as an artifact is: every entry below `root` on the way must be a directory or,
+    the last, a regular file, never a symbolic link (DatasetError)."""
+    path = Path(root)
+    names = (table, f"{PARTITION}={run_id}", DATA_FILE)
+    for i, name in enumerate(names):
+        path = path / name
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise DatasetError(f"{path}: {e.strerror or e}") from None
+        want = stat.S_ISREG if i == len(names) - 1 else stat.S_ISDIR
+        if not want(mode):
+            raise DatasetError(f"{path}: not a {'file' if want is stat.S_ISREG else 'directory'}"
+                               " of this dataset (a symbolic link, or another kind of file)")
+    return path
+
+
 def run_ids(root: Path) -> list[str]:
     """The runs of a dataset (those whose `runs` file exists), sorted."""
     runs = Path(root) / RUNS_TABLE
-    if not runs.is_dir():
+    if runs.is_symlink() or not runs.is_dir():
         raise DatasetError(f"{root}: not a memtrack dataset (no {RUNS_TABLE}/ directory)")
     prefix = f"{PARTITION}="
-    return sorted(d.name[len(prefix):] for d in runs.iterdir()
-                  if d.name.startswith(prefix) and (d / DATA_FILE).is_file())
+    ids = (d.name[len(prefix):] for d in runs.iterdir() if d.name.startswith(prefix))
+    return sorted(i for i in ids if RUN_ID.fullmatch(i) and data_file(root, RUNS_TABLE, i))
 
 
-def _literal(path: Path | str) -> str:
-    return "'" + str(path).replace("'", "''") + "'"
+def _arrow(files: list[Path], partitioned: Path | None = None) -> ds.Dataset:
+    """The Parquet files of one table as one pyarrow dataset: DuckDB reads it through
+    pyarrow, never a file itself. `partitioned`: the table's directory, whose hive
+    partition `run` becomes a column; a file that lacks a column another has reads as
+    nulls there."""
+    schemas = []
+    for f in files:
+        try:
+            schemas.append(pq.read_schema(f))
+        except (OSError, pa.ArrowException) as e:
+            raise DatasetError(f"{f}: {first_line(e)}") from None
+    try:
+        schema = pa.unify_schemas(schemas)
+        if partitioned is None:
+            return ds.dataset(list(map(str, files)), schema=schema, format="parquet")
+        hive = ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive")
+        return ds.dataset(list(map(str, files)), format="parquet", partitioning=hive,
+                          partition_base_dir=str(partitioned),
+                          schema=pa.unify_schemas([schema, hive.schema]))
+    except (OSError, pa.ArrowException) as e:  # a column of two types in two runs
+        raise DatasetError(f"{partitioned or files[0]}: {first_line(e)}") from None
 
 
-def open_dataset(root: Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB session with a view per table across every run of the
-    dataset, each with its `run` column (VARCHAR), `runs` among them."""
+def open_dataset(root: Path, *, files: bool = False) -> duckdb.DuckDBPyConnection:
+    """A locked reading session (memtrack.schema.ddl: no file access unless `files`)
+    with a view per table across every run of the dataset, each with its `run` column
+    (VARCHAR), `runs` among them."""
     root = Path(root)
-    if not run_ids(root):
+    ids = run_ids(root)
+    if not ids:
         raise DatasetError(f"{root}: the dataset holds no run yet")
-    con = connect()
-    with _reading(con, root):
-        con.execute(f"CREATE VIEW {RUNS_TABLE} AS SELECT * FROM {_scan(root, RUNS_TABLE)}")
+    con = reading_session()
+    try:
+        for name in (RUNS_TABLE, *EXPORT_TABLES):
+            found = [f for i in ids if (f := data_file(root, name, i)) is not None]
+            if found:
+                con.register(name, _arrow(found, root / name))
+        lock(con, files=files)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def open_dataset_run(root: Path, run_id: str) -> duckdb.DuckDBPyConnection:
+    """One run of the dataset as a run database: a locked reading session without file
+    access, with its tables and the run database's views (memtrack.schema.ddl), for
+    the run reader."""
+    root = Path(root)
+    if run_id not in run_ids(root):
+        raise DatasetError(f"{root}: no run {run_id!r} in this dataset")
+    con = reading_session()
+    try:
         for name in EXPORT_TABLES:
-            if any((root / name).glob(f"{PARTITION}=*/{DATA_FILE}")):
-                con.execute(f"""
-                    CREATE VIEW {name} AS SELECT * FROM {_scan(root, name)}
-                    WHERE {PARTITION} IN (SELECT {PARTITION} FROM {RUNS_TABLE})""")
+            f = data_file(root, name, run_id)
+            if f is None:
+                raise DatasetError(f"{partition(root, name, run_id) / DATA_FILE}: missing "
+                                   f"(the run's {name} table)")
+            # rss_timeline orders a process's updates by (ts, rowid): rss is a table in
+            # the file's order; the others are read where they lie
+            con.register(f"{name}_file" if name == "rss" else name, _arrow([f]))
+            if name == "rss":
+                with _reading(f):
+                    con.execute(f"CREATE TABLE {name} AS SELECT * FROM {name}_file")
+                con.unregister(f"{name}_file")
+        with _reading(partition(root, "meta", run_id) / DATA_FILE):
+            version = con.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if not version or version[0] != str(SCHEMA_VERSION):
+            raise DatasetError(
+                f"{root}: run {run_id!r} is in run database format "
+                f"{version[0] if version else '?'}, this memtrack reads {SCHEMA_VERSION}; "
+                "re-run `memtrack process --dataset` on its artifact")
+        with _reading(root):
+            con.execute(VIEWS)
+        lock(con)
+    except BaseException:
+        con.close()
+        raise
     return con
 
 
 @contextmanager
-def _reading(con: duckdb.DuckDBPyConnection, where: Path) -> Iterator[None]:
+def _reading(where: Path) -> Iterator[None]:
     """DuckDB's errors on the dataset's files (a damaged or foreign file) as one line."""
     try:
         yield
     except duckdb.Error as e:
-        con.close()
         raise DatasetError(f"{where}: {first_line(e)}") from None
-
-
-def _scan(root: Path, table: str) -> str:
-    files = _literal(root / table / f"{PARTITION}=*" / DATA_FILE)
-    return (f"read_parquet({files}, hive_partitioning = true, union_by_name = true, "
-            f"hive_types = {{'{PARTITION}': VARCHAR}})")
-
-
-def open_dataset_run(root: Path, run_id: str) -> duckdb.DuckDBPyConnection:
-    """One run of the dataset as a run database: an in-memory DuckDB session with its
-    tables (views over its files) and the run database's views (memtrack.schema.ddl),
-    for the run reader."""
-    root = Path(root)
-    if run_id not in run_ids(root):
-        raise DatasetError(f"{root}: no run {run_id!r} in this dataset")
-    con = connect()
-    for name in EXPORT_TABLES:
-        f = partition(root, name, run_id) / DATA_FILE
-        if not f.is_file():
-            con.close()
-            raise DatasetError(f"{f}: missing (the run's {name} table)")
-        scan = f"read_parquet({_literal(f)}, hive_partitioning = false)"
-        # rss_timeline orders a process's updates by (ts, rowid): a table keeps the
-        # file's order as its rowid; the others are read where they lie
-        kind = "TABLE" if name == "rss" else "VIEW"
-        with _reading(con, f):
-            con.execute(f"CREATE {kind} {name} AS SELECT * FROM {scan}")
-    with _reading(con, partition(root, "meta", run_id) / DATA_FILE):
-        version = con.execute(
-            "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    if not version or version[0] != str(SCHEMA_VERSION):
-        con.close()
-        raise DatasetError(
-            f"{root}: run {run_id!r} is in run database format "
-            f"{version[0] if version else '?'}, this memtrack reads {SCHEMA_VERSION}; "
-            "re-run `memtrack process --dataset` on its artifact")
-    with _reading(con, root):
-        con.execute(VIEWS)
-    return con

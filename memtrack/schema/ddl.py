@@ -7,7 +7,7 @@ SCHEMA_VERSION; `open_run` refuses a database written with another version in on
 
 from __future__ import annotations
 
-import re
+from functools import cache
 from pathlib import Path
 
 import duckdb
@@ -373,10 +373,6 @@ def derive(con: duckdb.DuckDBPyConnection, *tables: str) -> None:
         con.execute(DERIVED[name])
 
 
-# every table and view a run database has (open_run refuses one that lacks any)
-RELATIONS = tuple(re.findall(r"CREATE (?:TABLE|VIEW) (\w+)", TABLES + VIEWS))
-
-
 def connect(database: str = ":memory:", *, read_only: bool = False,
             **config: object) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection as memtrack opens every one: without DuckDB's progress bar,
@@ -387,39 +383,107 @@ def connect(database: str = ":memory:", *, read_only: bool = False,
     return con
 
 
-def open_run(path: Path | str, *, read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """Open a run database, refusing (RunError, one line) anything but this format."""
+# A run database or a dataset comes from elsewhere (a CI job's upload, shared storage)
+# and is read, often as root, as hostile input: in an in-memory session that never
+# loads or installs an extension and, once `lock`ed, has no file access and cannot
+# turn either back on (`SET lock_configuration`).
+READ_CONFIG = {"autoload_known_extensions": False, "autoinstall_known_extensions": False}
+RUN_CATALOG = "run"  # the run database, attached read-only
+
+
+def reading_session() -> duckdb.DuckDBPyConnection:
+    """An in-memory session for reading a run database or a dataset (then `lock` it)."""
+    return connect(**READ_CONFIG)
+
+
+def lock(con: duckdb.DuckDBPyConnection, *, files: bool = False) -> None:
+    """No file access from here on (`files`: keep it, for `query --allow-files`), and no
+    SQL may change the session's configuration."""
+    if not files:
+        con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def sql_literal(text: Path | str) -> str:
+    """A path or text as an SQL string literal."""
+    return "'" + str(text).replace("'", "''") + "'"
+
+
+@cache
+def table_columns() -> dict[str, list[tuple[str, str]]]:
+    """Every table of a run database (TABLES) with its columns' names and types."""
+    con = connect()
+    try:
+        con.execute(TYPES)
+        con.execute(TABLES)
+        return _columns(con, "memory")
+    finally:
+        con.close()
+
+
+def _columns(con: duckdb.DuckDBPyConnection, catalog: str) -> dict[str, list[tuple[str, str]]]:
+    """The tables (not views) of a catalog's main schema with their columns."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for table, column, kind in con.execute(
+            "SELECT table_name, column_name, data_type FROM duckdb_columns() "
+            "JOIN duckdb_tables() USING (database_name, schema_name, table_name) "
+            "WHERE database_name = ? AND schema_name = 'main' "
+            "ORDER BY table_name, column_index", [catalog]).fetchall():
+        out.setdefault(table, []).append((column, kind))
+    return out
+
+
+def open_run(path: Path | str, *, files: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open a run database for reading, refusing (RunError, one line) anything but this
+    format. The file is attached read-only to a `reading_session` and only its tables
+    are read, by name, once each has the columns TABLES gives it: a view or macro
+    stored in the file is never run, and the session has memtrack's own views (VIEWS)
+    over those tables. Locked (`lock`): no file access unless `files`."""
     path = Path(path)
     if not path.is_file():
         raise RunError(f"{path}: no such run database")
+    con = reading_session()
     try:
-        con = connect(str(path), read_only=read_only)
-    except duckdb.Error as e:
-        raise RunError(f"{path}: not a DuckDB database ({first_line(e)})") from None
-    try:
-        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    except duckdb.Error:
+        try:
+            con.execute(f"ATTACH {sql_literal(path)} AS {RUN_CATALOG} (READ_ONLY)")
+        except duckdb.Error as e:
+            raise RunError(f"{path}: not a DuckDB database ({first_line(e)})") from None
+        _check_run(con, path)
+        for name in table_columns():
+            # rss_timeline orders a process's updates by (ts, rowid): rss is copied in
+            # the file's order; the other tables are read where they lie
+            kind = "TABLE" if name == "rss" else "VIEW"
+            con.execute(f"CREATE {kind} {name} AS SELECT * FROM {RUN_CATALOG}.main.{name}")
+        con.execute(VIEWS)
+        lock(con, files=files)
+    except BaseException:
         con.close()
-        raise RunError(f"{path}: not a memtrack run database (no meta table)") from None
+        raise
+    return con
+
+
+def _check_run(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    """RunError unless the attached run database is this format with every table."""
+    have, want = _columns(con, RUN_CATALOG), table_columns()
+    if have.get("meta") != want["meta"]:
+        raise RunError(f"{path}: not a memtrack run database (no meta table)")
+    row = con.execute(f"SELECT value FROM {RUN_CATALOG}.main.meta "
+                      "WHERE key = 'schema_version'").fetchone()
     version = row[0] if row else "?"
-    if version == str(SCHEMA_VERSION):
-        have = {r[0] for r in con.execute(
-            "SELECT table_name FROM duckdb_tables() UNION SELECT view_name FROM duckdb_views()"
-        ).fetchall()}
-        missing = [n for n in RELATIONS if n not in have]
-        if missing:
-            con.close()
-            raise RunError(f"{path}: a damaged run database: no {', '.join(missing)} "
-                           "(re-run `memtrack process` on its artifact)")
     if version != str(SCHEMA_VERSION):
-        con.close()
         older = version.isdigit() and int(version) < SCHEMA_VERSION
         raise RunError(
             f"{path}: run database format {version} is "
             f"{'older than' if older else 'not'} the one this memtrack reads ({SCHEMA_VERSION}); "
-            "re-run `memtrack process` on its artifact"
-        )
-    return con
+            "re-run `memtrack process` on its artifact")
+    missing = [n for n in want if n not in have]
+    if missing:
+        raise RunError(f"{path}: a damaged run database: no {', '.join(missing)} "
+                       "(re-run `memtrack process` on its artifact)")
+    changed = [n for n in want if have[n] != want[n]]
+    if changed:
+        raise RunError(f"{path}: a damaged run database: {', '.join(changed)} "
+                       "not as memtrack writes it (re-run `memtrack process` on its artifact)")
 
 
 def first_line(e: BaseException) -> str:

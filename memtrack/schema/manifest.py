@@ -81,6 +81,30 @@ class ExitStatus:
     signal: Code | None = None  # killed by this signal
 
 
+# Every value of a manifest, the free-form ones (options.extra, probes, cost) too, is
+# bounded before anything walks it (`info` prints them; 900 nested dicts overflowed
+# Python's stack): how deep it nests and how long a string is.
+MAX_DEPTH = 16
+MAX_STRING = 1 << 20  # a command line's argument is at most 128 KiB
+
+
+def _check_shape(raw: Any) -> None:
+    """ManifestError unless every value nests at most MAX_DEPTH deep and every string
+    (a key too) holds at most MAX_STRING characters."""
+    todo = [(raw, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ManifestError(f"a value nested more than {MAX_DEPTH} deep")
+        if isinstance(v, dict):
+            todo.extend((k, depth + 1) for k in v)
+            todo.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            todo.extend((x, depth + 1) for x in v)
+        elif isinstance(v, str) and len(v) > MAX_STRING:
+            raise ManifestError(f"a string of {len(v):,} characters, more than {MAX_STRING:,}")
+
+
 @dataclass
 class Manifest:
     format_version: str = FORMAT_VERSION
@@ -151,6 +175,7 @@ class Manifest:
             raise ManifestError(f"not valid JSON ({e})") from None
         except RecursionError:
             raise ManifestError("not valid JSON (nested too deeply)") from None
+        _check_shape(raw)
         version = raw.get("format_version", "")
         try:
             major = int(str(version).split(".")[0])

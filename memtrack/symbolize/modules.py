@@ -154,14 +154,16 @@ class ModuleStore:
                 self.problems.append(f"{c.elf_path}: its build id is {own}, not the "
                                      f"{c.build_id} it is filed under; module skipped")
                 continue
-            debug_path = c.debug_path or self._host_debug(c.elf_path, c.build_id)
+            debug_path = c.debug_path or self._host_debug(c.elf_path, c.build_id, root)
             self._modules[c.build_id] = Module(c.build_id, c.path or str(c.elf_path),
                                                c.elf_path, debug_path)
 
-    def _host_debug(self, elf_path: Path, build_id: str | None) -> Path | None:
+    def _host_debug(self, elf_path: Path, build_id: str | None,
+                    artifact: Path | None = None) -> Path | None:
+        """`artifact`: the one `elf_path` is a copy in (find_debug_file)."""
         if build_id is not None and not BUILD_ID.fullmatch(build_id):
             build_id = None  # a build id names a file under the debug roots: hex only
-        found = find_debug_file(elf_path, build_id, self.debug_roots)
+        found = find_debug_file(elf_path, build_id, self.debug_roots, artifact)
         if found is None or found.resolve() == elf_path.resolve():
             return None
         return found

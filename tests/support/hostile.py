@@ -303,7 +303,14 @@ def _cases() -> list[Case]:
             a, "processes", "pid", None), "ok"),
         # damaged files
         C("events-truncated", lambda a, o: os.truncate(
-            a / "events.arrow", (a / "events.arrow").stat().st_size // 2), "ok", "truncated"),
+            a / "events.arrow", (a / "events.arrow").stat().st_size // 2), "error",
+          "events.arrow: damaged: truncated"),
+        C("events-last-bytes-cut", lambda a, o: os.truncate(
+            a / "events.arrow", (a / "events.arrow").stat().st_size - 50), "error",
+          "events.arrow: damaged"),
+        C("events-truncated-cut-short", lambda a, o: (os.truncate(
+            a / "events.arrow", (a / "events.arrow").stat().st_size // 2),
+            set_manifest(a, complete=False)), "ok", "truncated"),
         C("events-empty-file", lambda a, o: (a / "events.arrow").write_bytes(b""), "error",
           "empty"),
         C("events-garbage", lambda a, o: (a / "events.arrow").write_bytes(b"\xff" * 4096),

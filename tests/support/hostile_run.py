@@ -34,6 +34,10 @@ def _hook(event: str, args: tuple) -> None:
     if isinstance(path, int) or path is None:
         return
     path = os.fsdecode(path)
+    walk = os.O_DIRECTORY | os.O_NOFOLLOW
+    if isinstance(flags, int) and flags & walk == walk and "/" not in path:
+        return  # a directory opened by name under a dir_fd (the event has no dir_fd),
+        # one component of a walk that follows no symbolic link: nothing is read
     writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
         isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
     real = os.path.realpath(os.path.abspath(path))
