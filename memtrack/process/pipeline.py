@@ -280,6 +280,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)
         db.table("regions", spans.regions)
+        db.table("stops", tables.stops)
         summary.counters["events_stack_missing"] = db.missing_stacks()
         summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows
         summary.warnings = [*art.warnings, *summary.warnings,
