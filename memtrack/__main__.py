@@ -8,20 +8,11 @@ import os
 import sys
 
 
-def version() -> str:
-    """memtrack's installed version (what the manifest records as memtrack_version)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("memtrack")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
 def main() -> None:
     if sys.argv[1:] == ["--version"] and "_MEMTRACK_COMPLETE" not in os.environ:
-        print(f"memtrack {version()}")
+        from memtrack import __version__
+
+        print(f"memtrack {__version__}")
         sys.exit(0)
     from memtrack.cli import run_as_program
 

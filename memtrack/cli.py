@@ -41,9 +41,9 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 def show_version(value: bool) -> None:
     if value:
-        from memtrack.__main__ import version
+        from memtrack import __version__
 
-        print(f"memtrack {version()}")
+        print(f"memtrack {__version__}")
         raise typer.Exit(0)
 
 

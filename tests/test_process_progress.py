@@ -102,3 +102,13 @@ def test_terminal_shows_stages_with_counts_and_times(small_synth: Path, tmp_path
     status, quiet = terminal_run("process", str(small_synth), "-o", str(tmp_path / "q.duckdb"),
                                  "--cache", "off", "--jobs", "1", "-q")
     assert status == 0 and "done in" not in quiet, quiet
+
+
+def test_symbolizer_problems_reach_the_summary(small_synth: Path, tmp_path: Path) -> None:
+    """A cache `process` cannot write is a warning and a counter of the run, not lost
+    inside the symbolizer."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    summary = process(small_synth, tmp_path / "r.duckdb", cache_dir=blocker / "cache")
+    assert summary.counters["symbolize_cache_write_failed"] >= 1
+    assert any("cannot write the symbolization cache" in w for w in summary.warnings)

@@ -85,7 +85,7 @@ def test_symbol_table_rules() -> None:
     # no DWARF: a local symbol's file is its STT_FILE symbol's (the assembler's object)
     assert [r[0]["file"] is None for r in rows] == [True] * 7 + [False] + [True] * 3
     assert rows[7][0]["file"].endswith(".o")
-    assert s.counters == {"no-symbol": 3}
+    assert s.reasons == {"no-symbol": 3}
 
 
 def test_stripped_module_gets_dynsym_names(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_fully_stripped_module_reason(tmp_path: Path) -> None:
     assert rows[0] == [{"row": 0, "inline_depth": 0, "function": f"[unknown] (bare+{main_addr:#x})",
                         "symbol": None, "offset": main_addr, "file": None, "line": 0,
                         "column": 0, "reason": "stripped"}]
-    assert s.counters == {"stripped": 1}
+    assert s.reasons == {"stripped": 1}
 
 
 def _local_funcs(path: Path) -> list[tuple[int, str]]:
@@ -189,7 +189,7 @@ def test_corrupt_elf_in_artifact(tmp_path: Path) -> None:
     assert t.column("function").to_pylist() == ["[unknown] (libbad.so+0x10)",
                                                  "[unknown] (libbad.so+0x20)"]
     assert t.column("reason").to_pylist() == ["corrupt-elf"] * 2
-    assert s.counters == {"corrupt-elf": 2}
+    assert s.reasons == {"corrupt-elf": 2}
     assert any("libbad.so" in p for p in s.problems)
 
 

@@ -51,7 +51,7 @@ from memtrack.capture.regions import Regions
 from memtrack.capture.ringbuf import RingReader
 from memtrack.capture.status import StatusLine
 from memtrack.capture.stops import ATTACH, Pauses, StopRegistry
-from memtrack.schema import PROCESSES, EventKind, is_loss
+from memtrack.schema import PROCESSES, STOPS, EventKind, is_loss
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.enums import CLONE_THREAD
 from memtrack.schema.manifest import Clock, ExitStatus, Host
@@ -186,7 +186,7 @@ class Session:
                                   f"{need}): it may drop records")
         self.backlog = Backlog(backlog_limit())
         self.drain = Drain(self.sources, self.backlog, self.pauses.after_round)
-        self.batches = BatchWriter(self.backlog, self._write, idle=self._drain_legacy)
+        self.batches = BatchWriter(self.backlog, self._write, idle=self._idle)
         self.status = StatusLine(live) if live is not None else None
         tracker.set_enabled(not start_disabled)
         child_env = dict(os.environ if env is None else env)
@@ -362,10 +362,17 @@ class Session:
             self._note_forks(records)
         src.part.write(self.bpf, self.writer, src.ring, records)
 
-    def _drain_legacy(self) -> None:
-        """Parts without rings(): their own drain, on the writer thread."""
+    def _idle(self) -> None:
+        """The writer thread's work between batches: parts without rings() drain, and
+        the stops released meanwhile go to stops.arrow."""
         for part in self._legacy:
             part.drain(self.bpf, self.writer)
+        log = self.stops.take_log()
+        if log:
+            pid, reason, begin, end = (list(c) for c in zip(*log, strict=True))
+            self.writer.write("stops", pa.RecordBatch.from_pydict(
+                {"pid": pid, "reason": [int(r) for r in reason], "begin_ts": begin,
+                 "end_ts": end}, schema=STOPS))
 
     def _note_forks(self, rec: np.ndarray) -> None:
         """processes.arrow rows for new child processes (they start as their parent)."""
@@ -538,7 +545,7 @@ class Session:
         self.regions.flush()
         self.drain.stop()
         self.batches.stop()
-        self._drain_legacy()
+        self._idle()
         self._check_pipeline()
         self._show_status()
         self._close_status()

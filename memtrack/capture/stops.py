@@ -26,9 +26,10 @@ import time
 from typing import Any
 
 from memtrack.capture.tables import percpu_counts
+from memtrack.schema.enums import StopReason
 
-ATTACH = "attach"
-PAUSE = "pause"
+ATTACH = StopReason.ATTACH
+PAUSE = StopReason.PAUSE
 SCAN_SECONDS = 0.25  # mt_paused is read at least this often (and after any high ring)
 
 
@@ -41,25 +42,30 @@ def _signal(pid: int, sig: int) -> bool:
 
 
 class StopRegistry:
-    """pid -> the reasons it is stopped for; SIGCONT when none is left."""
+    """pid -> the reasons it is stopped for; SIGCONT when none is left. Each reason's
+    stop, from its time to its release, is logged (stops.arrow: `take_log`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reasons: dict[int, set[str]] = {}
+        self._reasons: dict[int, set[StopReason]] = {}
+        self._since: dict[tuple[int, StopReason], int] = {}
+        self._log: list[tuple[int, StopReason, int, int]] = []
         self._continued: dict[int, int] = {}  # pid -> monotonic ns after our last SIGCONT
 
-    def hold(self, pid: int, reason: str, since_ns: int) -> None:
+    def hold(self, pid: int, reason: StopReason, since_ns: int) -> None:
         """`pid` was stopped at `since_ns` (CLOCK_MONOTONIC, as BPF's bpf_ktime_get_ns)
         for `reason`."""
         with self._lock:
             self._reasons.setdefault(pid, set()).add(reason)
+            self._since.setdefault((pid, reason), since_ns)
             if self._continued.get(pid, 0) >= since_ns:
                 _signal(pid, signal.SIGSTOP)
 
-    def release(self, pid: int, reason: str) -> bool:
+    def release(self, pid: int, reason: StopReason) -> bool:
         """Drop one reason; continue the process when it was the last. True when a
         SIGCONT was sent."""
         with self._lock:
+            self._logged(pid, reason, time.monotonic_ns())
             left = self._reasons.get(pid)
             if left is not None:
                 left.discard(reason)
@@ -70,7 +76,7 @@ class StopRegistry:
             self._continued[pid] = time.monotonic_ns()
             return sent
 
-    def held(self, pid: int) -> set[str]:
+    def held(self, pid: int) -> set[StopReason]:
         with self._lock:
             return set(self._reasons.get(pid, ()))
 
@@ -78,11 +84,26 @@ class StopRegistry:
         """Continue every process held for any reason (the end of a session)."""
         with self._lock:
             pids = list(self._reasons)
+            now = time.monotonic_ns()
+            for pid, reasons in self._reasons.items():
+                for reason in reasons:
+                    self._logged(pid, reason, now)
             self._reasons.clear()
             for pid in pids:
                 _signal(pid, signal.SIGCONT)
                 self._continued[pid] = time.monotonic_ns()
         return pids
+
+    def take_log(self) -> list[tuple[int, StopReason, int, int]]:
+        """The stops released since the last call: (pid, reason, begin ns, end ns)."""
+        with self._lock:
+            out, self._log = self._log, []
+        return out
+
+    def _logged(self, pid: int, reason: StopReason, now: int) -> None:
+        since = self._since.pop((pid, reason), None)
+        if since is not None:
+            self._log.append((pid, reason, since, max(since, now)))
 
 
 class Pauses:

@@ -34,6 +34,7 @@ from memtrack.schema.ddl import (
     EXPORT_TABLES,
     RSS_CAUSES,
     RSS_MEMBERS,
+    STOP_REASONS,
     TABLE_NAMES,
     connect,
     create_schema,
@@ -85,6 +86,7 @@ ALLOCATOR_SQL = (
 )
 MEMBER_SQL = f"CAST(list_extract({_names(RSS_MEMBERS)}, member::INTEGER + 1) AS rss_member)"
 CAUSE_SQL = f"CAST(list_extract({_names(RSS_CAUSES)}, cause::INTEGER + 1) AS rss_cause)"
+STOP_SQL = f"CAST(list_extract({_names(STOP_REASONS)}, reason::INTEGER + 1) AS stop_reason)"
 END_SQL = f"CAST(list_extract({_names(END_REASONS)}, end_reason::INTEGER + 1) AS end_reason)"
 HEAP_KINDS = ", ".join(f"'{EVENT_KINDS[k - 1]}'" for k in (*ALLOC_KINDS, EventKind.FREE))
 
@@ -165,6 +167,9 @@ INSERTS = {
         INSERT INTO rss SELECT ts, pid, {MEMBER_SQL}, bytes, {CAUSE_SQL} FROM src_rss""",
     "processes": "INSERT INTO processes SELECT * FROM src_processes",
     "regions": "INSERT INTO regions SELECT * FROM src_regions",
+    "stops": f"""
+        INSERT INTO stops SELECT pid, {STOP_SQL}, begin_ts, end_ts FROM src_stops
+        ORDER BY begin_ts, pid""",
     # A thread starts at the FORK that made it (a process's main thread at the process
     # fork), else when first seen; `events` counts its allocator events.
     "threads": f"""
@@ -284,7 +289,7 @@ class RunDatabase:
                                 "AND stack_id IS NULL").fetchone()[0]  # type: ignore[index]
 
     def table(self, name: str, tbl: pa.Table) -> None:
-        """Load mappings, rss or regions."""
+        """Load mappings, rss, regions or stops."""
         self.con.register(f"src_{name}", tbl)
         self.con.execute(INSERTS[name])
         self.con.unregister(f"src_{name}")

@@ -258,7 +258,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     with st.stage("symbolize") as progress:
         known = db.stacks(unwound.stacks, unwound.stack_frames, modules)
         del unwound, work
-        symbolized = symbolize_locations(store, known, cache)
+        symbolized = symbolize_locations(store, known, cache, summary)
         progress(known.num_rows, known.num_rows or None, locations=known.num_rows)
         loaded = db.frames(known, symbolized, merged.locations)
     del known, symbolized, merged
@@ -283,6 +283,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)
         db.table("regions", spans.regions)
+        db.table("stops", tables.stops)
         summary.counters["events_stack_missing"] = db.missing_stacks()
         summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows
         summary.warnings = [*art.warnings, *summary.warnings,
@@ -358,13 +359,20 @@ def modules_table(mappings: pa.Table, stack_frames: pa.Table, store: ModuleStore
     return pa.table(rows, schema=MODULES)
 
 
-def symbolize_locations(store: ModuleStore, known: pa.Table, cache_dir: Path | None
-                        ) -> pa.Table:
-    """Symbolize the code locations (frame_id, build_id, vaddr, path) of a run."""
+def symbolize_locations(store: ModuleStore, known: pa.Table, cache_dir: Path | None,
+                        summary: Summary) -> pa.Table:
+    """Symbolize the code locations (frame_id, build_id, vaddr, path) of a run; what the
+    symbolizer found wrong (a cache it cannot write, DWARF it cannot read) goes to the
+    summary's warnings and counters (symbolize_*)."""
     if known.num_rows == 0:
         return SYMBOLIZED_FRAMES.empty_table()
-    from memtrack.symbolize import symbolize
+    from memtrack.symbolize import Symbolizer
 
-    return symbolize(store, known.column("build_id").combine_chunks(),
-                     known.column("vaddr").to_numpy(),
-                     paths=known.column("path").combine_chunks(), cache_dir=cache_dir)
+    s = Symbolizer(store, cache_dir)
+    try:
+        return s.symbolize(known.column("build_id").combine_chunks(),
+                           known.column("vaddr").to_numpy(), known.column("path").combine_chunks())
+    finally:
+        s.close()  # writes the cache: its failure is a problem too
+        summary.add({f"symbolize_{k}": v for k, v in s.counters.items()})
+        summary.warn(s.problems)

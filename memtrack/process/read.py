@@ -19,7 +19,7 @@ from memtrack.process.spill import EventSpill, OutOfOrder, rechunk
 from memtrack.schema import EVENTS, table_file
 from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError, TableRead
 from memtrack.schema.ddl import connect
-from memtrack.schema.enums import Allocator, EventKind, RssMember
+from memtrack.schema.enums import Allocator, EventKind, RssMember, StopReason
 from memtrack.schema.stackrecord import MAX_BUDGET
 
 # What a value of a hostile artifact may be before it sizes an allocation or indexes an
@@ -47,6 +47,7 @@ class ArtifactTables:
     region_names: pa.Table  # region_id, name
     py_stacks: pa.Table  # the Python stack records (format 2.2; empty before)
     py_codes: pa.Table
+    stops: pa.Table  # capture's stops of traced processes (format 2.3; empty before)
 
     events_bad_kind: int = 0  # events dropped for a kind this reader does not know
     bad_rows: dict[str, int] = field(default_factory=dict)  # per table: rows skipped
@@ -125,6 +126,11 @@ def _py_codes_ok(t: pa.Table) -> pa.ChunkedArray:
     return pc.and_(ok, pc.less_equal(pc.binary_length(t.column("linetable")), MAX_PY_TEXT))
 
 
+def _stops_ok(t: pa.Table) -> pa.ChunkedArray:
+    return pc.and_(pc.and_(_all_valid(t), _at_most(t, "reason", max(StopReason))),
+                   pc.less_equal(t.column("begin_ts"), t.column("end_ts")))
+
+
 def _all_valid(t: pa.Table) -> pa.ChunkedArray:
     return _no_nulls(t, *(f.name for f in t.schema if pa.types.is_integer(f.type)
                           or pa.types.is_boolean(f.type)))
@@ -134,7 +140,7 @@ def _all_valid(t: pa.Table) -> pa.ChunkedArray:
 ROW_RULES: dict[str, Callable[[pa.Table], pa.ChunkedArray]] = {
     "events": _events_ok, "stacks": _stacks_ok, "rss": _rss_ok, "mappings": _mappings_ok,
     "processes": _all_valid, "faults": _all_valid, "region_names": _all_valid,
-    "py_stacks": _py_stacks_ok, "py_codes": _py_codes_ok,
+    "py_stacks": _py_stacks_ok, "py_codes": _py_codes_ok, "stops": _stops_ok,
 }
 
 
@@ -196,6 +202,7 @@ def read_artifact(art: Artifact, spill: EventSink | None = None,
         events=events, mappings=out["mappings"], processes=out["processes"],
         rss=out["rss"], faults=out["faults"], stacks=stacks,
         region_names=out["region_names"], py_stacks=out["py_stacks"], py_codes=out["py_codes"],
+        stops=out["stops"],
         events_bad_kind=bad, bad_rows={k: v for k, v in bad_rows.items() if v},
     )
 

@@ -131,6 +131,7 @@ tr.bt > td { padding: 2px 0 8px 2.2em; }
 .plot .readout { font-weight: 600; fill: #222; }
 .hidden { display: none; } small { color: #666; }
 .loss { color: #b00; margin: 2px 0; }
+rect.stop { fill: #999; opacity: 0.25; }
 th[data-sorted="asc"]::after { content: " \25B4"; }
 th[data-sorted="desc"]::after { content: " \25BE"; }
 </style></head>
@@ -146,7 +147,8 @@ th[data-sorted="desc"]::after { content: " \25BE"; }
 <div id="metric"></div>
 <div id="flame"></div>
 <h2>Heap and RSS over time <small>(<span style="color:#c33">heap</span>,
-<span style="color:#36c">RSS</span>; hover for values)</small></h2>
+<span style="color:#36c">RSS</span>, grey: stopped by memtrack; from the program's first
+instruction after exec; hover for values)</small></h2>
 <div id="timeline"></div>
 <div id="tables"></div>
 <div id="tip"></div>
@@ -203,7 +205,9 @@ function totals() {
   const at = s => (s === null || s === undefined) ? "" : " at " + s.toFixed(3) + " s";
   const rate = r => " (" + count(r.toFixed(0)) + "/s)";
   table(document.getElementById("totals"), ["", ""], [
-    ["total runtime", t.runtime_s.toFixed(3) + " s"],
+    ["total runtime", t.runtime_s.toFixed(3) + " s" + Object.entries(t.stopped).map(
+      ([r, v], i) => (i ? ", " : " (stopped by memtrack: ") + count(v.count) + " " + r +
+      " (" + v.seconds.toFixed(3) + " s)").join("") + (Object.keys(t.stopped).length ? ")" : "")],
     ["calls to allocation functions", count(t.calls) + rate(t.calls_per_s)],
     ["temporary allocations", count(t.temporary) + rate(t.temporary_per_s)],
     ["bytes allocated", bytes(t.allocated_bytes)],
@@ -336,6 +340,11 @@ function timeline() {
       });
       el("line", {x1: L, y1: bottom, x2: W - R, y2: bottom, class: "axis"}, svg);
       el("line", {x1: L, y1: top, x2: L, y2: bottom, class: "axis"}, svg);
+      p.stops.forEach(([b, e, why]) => {
+        const r = el("rect", {x: X(b), y: top, width: Math.max(X(e) - X(b), 1),
+                              height: bottom - top, class: "stop"}, svg);
+        el("title", {}, r, "stopped by memtrack (" + why + "): " + when(b) + " to " + when(e));
+      });
       el("text", {x: L + 4, y: top + 10, class: cls + "-label"}, svg, name);
       let d = [], prev = null;  // steps: a value holds until the next sample
       s.forEach(q => { if (prev !== null) d.push(X(q[0]) + "," + Y(prev));

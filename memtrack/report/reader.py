@@ -180,6 +180,25 @@ class RunReader:
         """What `process --label key=value` said of the run (a commit, a build...)."""
         return json.loads(self.meta.get("labels", "{}"))
 
+    @functools.cached_property
+    def program_start_ns(self) -> int:
+        """The run's time zero: the end of its root's first attach stop, its first
+        instruction after exec with memtrack attached (capture's own start and that stop
+        are memtrack's time, not the program's); capture's start where no stop was
+        recorded (an artifact before format 2.3)."""
+        row = self.con.execute(
+            "SELECT arg_min(end_ts, begin_ts) FROM stops WHERE pid = ? AND reason = 'attach'",
+            [int(self.meta.get("root_pid", 0) or 0)]).fetchone()
+        return int(row[0]) if row and row[0] is not None else self.start_ns
+
+    def stopped(self, since_ns: int) -> dict[str, dict[str, float]]:
+        """The stops of the selected processes that began at or after `since_ns`, by
+        reason: how many and how long in all (seconds)."""
+        return {r: {"count": int(n), "seconds": int(ns) / 1e9} for r, n, ns in self.con.execute(
+            f"""SELECT reason::VARCHAR, count(*), sum(end_ts - begin_ts) FROM stops
+                WHERE {self.where()} AND begin_ts >= ? GROUP BY ALL ORDER BY 1""",
+            [since_ns]).fetchall()}
+
     @property
     def losses(self) -> dict[str, int]:
         """The capture's non-zero loss and fidelity counters (its manifest's losses)."""
@@ -217,7 +236,7 @@ class RunReader:
     # ---- totals ------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
         pids = self.where()
-        start, end = self.start_ns, int(self.meta.get("end_ns", 0) or 0)
+        start, end = self.program_start_ns, int(self.meta.get("end_ns", 0) or 0)
         if self.pid is not None:
             span = self.con.execute(
                 f"SELECT min(start_ts), max(exit_ts) FROM processes WHERE {pids}").fetchone()
@@ -259,6 +278,7 @@ class RunReader:
 
         return {
             "runtime_s": runtime,
+            "stopped": self.stopped(start),
             "calls": calls,
             "calls_per_s": per_s(calls),
             "allocated_bytes": allocated,
@@ -476,10 +496,11 @@ class RunReader:
 
     # ---- timelines ---------------------------------------------------------------
     def timelines(self, points: int) -> list[dict[str, Any]]:
-        """Per process: heap bytes and RSS over time, [seconds from the run's start,
-        bytes], each series cut to at most `points` (downsampled: each bucket's
-        minimum, maximum and last value kept), ending at its last value (the heap at
-        exit)."""
+        """Per process: heap bytes and RSS over time, [seconds from the run's time zero
+        (program_start_ns; earlier samples at 0), bytes], each series cut to at most
+        `points` (downsampled: each bucket's minimum, maximum and last value kept),
+        ending at its last value (the heap at exit); and the stops that capture held it
+        for, [begin s, end s, reason] (the `points` longest)."""
         pids = f"SELECT pid FROM processes WHERE {self.where()}"
         series = {"heap": f"""SELECT pid, ts, heap_bytes, event_id FROM heap_timeline
                               WHERE pid IN ({pids})""",
@@ -487,18 +508,28 @@ class RunReader:
         if not self.rss_recorded:
             del series["rss"]
         points_of: dict[str, dict[int, list[list[float | int]]]] = {}
-        start = self.start_ns
+        start = self.program_start_ns
         for key, sql in series.items():
             by_pid = points_of[key] = {}
             for p, t, v in self.con.execute(downsampled(sql, points)).fetchall():
-                by_pid.setdefault(p, []).append([round((t - start) / 1e9, 9), int(v)])
+                by_pid.setdefault(p, []).append([round(max(t - start, 0) / 1e9, 9), int(v)])
+        stops: dict[int, list[list[float | str]]] = {}
+        for p, b, e, r in self.con.execute(f"""
+                SELECT pid, begin_ts, end_ts, reason::VARCHAR FROM (
+                    SELECT *, row_number() OVER (PARTITION BY pid
+                                                 ORDER BY end_ts - begin_ts DESC) AS n
+                    FROM stops WHERE pid IN ({pids}) AND end_ts > ?)
+                WHERE n <= ? ORDER BY pid, begin_ts""", [start, points]).fetchall():
+            stops.setdefault(p, []).append([round(max(b - start, 0) / 1e9, 9),
+                                            round((e - start) / 1e9, 9), r])
         out = []
         for p, name in self.con.execute(f"""SELECT pid, name FROM processes
                                             WHERE {self.where()} ORDER BY start_ts, pid
                                             """).fetchall():
             heap, rss = points_of["heap"].get(p, []), points_of.get("rss", {}).get(p, [])
             if heap or rss:
-                out.append({"pid": p, "name": name or "?", "heap": heap, "rss": rss})
+                out.append({"pid": p, "name": name or "?", "heap": heap, "rss": rss,
+                            "stops": stops.get(p, [])})
         return out
 
 

@@ -132,6 +132,14 @@ def printable(text: str) -> str:
         lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
+def stopped_text(stopped: dict[str, dict[str, float]]) -> str:
+    """What of the runtime capture held the program stopped, as the end of its line."""
+    what = {"attach": "attach stop", "pause": "ring pause"}
+    parts = [f"{plural(v['count'], what.get(r, r))} ({v['seconds']:.3f}s)"
+             for r, v in stopped.items()]
+    return f" (stopped by memtrack: {', '.join(parts)})" if parts else ""
+
+
 def refused_lines(refused: list[dict[str, str]]) -> list[str]:
     """Each allocator function the kernel refused to probe: its calls are not in the run."""
     return [f"  not recorded: {r['function']} in {r['path']} (probe refused: {r['why']})"
@@ -148,7 +156,7 @@ def format_text(data: dict) -> str:
         return f" at {at:.3f}s" if at is not None else ""
 
     lines += [
-        f"total runtime: {t['runtime_s']:.3f}s.",
+        f"total runtime: {t['runtime_s']:.3f}s.{stopped_text(t['stopped'])}",
         f"calls to allocation functions: {t['calls']} ({t['calls_per_s']:.0f}/s)",
         f"temporary memory allocations: {t['temporary']} ({t['temporary_per_s']:.0f}/s)",
         f"bytes allocated in total: {exact_bytes(t['allocated_bytes'])}",

@@ -18,7 +18,7 @@ from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember
 # the codes of the artifact's columns, re-exported: the contract is read from here
 __all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember"]
 
-FORMAT_VERSION = "2.2"
+FORMAT_VERSION = "2.3"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
@@ -244,6 +244,19 @@ PY_CODES = pa.schema(
     ]
 )
 
+# Each time capture held a traced process stopped (format 2.3): why (StopReason), from the
+# stop (BPF's time of the request or pause) to memtrack's SIGCONT, on the events' clock.
+# Reports start a run's time at the end of its root's first attach stop: its first
+# instruction after exec, once memtrack had attached to it.
+STOPS = pa.schema(
+    [
+        ("pid", pa.uint32()),
+        ("reason", pa.uint8()),
+        ("begin_ts", pa.uint64()),
+        ("end_ts", pa.uint64()),
+    ]
+)
+
 # Every Arrow file of an artifact: name -> schema. All are IPC streams with zstd
 # buffers, written batch by batch, so a capture killed mid-way leaves files that are
 # readable up to their last whole batch.
@@ -258,6 +271,7 @@ TABLES: dict[str, pa.Schema] = {
     "region_names": REGION_NAMES,
     "py_stacks": PY_STACKS,
     "py_codes": PY_CODES,
+    "stops": STOPS,
 
 }
 

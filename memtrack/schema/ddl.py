@@ -12,9 +12,17 @@ from pathlib import Path
 
 import duckdb
 
-from memtrack.schema.enums import Allocator, EndReason, EventKind, RssCause, RssMember, names
+from memtrack.schema.enums import (
+    Allocator,
+    EndReason,
+    EventKind,
+    RssCause,
+    RssMember,
+    StopReason,
+    names,
+)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class RunError(Exception):
@@ -30,6 +38,7 @@ ALLOCATORS = names(Allocator)
 RSS_MEMBERS = names(RssMember)
 END_REASONS = names(EndReason)
 RSS_CAUSES = names(RssCause)
+STOP_REASONS = names(StopReason)
 
 TYPES = f"""
 CREATE TYPE event_kind AS {_enum(EVENT_KINDS)};
@@ -37,6 +46,7 @@ CREATE TYPE allocator_kind AS {_enum(ALLOCATORS)};
 CREATE TYPE rss_member AS {_enum(RSS_MEMBERS)};
 CREATE TYPE end_reason AS {_enum(END_REASONS)};
 CREATE TYPE rss_cause AS {_enum(RSS_CAUSES)};
+CREATE TYPE stop_reason AS {_enum(STOP_REASONS)};
 """
 
 TABLES = """
@@ -74,6 +84,7 @@ CREATE TABLE heap_peak (pid UINTEGER, peak_event_id UBIGINT, peak_ts UBIGINT,
     peak_bytes BIGINT);
 CREATE TABLE rss (ts UBIGINT, pid UINTEGER, member rss_member, bytes BIGINT,
     cause rss_cause);
+CREATE TABLE stops (pid UINTEGER, reason stop_reason, begin_ts UBIGINT, end_ts UBIGINT);
 CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
 CREATE TABLE regions (region_id UBIGINT, name VARCHAR, pid UINTEGER, tid UINTEGER,
     parent_id UBIGINT, depth UINTEGER, begin_event_id UBIGINT, end_event_id UBIGINT,
@@ -351,7 +362,7 @@ LEFT JOIN rss_in i USING (region_id);
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
-    "stack_frames", "frames", "rss", "regions",
+    "stack_frames", "frames", "rss", "regions", "stops",
 )  # fmt: skip
 DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces", "region_allocations",
                  "region_frees", "region_heap_timeline", "region_peak")

@@ -85,6 +85,13 @@ class EndReason(enum.IntEnum):
     END = 5  # the capture ended with it alive
 
 
+class StopReason(enum.IntEnum):
+    """Why capture held a traced process stopped (stops.arrow)."""
+
+    ATTACH = 0  # it exec'd, forked or mapped an executable file: its probes were attached
+    PAUSE = 1  # a ring was half full (--on-ring-full pause) until the drain emptied it
+
+
 class Method(enum.IntEnum):
     """`stack_frames.method`: how the unwinder found a frame."""
 

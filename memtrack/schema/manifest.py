@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from memtrack import __version__
 from memtrack.schema import FORMAT_MAJOR, FORMAT_VERSION, LOSS_COUNTERS, is_loss
 
 # The manifest's types are its schema: Manifest.decode checks every field of an
@@ -24,15 +25,6 @@ PageSize = Annotated[int, msgspec.Meta(ge=512, le=2**30)]
 
 class ManifestError(ValueError):
     """manifest.json does not match the manifest's schema (worded for one line)."""
-
-
-def _memtrack_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("memtrack")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _boot_id() -> str:
@@ -108,7 +100,7 @@ def _check_shape(raw: Any) -> None:
 @dataclass
 class Manifest:
     format_version: str = FORMAT_VERSION
-    memtrack_version: str = field(default_factory=_memtrack_version)
+    memtrack_version: str = __version__
     host: Host = field(default_factory=Host)
     clock: Clock = field(default_factory=Clock)
     command: list[str] = field(default_factory=list)

@@ -310,7 +310,8 @@ class Symbolizer:
     def __init__(self, store: ModuleStore, cache_dir: Path | None = None) -> None:
         self.store = store
         self.cache_dir = cache_dir
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, int] = {}  # modules' problems (cache, DWARF), counted
+        self.reasons: dict[str, int] = {}  # frames left [unknown], by reason
         self._mods: dict[str, ModuleSymbolizer | None] = {}
 
     @property
@@ -377,7 +378,7 @@ class Symbolizer:
         for _, fr in parts:
             for r in fr.reason:
                 if r is not None:
-                    self.counters[r] = self.counters.get(r, 0) + 1
+                    self.reasons[r] = self.reasons.get(r, 0) + 1
         return _expand(parts)
 
 
