@@ -6,40 +6,39 @@ not in memory between the allocation and `_start`."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import build
+from support.cli import capture_and_process
 
 from memtrack.schema.ddl import open_run
 
 pytestmark = pytest.mark.bpf
 
-MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
+
+def unwound_sites(exe: Path, size: int, d: Path) -> list[tuple[list[str], bool, str]]:
+    """`exe` captured and processed through the CLI: each distinct stack of its 100
+    allocations of `size` bytes, as (frame names above the allocator, complete, stop)."""
+    db, _ = capture_and_process([str(exe)], d)
+    con = open_run(db)
+    rows = con.execute("""
+        SELECT a.stack_id, count(*), s.complete, s.stop FROM allocations a
+        JOIN stacks s USING (stack_id) WHERE a.size = ? GROUP BY ALL""", [size]).fetchall()
+    assert sum(r[1] for r in rows) == 100
+    out = [([n for (n,) in con.execute(
+        "SELECT name FROM stack_lines WHERE stack_id = ? AND depth > 0 ORDER BY position",
+        [stack_id]).fetchall()], complete, stop) for stack_id, _, complete, stop in rows]
+    con.close()
+    return out
 
 
 def test_start_without_cfi_is_complete(tmp_path: Path) -> None:
     exe = build(["stacks/nocfi_start.S", "stacks/nocfi_main.c"], name="nocfi",
                 flags=("-O1", "-g", "-nostartfiles"))
-    art, db = tmp_path / "n.memtrack", tmp_path / "n.duckdb"
-    for cmd in (["capture", "-o", str(art), "--", str(exe)],
-                ["process", str(art), "-o", str(db)]):
-        r = subprocess.run([*MEMTRACK, *cmd], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-    con = open_run(db)
-    rows = con.execute("""
-        SELECT a.stack_id, count(*), s.complete, s.stop FROM allocations a
-        JOIN stacks s USING (stack_id) WHERE a.size = 777 GROUP BY ALL""").fetchall()
-    assert sum(r[1] for r in rows) == 100
-    for stack_id, _, complete, stop in rows:
-        names = [n for (n,) in con.execute(
-            "SELECT name FROM stack_lines WHERE stack_id = ? AND depth > 0 ORDER BY position",
-            [stack_id]).fetchall()]
+    for names, complete, stop in unwound_sites(exe, 777, tmp_path):
         assert names == ["site", "main", "_start"]
         assert (complete, stop) == (True, "complete")
-    con.close()
 
 
 def test_untouched_stack_pages_do_not_end_the_copy(tmp_path: Path) -> None:
@@ -47,21 +46,7 @@ def test_untouched_stack_pages_do_not_end_the_copy(tmp_path: Path) -> None:
     read of them faults) still unwinds to `_start`, as gdb's backtrace does."""
     exe = build(["stacks/bigframe.c"], name="bigframe",
                 flags=("-O1", "-g", "-fno-stack-clash-protection"))
-    art, db = tmp_path / "b.memtrack", tmp_path / "b.duckdb"
-    for cmd in (["capture", "-o", str(art), "--", str(exe)],
-                ["process", str(art), "-o", str(db)]):
-        r = subprocess.run([*MEMTRACK, *cmd], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-    con = open_run(db)
-    rows = con.execute("""
-        SELECT a.stack_id, count(*), s.complete, s.stop FROM allocations a
-        JOIN stacks s USING (stack_id) WHERE a.size = 555 GROUP BY ALL""").fetchall()
-    assert sum(r[1] for r in rows) == 100
-    for stack_id, _, complete, stop in rows:
-        names = [n for (n,) in con.execute(
-            "SELECT name FROM stack_lines WHERE stack_id = ? AND depth > 0 ORDER BY position",
-            [stack_id]).fetchall()]
+    for names, complete, stop in unwound_sites(exe, 555, tmp_path):
         assert names == ["big_frame", "main", "__libc_start_call_main", "__libc_start_main",
                          "_start"]
         assert (complete, stop) == (True, "complete")
-    con.close()
