@@ -9,6 +9,7 @@ pprof gives a sample no pid label)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from memtrack.report import folded, pprof, speedscope
 from memtrack.report.reader import METRICS, RunReader
@@ -19,3 +20,16 @@ EXPORTS: dict[str, Callable[[RunReader, str, bool], bytes]] = {
     "speedscope": speedscope.render,
 }
 EXPORT_METRICS = tuple(METRICS)
+
+
+def open_run(path: Path | str, pid: int | None = None) -> RunReader:
+    """A run database for reading as `report` reads it (read-only, no file access from
+    SQL): `.totals()`, `.processes()`, `.hotspots(n)`, `.timelines(points)`, and `.con`
+    for any SQL; `pid`: that process only. The Python API's `memtrack.open_run`.
+
+        run = memtrack.open_run("run.duckdb")
+        run.totals()["peak_heap_bytes"], run.con.sql("SELECT count(*) FROM allocations")
+    """
+    from memtrack.schema.ddl import open_run as open_db
+
+    return RunReader(open_db(path), pid)

@@ -1,0 +1,52 @@
+"""The Python API at the package root (memtrack.capture, memtrack.process,
+memtrack.open_run): the command line's paths, giving what the command line prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import build
+from support.cli import MEMTRACK
+
+import memtrack
+from memtrack.capture.tracker import CaptureError
+
+
+def test_the_packages_stay_packages() -> None:
+    import memtrack.capture.tracker
+    import memtrack.process.pipeline  # noqa: F401
+
+    assert callable(memtrack.capture) and callable(memtrack.process)
+    assert memtrack.capture.tracker.Tracker and memtrack.process.pipeline.process
+
+
+def test_options_are_checked_as_the_cli_checks_them(tmp_path: Path) -> None:
+    with pytest.raises(CaptureError, match="unexpected keyword argument 'stack'"):
+        memtrack.capture(["/bin/true"], tmp_path / "r.memtrack", stack=False)
+    with pytest.raises(CaptureError, match="--on-ring-full sometimes"):
+        memtrack.capture(["/bin/true"], tmp_path / "r.memtrack", on_ring_full="sometimes")
+    with pytest.raises(CaptureError, match="no-such-command"):
+        memtrack.capture(["no-such-command"], tmp_path / "r.memtrack")
+
+
+@pytest.mark.bpf
+def test_capture_process_open_run(tmp_path: Path) -> None:
+    exe = build(["capture/threads.c"], libs=("-lpthread",))
+    art, db = tmp_path / "r.memtrack", tmp_path / "r.duckdb"
+    result = memtrack.capture([str(exe), "500"], art, stacks=False, rss=False)
+    assert result.status == 0 and result.nonzero_losses() == {}
+    summary = memtrack.process(art, db, jobs=1)
+    assert summary.allocations >= 4 * 500
+    run = memtrack.open_run(db)
+    totals = run.totals()
+    (calls,), = run.con.execute("SELECT count(*) FROM allocations WHERE size BETWEEN 1000 "
+                                "AND 1003").fetchall()
+    assert calls == 4 * 500
+    report = subprocess.run([*MEMTRACK, "report", str(db), "--format", "json"],
+                            capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(report.stdout)["totals"] == json.loads(json.dumps(totals))
+    assert run.con.execute("SELECT current_setting('enable_external_access')").fetchone() \
+        == (False,)
