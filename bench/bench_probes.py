@@ -49,6 +49,7 @@ from memtrack.capture.placement import (  # noqa: E402
     function_code,
     kernel_emulates,
 )
+from memtrack.capture.syscalls import bpf  # noqa: E402
 
 PROGRAM = r"""
 #include <uapi/linux/ptrace.h>
@@ -75,14 +76,13 @@ FUNCS = [("malloc", LIBC, "malloc", "malloc"), ("free", LIBC, "free", "malloc"),
          ("free(NULL)", LIBC, "free", "free_null"), ("calloc", LIBC, "calloc", "calloc"),
          ("realloc", LIBC, "realloc", "realloc"), ("operator new", LIBSTDCXX, "_Znwm", "new"),
          ("operator delete", LIBSTDCXX, "_ZdlPv", "new")]
-BPF_ENABLE_STATS, BPF_STATS_RUN_TIME, SYS_BPF = 32, 0, 321
+BPF_ENABLE_STATS, BPF_STATS_RUN_TIME = 32, 0
 
 
 def enable_bpf_stats() -> int:
     """BPF run-time stats on while the returned fd is open (no global sysctl change)."""
     attr = (ct.c_uint32 * 2)(BPF_STATS_RUN_TIME, 0)
-    libc = ct.CDLL(None, use_errno=True)
-    fd = libc.syscall(SYS_BPF, BPF_ENABLE_STATS, ct.byref(attr), ct.sizeof(attr))
+    fd = bpf(BPF_ENABLE_STATS, attr)
     if fd < 0:
         raise OSError(ct.get_errno(), "BPF_ENABLE_STATS failed")
     return int(fd)

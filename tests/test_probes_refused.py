@@ -22,6 +22,7 @@ from support.page import browsing, page_data
 from memtrack.capture import links
 from memtrack.capture.allocators import probes_for, read_elf
 from memtrack.capture.placement import choose_probe_offset
+from memtrack.capture.syscalls import perf_event_open
 from memtrack.schema.ddl import open_run
 
 pytestmark = pytest.mark.bpf
@@ -39,8 +40,8 @@ def hold_uprobe(path: Path, offset: int, ref_ctr_offset: int) -> int:
     a.put(16, 1)
     a.ptr(56, ct.create_string_buffer(str(path).encode()))
     a.put(64, offset)
-    return links._check(links._libc.syscall(links.SYS_PERF_EVENT_OPEN, a.buf, -1, 0, -1,
-                                            links.PERF_FLAG_FD_CLOEXEC), "perf_event_open")
+    return links._check(perf_event_open(a.buf, -1, 0, -1, links.PERF_FLAG_FD_CLOEXEC),
+                        "perf_event_open")
 
 
 def memtrack(*args: str) -> subprocess.CompletedProcess[str]:

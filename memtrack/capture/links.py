@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-SYS_PERF_EVENT_OPEN = 298
-SYS_BPF = 321
+from memtrack.capture.syscalls import bpf, perf_event_open
+
 BPF_LINK_CREATE = 28
 BPF_PERF_EVENT = 41
 BPF_TRACE_UPROBE_MULTI = 48
@@ -48,8 +48,6 @@ PROG_KPROBE = 2  # BPF_PROG_TYPE_KPROBE: uprobe programs too
 PERF_ATTR_SIZE_VER5 = 112
 UPROBE_PMU = Path("/sys/bus/event_source/devices/uprobe")
 
-_libc = ct.CDLL(None, use_errno=True)
-_libc.syscall.restype = ct.c_long
 
 
 class _Attr:
@@ -90,7 +88,7 @@ def uprobe_multi_link(prog_fd: int, path: str, offsets: list[int], cookies: list
     a.put(48, n, ct.c_uint32)
     a.put(52, BPF_F_UPROBE_MULTI_RETURN if retprobe else 0, ct.c_uint32)
     a.put(56, pid, ct.c_uint32)
-    return _check(_libc.syscall(SYS_BPF, BPF_LINK_CREATE, a.buf, ct.sizeof(a.buf)),
+    return _check(bpf(BPF_LINK_CREATE, a.buf),
                   f"cannot attach {'uretprobes' if retprobe else 'uprobes'} to {path}")
 
 
@@ -115,7 +113,7 @@ def perf_uprobe_link(prog_fd: int, path: str, offset: int, cookie: int, *,
     a.ptr(56, ct.create_string_buffer(path.encode()))  # uprobe_path
     a.put(64, offset)  # probe_offset
     what = f"cannot attach {'uretprobe' if retprobe else 'uprobe'} at {path}+{offset:#x}"
-    pfd = _check(_libc.syscall(SYS_PERF_EVENT_OPEN, a.buf, -1, 0, -1, PERF_FLAG_FD_CLOEXEC),
+    pfd = _check(perf_event_open(a.buf, -1, 0, -1, PERF_FLAG_FD_CLOEXEC),
                  what)
     try:
         link = _Attr(32)
@@ -123,7 +121,7 @@ def perf_uprobe_link(prog_fd: int, path: str, offset: int, cookie: int, *,
         link.put(4, pfd, ct.c_uint32)
         link.put(8, BPF_PERF_EVENT, ct.c_uint32)
         link.put(16, cookie)
-        return _check(_libc.syscall(SYS_BPF, BPF_LINK_CREATE, link.buf, ct.sizeof(link.buf)),
+        return _check(bpf(BPF_LINK_CREATE, link.buf),
                       what)
     finally:
         os.close(pfd)  # the link holds the event

@@ -38,13 +38,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from memtrack.capture.syscalls import bpf
 from memtrack.capture.tables import Table, attach_tracepoint, ctype_of, detach_tracepoint
 
 CACHE_FORMAT = 1
 TRACEFS_EVENTS = Path("/sys/kernel/tracing/events")
 BPF_PSEUDO_MAP_FD = 1
 LD_IMM64 = 0x18
-SYS_BPF = 321
 BPF_MAP_CREATE = 0
 BPF_PROG_LOAD = 5
 BPF_PROG_TEST_RUN = 10
@@ -302,14 +302,6 @@ class ProgramCache:
 
 # -- the loader ---------------------------------------------------------------------------
 
-_libc = ct.CDLL(None, use_errno=True)
-_libc.syscall.restype = ct.c_long
-
-
-def _bpf(cmd: int, attr: Any) -> int:
-    return int(_libc.syscall(SYS_BPF, cmd, attr, ct.sizeof(attr)))
-
-
 def _obj_name(name: str) -> bytes:
     return re.sub(r"[^A-Za-z0-9_.]", "_", name).encode()[:BPF_OBJ_NAME_LEN - 1]
 
@@ -319,7 +311,7 @@ def _create_map(spec: MapSpec, inner_fd: int = 0) -> int:
     struct.pack_into("<IIIIII", attr, 0, spec.type, spec.key_size, spec.value_size,
                      spec.max_entries, spec.flags, inner_fd)
     ct.memmove(ct.addressof(attr) + 28, _obj_name(spec.name), len(_obj_name(spec.name)))
-    fd = _bpf(BPF_MAP_CREATE, attr)
+    fd = bpf(BPF_MAP_CREATE, attr)
     if fd < 0:
         e = ct.get_errno()
         raise LoadError(f"cannot create BPF map {spec.name}: {os.strerror(e)}")
@@ -457,7 +449,7 @@ class Program:
         pname = _obj_name(short)
         ct.memmove(ct.addressof(attr) + 48, pname, len(pname))
         struct.pack_into("<I", attr, 68, max(attach_type, 0))
-        fd = _bpf(BPF_PROG_LOAD, attr)
+        fd = bpf(BPF_PROG_LOAD, attr)
         if fd < 0 and log:
             e = ct.get_errno()
             if e == errno.EPERM:
@@ -535,7 +527,7 @@ def test_run(prog_fd: int, args: list[int]) -> int:
     struct.pack_into("<I", attr, 0, prog_fd)
     struct.pack_into("<I", attr, 40, 8 * len(args))  # ctx_size_in
     struct.pack_into("<Q", attr, 48, ct.addressof(ctx))  # ctx_in
-    if _bpf(BPF_PROG_TEST_RUN, attr) < 0:
+    if bpf(BPF_PROG_TEST_RUN, attr) < 0:
         e = ct.get_errno()
         raise OSError(e, f"BPF_PROG_TEST_RUN: {os.strerror(e)}")
     return int(struct.unpack_from("<I", attr, 4)[0])  # retval

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
-import platform
 import select
 import signal
 import socket
 import subprocess
 import sys
 
-_BPF_SYSCALL = {"x86_64": 321, "aarch64": 280}
+from memtrack.capture.syscalls import bpf
+
 _BPF_MAP_GET_NEXT_KEY = 4
 
 
@@ -40,15 +40,10 @@ class _MapAttr(ct.Structure):
 
 def map_keys(fd: int, limit: int = 1 << 20) -> list[int]:
     """The u32 keys of a BPF hash map (raw bpf(2): no bcc here)."""
-    nr = _BPF_SYSCALL.get(platform.machine())
-    if nr is None:
-        return []
-    libc = ct.CDLL(None, use_errno=True)
     cur, nxt = ct.c_uint32(), ct.c_uint32()
     attr = _MapAttr(map_fd=fd, key=0, next_key=ct.addressof(nxt))
     keys: list[int] = []
-    while len(keys) < limit and libc.syscall(ct.c_long(nr), ct.c_long(_BPF_MAP_GET_NEXT_KEY),
-                                             ct.byref(attr), ct.c_long(ct.sizeof(attr))) == 0:
+    while len(keys) < limit and bpf(_BPF_MAP_GET_NEXT_KEY, attr) == 0:
         keys.append(nxt.value)
         cur.value = nxt.value
         attr.key = ct.addressof(cur)

@@ -21,8 +21,8 @@ from collections.abc import Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
-SYS_BPF = 321
-SYS_PERF_EVENT_OPEN = 298
+from memtrack.capture.syscalls import bpf, libc, perf_event_open
+
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 3, 4
 MAP_HASH, MAP_ARRAY, MAP_PERCPU_ARRAY, MAP_LRU_HASH, MAP_RINGBUF = 1, 2, 6, 9, 27
 ARRAYS = (MAP_ARRAY, MAP_PERCPU_ARRAY)
@@ -34,9 +34,6 @@ PERF_EVENT_IOC_DISABLE = 0x2401
 PERF_EVENT_IOC_SET_BPF = 0x40042408
 TRACEFS_EVENTS = Path("/sys/kernel/tracing/events")
 
-_libc = ct.CDLL(None, use_errno=True)
-_libc.syscall.restype = ct.c_long
-_libc.ioctl.argtypes = [ct.c_int, ct.c_ulong, ct.c_ulong]
 
 # bcc's names of C scalar types in its descriptions -> ctypes
 _SCALARS: dict[str, Any] = {
@@ -94,7 +91,7 @@ def possible_cpus() -> int:
 def _map_op(cmd: int, fd: int, key: Any, value: Any = None, flags: int = 0) -> int:
     attr = (ct.c_uint64 * 4)(fd, ct.addressof(key) if key is not None else 0,
                              ct.addressof(value) if value is not None else 0, flags)
-    if _libc.syscall(SYS_BPF, cmd, attr, ct.sizeof(attr)) < 0:
+    if bpf(cmd, attr) < 0:
         return ct.get_errno()
     return 0
 
@@ -189,12 +186,12 @@ def attach_tracepoint(prog_fd: int, category: str, event: str,
     for off, value, ctype in fields:  # config = id, sample_period, wakeup_events
         v = ctype(value)
         ct.memmove(ct.addressof(attr) + off, ct.byref(v), ct.sizeof(v))
-    fd = int(_libc.syscall(SYS_PERF_EVENT_OPEN, attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC))
+    fd = perf_event_open(attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC)
     if fd < 0:
         e = ct.get_errno()
         raise OSError(e, f"tracepoint {category}:{event}: {os.strerror(e)}")
     for req, arg in ((PERF_EVENT_IOC_SET_BPF, prog_fd), (PERF_EVENT_IOC_ENABLE, 0)):
-        if _libc.ioctl(fd, req, arg) < 0:
+        if libc.ioctl(fd, req, arg) < 0:
             e = ct.get_errno()
             os.close(fd)
             raise OSError(e, f"tracepoint {category}:{event}: {os.strerror(e)}")
@@ -202,5 +199,5 @@ def attach_tracepoint(prog_fd: int, category: str, event: str,
 
 
 def detach_tracepoint(fd: int) -> None:
-    _libc.ioctl(fd, PERF_EVENT_IOC_DISABLE, 0)
+    libc.ioctl(fd, PERF_EVENT_IOC_DISABLE, 0)
     os.close(fd)
