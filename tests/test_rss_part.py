@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.capture.rss import FAULT_DTYPE, HOOKS, RSS_DTYPE, RssPart, tracepoint_fields
@@ -165,13 +164,3 @@ def test_drain_writes_each_ring_to_its_table(tmp_path: Path) -> None:
     assert [(f["address"], f["error_code"], f["kernel"])
             for f in art.read("faults").table.to_pylist()] == [(0x7000, 6, False),
                                                                (0x8000, 6, True)]
-
-
-@pytest.mark.parametrize("dtype,size", [(RSS_DTYPE, 24), (FAULT_DTYPE, 32)])
-def test_record_layouts_match_rss_c(dtype: np.dtype, size: int) -> None:
-    src = (Path(__file__).resolve().parent.parent / "memtrack/bpf/rss.c").read_text()
-    struct = "mt_rss_rec" if dtype is RSS_DTYPE else "mt_fault_rec"
-    body = src.split(f"struct {struct} {{", 1)[1].split("};", 1)[0]
-    decls = [line.split("/*")[0].strip() for line in body.splitlines()]
-    fields = [d.split()[-1].rstrip(";") for d in decls if d]
-    assert fields == list(dtype.names) and dtype.itemsize == size
