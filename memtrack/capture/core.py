@@ -17,6 +17,7 @@ import pyarrow as pa
 from memtrack.capture.parts import RING_EVENTS, CaptureOptions, Ring
 from memtrack.capture.program import PROG_RAW_TRACEPOINT, LoadError, test_run
 from memtrack.capture.ringbuf import RingReader
+from memtrack.capture.tables import percpu_counts
 from memtrack.schema import EVENT_DTYPE, EVENTS
 from memtrack.schema.artifact import ArtifactWriter
 
@@ -109,8 +110,7 @@ class CorePart:
 
     def losses(self, bpf: Any) -> dict[str, int]:
         """Totals since the program was loaded (a session subtracts its start values)."""
-        table = bpf["mt_core_losses"]
-        return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(LOSS_SLOTS)}
+        return percpu_counts(bpf["mt_core_losses"], LOSS_SLOTS)
 
     def close(self) -> None:
         for r in (self.events, self.attach_requests):
