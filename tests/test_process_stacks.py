@@ -59,7 +59,8 @@ def test_chain_through_load(tmp_path: Path) -> None:
         rss=effective_rss(RSS.empty_table(), life), modules=modules, stacks=unwound.stacks,
         stack_frames=unwound.stack_frames),
         lambda _: meta_rows(start_ns=0, end_ns=END_NS, root_pid=pid),
-        lambda known: pipeline.symbolize_locations(store, known, None))
+        lambda known: pipeline.symbolize_locations(store, known, None,
+                                                   pipeline.Summary(tmp_path, tmp_path)))
     assert loaded.rows["stacks"] == n
     assert loaded.unknown_frames == 0
     assert loaded.frames_by_method == {"cfi": 7 * n, "regs": n}
@@ -110,7 +111,8 @@ def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
         events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
         life=life, mappings=MAPPINGS.empty_table(), rss=effective_rss(RSS.empty_table(), life),
         modules=modules, stacks=stacks, stack_frames=frames), lambda _: meta_rows(),
-        lambda known: pipeline.symbolize_locations(store, known, None))
+        lambda known: pipeline.symbolize_locations(store, known, None,
+                                                   pipeline.Summary(tmp_path, tmp_path)))
     con = open_run(tmp_path / "x.duckdb")
     sf = con.execute("SELECT depth, frame_id, module_id FROM stack_frames ORDER BY depth"
                      ).fetchall()
