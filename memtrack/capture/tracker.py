@@ -210,6 +210,7 @@ class Tracker:
     def __exit__(self, *exc: object) -> None:
         if self.session is not None and not self.session.done:
             self.session.kill(signal.SIGKILL)
+            self.session.detach()
             self.session.wait()
         self.finish()
 
@@ -234,11 +235,7 @@ class Tracker:
         sudo as root); `control` = where to create the control FIFO (default: a
         temporary directory); `live` = a stream for the live status line;
         `start_disabled` overrides the tracker's option for this session."""
-        if self.closed:
-            raise CaptureError("tracker is finished; create a new Tracker")
-        if self.session is not None and not self.session.done:
-            raise CaptureError(f"session of pid {self.session.pid} is still live: "
-                               "wait() for it before spawning another")
+        self._check_idle()
         if not cmd:
             raise CaptureError("no command given")
         find_command(cmd[0], env, cwd)
@@ -247,6 +244,29 @@ class Tracker:
                                overwrite=overwrite, user=user, control=control, live=live,
                                start_disabled=start_disabled)
         return self.session
+
+    def attach(self, pids: list[int], output: Path | str, *, overwrite: bool = False,
+               control: Path | None = None, live: TextIO | None = None,
+               start_disabled: bool | None = None) -> Session:
+        """Start recording the running processes `pids` (all their threads) and every
+        process they start from now on into the artifact `output`; returns the live
+        session (its wait(timeout) ends the capture after `timeout` seconds, or when
+        every attached process has exited; detach() ends it)."""
+        self._check_idle()
+        if not pids:
+            raise CaptureError("no pid given")
+        self.session_files = set()
+        self.session = Session(self, [], Path(output), env=None, cwd=None,
+                               overwrite=overwrite, user=None, control=control, live=live,
+                               start_disabled=start_disabled, pids=list(pids))
+        return self.session
+
+    def _check_idle(self) -> None:
+        if self.closed:
+            raise CaptureError("tracker is finished; create a new Tracker")
+        if self.session is not None and not self.session.done:
+            raise CaptureError(f"session of pid {self.session.pid} is still live: "
+                               "wait() for it before starting another")
 
     def finish(self) -> None:
         """Detach every probe and unload the program."""
