@@ -187,7 +187,8 @@ def capture(
     from memtrack.commands import capture as cmd_
 
     _ran["capture"] = True
-    call(cmd_.run, cmd or [], output, pids=pid or [], duration=duration, force=force, stacks=on("--stacks", stacks),
+    call(cmd_.run, cmd or [], output, pids=pid or [], duration=duration, force=force,
+         stacks=on("--stacks", stacks),
          stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
          python_frames=on("--python-frames", python_frames),
          rss=on("--rss", rss), track_faults=on("--track-faults", track_faults),

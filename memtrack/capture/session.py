@@ -6,10 +6,11 @@ A session spawns its command stopped (fork, SIGSTOP, exec), arms tracking for th
 (SIGSTOP), tracks it, snapshots its mappings and probes them as at an exec's attach
 stop, and continues it. An attached session ends when its duration is over, on
 SIGINT/SIGTERM, or when every attached process has exited; the processes run on
-without a probe (the kernel keeps the `[uprobes]` page it mapped at the first trap). Every exec and every executable file mapping of
-the tracked tree stops the process in BPF (SIGSTOP) and files an attach request; the
-session then snapshots the process's mappings, classifies the new file, attaches the
-allocator probes it needs and sends SIGCONT, so a library's first allocation is seen.
+without a probe (the kernel keeps the `[uprobes]` page it mapped at the first trap).
+Every exec and every executable file mapping of the tracked tree stops the process in
+BPF (SIGSTOP) and files an attach request; the session then snapshots the process's
+mappings, classifies the new file, attaches the allocator probes it needs and sends
+SIGCONT, so a library's first allocation is seen.
 
 Three threads share the work, so that the rings are read whatever else is going on:
 - the drain thread (drain.Drain) only copies ring records into memory, and resumes
