@@ -295,6 +295,9 @@ class Session:
         assert self.attached is not None
         tracked = self.bpf["mt_tracked"]
         for pid in pids:
+            # the files' build ids and probes before the stop: it holds for the links only
+            for m, src in self._files(pid, read_maps(pid)):
+                self.tracker.classify(src, m.path, self.modules.build_id_of(pid, m))
             self.tracker.supervisor.watch_pid(pid)  # continued if memtrack dies now
             since = time.monotonic_ns()
             try:
@@ -549,11 +552,14 @@ class Session:
         self._link(pid, maps)
 
     def _link(self, pid: int, maps: list[MapLine] | None) -> None:
-        for m in maps or ():
-            if "x" in m.perms and m.path.startswith("/") and m.inode:
-                src = str(map_file(pid, m))
-                self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m),
-                                         pid, m)
+        for m, src in self._files(pid, maps):
+            self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m), pid, m)
+
+    @staticmethod
+    def _files(pid: int, maps: list[MapLine] | None) -> list[tuple[MapLine, str]]:
+        """The executable file mappings of `pid`, each with the path to open it by."""
+        return [(m, str(map_file(pid, m))) for m in maps or ()
+                if "x" in m.perms and m.path.startswith("/") and m.inode]
 
     def _release_links(self) -> None:
         """Release the links of traced processes that are gone (BPF forgets a process

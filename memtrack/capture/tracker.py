@@ -111,6 +111,7 @@ class _Placed:
     offsets: dict[str, int]
     records: list[dict[str, Any]]
     sites: list[Site]
+    tried: bool = False  # attached once: an offset the kernel refused moved to the entry
 
 
 def _placement(code: bytes, vaddr: int, name: str, arg_regs: int) -> tuple[int, str]:
@@ -305,18 +306,11 @@ class Tracker:
         the call sites of its unprobed wrappers where `mapping` (pid's executable
         mapping of it) puts them. The file is classified and its probes placed once per
         inode. Returns the number of probes attached."""
-        try:
-            st = os.stat(open_path)
-        except OSError:
+        got = self.classify(open_path, mapped_path, build_id)
+        if got is None:
             return 0
-        key = (st.st_dev, st.st_ino)
+        key, placed = got
         self.session_files.add(key)
-        if key not in self.classified:
-            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
-            first = True
-        else:
-            first = False
-        placed = self.classified[key]
         if placed is not None and placed.sites and mapping is not None:
             self._register_sites(placed.sites, mapping)
         owner = pid if self.scope == "process" else 0
@@ -326,7 +320,8 @@ class Tracker:
         linked.add(key)
         if placed is None:
             return 0
-        if first:
+        if not placed.tried:
+            placed.tried = True
             return self._attach_first(placed, mapped_path, owner)
         if not placed.offsets:
             return 0
@@ -334,6 +329,20 @@ class Tracker:
         for name, why in refused.items():
             self._refused(placed, name, why, mapped_path)
         return len(placed.offsets) - len(refused)
+
+    def classify(self, open_path: str, mapped_path: str, build_id: str | None
+                 ) -> tuple[tuple[int, int], _Placed | None] | None:
+        """The file's (st_dev, st_ino) and its probes (None: it has none), classified
+        once per inode (attach_file calls it; a caller may before, to take the work out
+        of a stop); None when the file cannot be read."""
+        try:
+            st = os.stat(open_path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino)
+        if key not in self.classified:
+            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
+        return key, self.classified[key]
 
     def _classify(self, open_path: str, mapped_path: str, build_id: str | None,
                   key: tuple[int, int]) -> _Placed | None:
