@@ -653,7 +653,10 @@ class Session:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        self._release_links()  # nothing is tracked any more: the stragglers' links go too
+        # the links of the processes that live on (stragglers, attached ones) are closed
+        # before we return, not in the background: none of their traps outlives us
+        for pid in self.tracker.linked_pids():
+            self.tracker.release(pid, wait=True)
 
     def _finish(self) -> CaptureResult:
         self._release_stragglers()
