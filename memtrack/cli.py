@@ -168,10 +168,8 @@ def capture(
         help="Kill CMD after this many seconds.")] = None,
     pid: Annotated[list[int] | None, typer.Option(
         "--pid", envvar="MEMTRACK_PID", show_default=False,
-        help="Attach to this running process (repeatable) instead of running CMD: record "
-             "it and every process it starts until --duration ends, Ctrl-C/SIGTERM (exit "
-             "status 128 + the signal) or every attached process exits; it runs on "
-             "untouched. Blocks allocated before are not known.")] = None,
+        help="Attach to this running process (repeatable) instead of running CMD, until "
+             "the duration ends, Ctrl-C/SIGTERM (status 128 + it) or it exits.")] = None,
     duration: Annotated[float | None, typer.Option(
         "--duration", envvar="MEMTRACK_DURATION",
         help="With --pid: detach after this many seconds.")] = None,
@@ -182,8 +180,8 @@ def capture(
         help="Where compiled BPF programs are kept (default $XDG_CACHE_HOME/memtrack/bpf), "
              "or off.")] = "",
 ) -> None:
-    """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD...
-    (or of running processes: capture --pid PID -o OUT.memtrack)"""
+    """Record every allocation of CMD and its descendants, or of running processes and
+    theirs (--pid): capture -o OUT.memtrack -- CMD..."""
     from memtrack.commands import capture as cmd_
 
     _ran["capture"] = True
