@@ -107,7 +107,6 @@ def doctor() -> None:
 
 
 def capture(
-    cmd: Annotated[list[str], typer.Argument(help="The command to run (after --).")],
     output: Annotated[Path, typer.Option("-o", "--output", envvar="MEMTRACK_OUTPUT",
                                          help="The artifact directory to write.")],
     force: Annotated[bool, typer.Option("--force", envvar="MEMTRACK_FORCE",
@@ -167,16 +166,27 @@ def capture(
     timeout: Annotated[float | None, typer.Option(
         "--timeout", envvar="MEMTRACK_TIMEOUT",
         help="Kill CMD after this many seconds.")] = None,
+    pid: Annotated[list[int] | None, typer.Option(
+        "--pid", envvar="MEMTRACK_PID", show_default=False,
+        help="Attach to this running process (repeatable) instead of running CMD, until "
+             "the duration ends, Ctrl-C/SIGTERM (status 128 + it) or it exits.")] = None,
+    duration: Annotated[float | None, typer.Option(
+        "--duration", envvar="MEMTRACK_DURATION",
+        help="With --pid: detach after this many seconds.")] = None,
+    cmd: Annotated[list[str] | None, typer.Argument(
+        help="The command to run (after --); none with --pid.", show_default=False)] = None,
     program_cache: Annotated[str, typer.Option(
         "--program-cache", envvar="MEMTRACK_PROGRAM_CACHE",
         help="Where compiled BPF programs are kept (default $XDG_CACHE_HOME/memtrack/bpf), "
              "or off.")] = "",
 ) -> None:
-    """Record every allocation of CMD and its descendants: capture -o OUT.memtrack -- CMD..."""
+    """Record every allocation of CMD and its descendants, or of running processes and
+    theirs (--pid): capture -o OUT.memtrack -- CMD..."""
     from memtrack.commands import capture as cmd_
 
     _ran["capture"] = True
-    call(cmd_.run, cmd, output, force=force, stacks=on("--stacks", stacks),
+    call(cmd_.run, cmd or [], output, pids=pid or [], duration=duration, force=force,
+         stacks=on("--stacks", stacks),
          stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
          python_frames=on("--python-frames", python_frames),
          rss=on("--rss", rss), track_faults=on("--track-faults", track_faults),

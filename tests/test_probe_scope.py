@@ -23,16 +23,14 @@ from typing import Any
 
 import pytest
 from conftest import build
-from support.capture import HEAP_KINDS, run
+from support.capture import HEAP_KINDS, INT3, probe_bytes, run
 
-from memtrack.capture.procfs import read_maps
 from memtrack.schema import ALLOC_KINDS, EventKind
 from memtrack.schema.artifact import Artifact
 
 pytestmark = pytest.mark.bpf
 
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
-INT3 = 0xCC
 
 
 def scopetree() -> tuple[Path, Path]:
@@ -80,26 +78,6 @@ def _ready(art: Path, cap: subprocess.Popen[str]) -> int:
             return int(m["root_pid"])
         time.sleep(0.05)
     raise AssertionError("the capture did not start")
-
-
-def probe_bytes(pid: int, art: Path) -> dict[str, int]:
-    """The byte at each libc allocator probe of the capture `art`, in `pid`'s memory."""
-    m = json.loads((art / "manifest.json").read_text())
-    maps = read_maps(pid)
-    assert maps is not None
-    out = {}
-    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-        for p in m["probes"]:
-            if "libc.so" not in p["path"]:
-                continue
-            off = p["file_offset"] + p["probe_offset"]
-            for line in maps:
-                if line.path == p["path"] and line.offset <= off < line.offset + (
-                        line.end - line.start) and "x" in line.perms:
-                    mem.seek(line.start + off - line.offset)
-                    out[p["function"]] = mem.read(1)[0]
-    assert "malloc" in out and "free" in out, out
-    return out
 
 
 @pytest.mark.parametrize("scope", ["auto", "host"])

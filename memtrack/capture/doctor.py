@@ -188,4 +188,6 @@ def run_doctor(console: Console | None = None) -> int:
     bad = [c for c in checks if c.required and not c.ok]
     console.print("capture: [green]ready[/green]" if not bad else
                   f"capture: [red]not ready[/red] ({len(bad)} missing)")
+    console.print("capture --pid (attach to a running process) needs the same: it uses no "
+                  "ptrace, so kernel.yama.ptrace_scope does not matter")
     return 1 if bad else 0

@@ -139,3 +139,42 @@ def read_memory(pid: int, start: int, length: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
+# /proc/PID/status fields of a process's resident memory, by kmem:rss_stat member
+# (memtrack.schema.enums.RssMember: FILE, ANON, SHMEM)
+RSS_FIELDS = {"RssFile": 0, "RssAnon": 1, "RssShmem": 3}
+
+
+def attach_refusal(pid: int) -> str | None:
+    """Why capture cannot attach to `pid` (one line), None when it can: a process that
+    does not exist, a thread of another process, a kernel thread, memtrack itself."""
+    try:
+        status = (PROC / str(pid) / "status").read_text()
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return f"no process {pid}"
+    tgid = int(status.split("\nTgid:", 1)[1].split()[0])
+    if tgid == os.getpid():
+        return f"process {pid} is memtrack itself"
+    if tgid != pid:
+        return f"{pid} is a thread of process {tgid}: give the process's pid"
+    if int(stat[stat.rfind(")") + 2:].split()[6]) & PF_KTHREAD:
+        return f"process {pid} is a kernel thread"
+    return None
+
+
+def read_rss(pid: int) -> dict[int, int] | None:
+    """`pid`'s resident bytes per kmem:rss_stat member (/proc/PID/status), None when it
+    is gone."""
+    try:
+        status = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    out = {}
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name in RSS_FIELDS:
+            out[RSS_FIELDS[name]] = int(value.split()[0]) * 1024
+    return out

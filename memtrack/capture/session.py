@@ -1,11 +1,16 @@
-"""One capture session: a spawned command, its process tree, its event pipeline and
-its artifact.
+"""One capture session: a spawned command or running processes attached to, their
+process tree, its event pipeline and its artifact.
 
 A session spawns its command stopped (fork, SIGSTOP, exec), arms tracking for the pid
-(from its exec on) and resumes it. Every exec and every executable file mapping of
-the tracked tree stops the process in BPF (SIGSTOP) and files an attach request; the
-session then snapshots the process's mappings, classifies the new file, attaches the
-allocator probes it needs and sends SIGCONT, so a library's first allocation is seen.
+(from its exec on) and resumes it; or it attaches to running processes: stops each
+(SIGSTOP), tracks it, snapshots its mappings and probes them as at an exec's attach
+stop, and continues it. An attached session ends when its duration is over, on
+SIGINT/SIGTERM, or when every attached process has exited; the processes run on
+without a probe (the kernel keeps the `[uprobes]` page it mapped at the first trap).
+Every exec and every executable file mapping of the tracked tree stops the process in
+BPF (SIGSTOP) and files an attach request; the session then snapshots the process's
+mappings, classifies the new file, attaches the allocator probes it needs and sends
+SIGCONT, so a library's first allocation is seen.
 
 Three threads share the work, so that the rings are read whatever else is going on:
 - the drain thread (drain.Drain) only copies ring records into memory, and resumes
@@ -46,14 +51,22 @@ from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC, REQ_FORK
 from memtrack.capture.drain import Backlog, BatchWriter, Drain, Source, min_ring_bytes
 from memtrack.capture.modules import ModuleRecorder
 from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
-from memtrack.capture.procfs import map_file, read_identity, read_maps, wait_stopped
+from memtrack.capture.procfs import (
+    MapLine,
+    attach_refusal,
+    map_file,
+    read_identity,
+    read_maps,
+    read_rss,
+    wait_stopped,
+)
 from memtrack.capture.regions import Regions
 from memtrack.capture.ringbuf import RingReader
 from memtrack.capture.status import StatusLine
 from memtrack.capture.stops import ATTACH, Pauses, StopRegistry
-from memtrack.schema import PROCESSES, STOPS, EventKind, is_loss
+from memtrack.schema import PROCESSES, RSS, STOPS, EventKind, is_loss
 from memtrack.schema.artifact import ArtifactWriter
-from memtrack.schema.enums import CLONE_THREAD
+from memtrack.schema.enums import CLONE_THREAD, RssMember
 from memtrack.schema.manifest import Clock, ExitStatus, Host
 
 if TYPE_CHECKING:
@@ -75,7 +88,7 @@ class CaptureError(Exception):
 class CaptureResult:
     artifact: Path
     pid: int
-    exit_code: int | None  # exit(code), None when killed
+    exit_code: int | None  # exit(code), None when killed or attached to
     signal: int | None  # the signal that killed it
     events: int
     losses: dict[str, int]
@@ -83,12 +96,16 @@ class CaptureResult:
     warnings: list[str] = field(default_factory=list)
     pauses: dict[str, int] = field(default_factory=dict)  # ring pauses, by ring
     paused_s: float = 0.0  # time the traced processes spent paused, summed
+    attached: list[int] = field(default_factory=list)  # the pids attached to
+    interrupted: int | None = None  # the signal that ended an attached capture
 
     @property
     def status(self) -> int:
-        """The exit status a shell would report: code, or 128 + signal."""
-        if self.signal is not None:
-            return 128 + self.signal
+        """The exit status a shell would report: code, or 128 + signal (the signal
+        that ended an attached capture: its processes' own exits are not ours)."""
+        sig = self.interrupted if self.attached else self.signal
+        if sig is not None:
+            return 128 + sig
         return self.exit_code or 0
 
     def nonzero_losses(self) -> dict[str, int]:
@@ -118,17 +135,22 @@ def backlog_limit() -> int:
 
 
 class Session:
-    """One spawned command: its process tree, its event pipeline, its artifact."""
+    """One spawned command (`cmd`) or the running processes attached to (`pids`): their
+    process tree, its event pipeline, its artifact."""
 
     def __init__(self, tracker: Tracker, cmd: list[str], output: Path, *,
                  env: dict[str, str] | None, cwd: str | Path | None, overwrite: bool,
                  user: tuple[int, int] | None, control: Path | None,
-                 live: TextIO | None, start_disabled: bool | None = None) -> None:
+                 live: TextIO | None, start_disabled: bool | None = None,
+                 pids: list[int] | None = None) -> None:
         self.tracker = tracker
         self.bpf = tracker.bpf
         self.cmd = cmd
         self.output = output
         self.done = False
+        # attached processes still alive: pid -> pidfd (None: a spawned command)
+        self.attached: dict[int, int] | None = {} if pids else None
+        self.interrupted: int | None = None
         self.result: CaptureResult | None = None
         self._status: int | None = None
         self._identity: dict[int, tuple[str, str, list[str]]] = {}
@@ -199,8 +221,9 @@ class Session:
             if self.status.fd is not None:  # killed, memtrack leaves the terminal as it was
                 tracker.supervisor.watch_tty(self.status.fd)
         try:
-            self.pid = self._spawn(cmd, child_env, cwd, user)
+            self.pid = self._attach(pids) if pids else self._spawn(cmd, child_env, cwd, user)
         except BaseException:
+            self._untrack()
             self._close_status()
             self._close_io()
             self._discard_artifact()
@@ -209,6 +232,8 @@ class Session:
         self.batches.start()
         self.drain.start()
         m.root_pid = self.pid
+        if pids:
+            m.command = self._identity.get(self.pid, ("", "", []))[2]
         self.writer.write_manifest()
 
     # -- setup ----------------------------------------------------------------------
@@ -259,6 +284,62 @@ class Session:
             raise CaptureError(f"cannot run {cmd[0]}: {err.decode(errors='replace')}")
         return pid
 
+    def _attach(self, pids: list[int]) -> int:
+        """Attach to running processes, one after the other: stop it, track it, record
+        it, snapshot and probe its mappings, seed its RSS, continue it. Returns the
+        first pid."""
+        for pid in pids:
+            why = attach_refusal(pid)
+            if why is not None:
+                raise CaptureError(why)
+        assert self.attached is not None
+        tracked = self.bpf["mt_tracked"]
+        for pid in pids:
+            # the files' build ids and probes before the stop: it holds for the links only
+            for m, src in self._files(pid, read_maps(pid)):
+                self.tracker.classify(src, m.path, self.modules.build_id_of(pid, m))
+            self.tracker.supervisor.watch_pid(pid)  # continued if memtrack dies now
+            since = time.monotonic_ns()
+            try:
+                self.attached[pid] = os.pidfd_open(pid)
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                raise CaptureError(f"no process {pid}") from None
+            self.stops.hold(pid, ATTACH, since)
+            if not wait_stopped(pid):
+                raise CaptureError(f"process {pid} did not stop to be attached to (it "
+                                   "exited, or waits in the kernel)")
+            tracked[tracked.Key(pid)] = tracked.Leaf(1)
+            ts = time.monotonic_ns()
+            self._record_process(pid, ts)
+            rss = read_rss(pid) or {}
+            self._probe(pid, self.modules.snapshot(pid, ts))
+            if self.tracker.options.rss and rss:
+                self.writer.write("rss", pa.RecordBatch.from_pydict({
+                    "ts": [ts] * len(rss), "pid": [pid] * len(rss), "member": list(rss),
+                    "bytes": list(rss.values()), "external": [False] * len(rss)},
+                    schema=RSS))
+            self.stops.release(pid, ATTACH)
+            self.writer.manifest.attached.append(
+                {"pid": pid, "ts": ts, "rss": {RssMember(k).name.lower(): v
+                                               for k, v in rss.items()}})
+            self._epoll.register(self.attached[pid], select.EPOLLIN)
+        return pids[0]
+
+    def _untrack(self) -> None:
+        """An attach that failed midway: the processes attached so far go on untracked
+        (their links go with the tracker)."""
+        if not self.attached:
+            return
+        tracked = self.bpf["mt_tracked"]
+        for pid, fd in self.attached.items():
+            try:
+                del tracked[tracked.Key(pid)]
+            except KeyError:
+                pass
+            os.close(fd)
+        self.stops.release_all()
+
     # -- the loop -------------------------------------------------------------------
 
     def enable(self, on: bool = True) -> None:
@@ -269,17 +350,25 @@ class Session:
         self.enable(False)
 
     def kill(self, sig: int = signal.SIGTERM) -> None:
-        """Send `sig` to the root process (if it still runs)."""
-        if self._status is None:
+        """Send `sig` to the root process (if it still runs); an attached session's
+        processes are never signalled (detach() ends it)."""
+        if self._status is None and self.attached is None:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
 
+    def detach(self, sig: int | None = None) -> None:
+        """End an attached session at its next poll (`sig`: the signal that asked)."""
+        if self.attached is not None and self._status is None:
+            self.interrupted = sig
+            self._status = 0
+
     def poll(self, timeout: float = 0.02) -> bool:
         """One round of the caller's thread: wait up to `timeout` s for an attach request
         or a control command and serve them, reap the command, refresh the status line
-        and the manifest. Returns False once the root process has exited."""
+        and the manifest. Returns False once the root process has exited (attached:
+        every attached process, or detach() was called)."""
         if self.done:
             return False
         try:
@@ -290,7 +379,15 @@ class Session:
             self.control.serve(self.enable, self.regions)
         self.regions.flush(force=False)
         self._serve_attach()
-        if self._status is None:
+        if self.attached is not None:
+            for fd, _ in ready:
+                pid = next((p for p, f in self.attached.items() if f == fd), None)
+                if pid is not None:
+                    self._epoll.unregister(fd)
+                    os.close(self.attached.pop(pid))
+            if not self.attached:
+                self.detach()
+        elif self._status is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
@@ -314,7 +411,9 @@ class Session:
     def wait(self, timeout: float | None = None) -> CaptureResult:
         """Drain until the command exits, then write the artifact and return the result.
         SIGINT/SIGTERM received meanwhile are passed to the command (a second one kills
-        it). With `timeout`, the command is killed after that many seconds."""
+        it). With `timeout`, the command is killed after that many seconds. An attached
+        session ends on SIGINT/SIGTERM, after `timeout` seconds, or when every attached
+        process has exited."""
         if self.result is not None:
             return self.result
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -323,6 +422,7 @@ class Session:
             while self.poll():
                 if deadline is not None and time.monotonic() > deadline:
                     self.kill(signal.SIGKILL)
+                    self.detach()
                     deadline = None
         finally:
             self._restore_signals(old)
@@ -333,6 +433,9 @@ class Session:
             return {}
 
         def forward(sig: int, _frame: object) -> None:
+            if self.attached is not None:
+                self.detach(sig)
+                return
             self._interrupts += 1
             self.kill(sig if self._interrupts == 1 else signal.SIGKILL)
 
@@ -426,7 +529,7 @@ class Session:
                 # before the new ones, or a breakpoint of both runs the program twice.
                 self.tracker.release(pid, wait=True)
             if stopped[pid]:
-                self._on_exec(pid, int(r["ts"]))
+                self._record_process(pid, int(r["ts"]))
         now = time.monotonic_ns()
         for pid, ok in stopped.items():
             if not ok:
@@ -434,19 +537,29 @@ class Session:
             others = allreqs["reason"][allreqs["pid"] == pid] != REQ_FORK
             if pid in forks and not others.any():
                 # a new process as its parent left it: nothing to record, only its links
-                maps = read_maps(pid)
+                self._link(pid, read_maps(pid))
             else:
-                maps = self.modules.snapshot(pid, now)
-                if maps is not None:
-                    self.tracker.on_stop(pid, maps)
-            for m in maps or ():
-                if "x" in m.perms and m.path.startswith("/") and m.inode:
-                    src = str(map_file(pid, m))
-                    self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m),
-                                             pid, m)
+                self._probe(pid, self.modules.snapshot(pid, now))
         for pid in stopped:
             self.stops.release(pid, ATTACH)
         self.modules.copy_pending()
+
+    def _probe(self, pid: int, maps: list[MapLine] | None) -> None:
+        """A stopped process's mappings, snapshotted: the parts update their kernel
+        state for it, and its executable files get their probes."""
+        if maps is not None:
+            self.tracker.on_stop(pid, maps)
+        self._link(pid, maps)
+
+    def _link(self, pid: int, maps: list[MapLine] | None) -> None:
+        for m, src in self._files(pid, maps):
+            self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m), pid, m)
+
+    @staticmethod
+    def _files(pid: int, maps: list[MapLine] | None) -> list[tuple[MapLine, str]]:
+        """The executable file mappings of `pid`, each with the path to open it by."""
+        return [(m, str(map_file(pid, m))) for m in maps or ()
+                if "x" in m.perms and m.path.startswith("/") and m.inode]
 
     def _release_links(self) -> None:
         """Release the links of traced processes that are gone (BPF forgets a process
@@ -458,7 +571,9 @@ class Session:
             if tracked.Key(pid) not in tracked:
                 self.tracker.release(pid)
 
-    def _on_exec(self, pid: int, ts: int) -> None:
+    def _record_process(self, pid: int, ts: int) -> None:
+        """processes.arrow's row for a process as it is now (at its exec, or attached
+        to)."""
         ident = read_identity(pid)
         if ident is None:
             return
@@ -538,7 +653,10 @@ class Session:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        self._release_links()  # nothing is tracked any more: the stragglers' links go too
+        # the links of the processes that live on (stragglers, attached ones) are closed
+        # before we return, not in the background: none of their traps outlives us
+        for pid in self.tracker.linked_pids():
+            self.tracker.release(pid, wait=True)
 
     def _finish(self) -> CaptureResult:
         self._release_stragglers()
@@ -554,6 +672,10 @@ class Session:
         status = self._status or 0
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        if self.attached is not None:  # their exit statuses are their parents' to reap
+            code = None
+            for fd in self.attached.values():
+                os.close(fd)
         self._update_manifest()
         m = self.writer.manifest
         m.end_ns = end
@@ -563,7 +685,8 @@ class Session:
         self.result = CaptureResult(self.output, self.pid, code, sig, self.events,
                                     dict(m.losses), (end - self.start_ns) / 1e9,
                                     list(m.warnings), dict(m.backpressure["pauses"]),
-                                    self.pauses.paused_ns / 1e9)
+                                    self.pauses.paused_ns / 1e9,
+                                    [a["pid"] for a in m.attached], self.interrupted)
         if self._failure is not None:
             raise CaptureError(self._failure)
         return self.result

@@ -111,6 +111,7 @@ class _Placed:
     offsets: dict[str, int]
     records: list[dict[str, Any]]
     sites: list[Site]
+    tried: bool = False  # attached once: an offset the kernel refused moved to the entry
 
 
 def _placement(code: bytes, vaddr: int, name: str, arg_regs: int) -> tuple[int, str]:
@@ -210,6 +211,7 @@ class Tracker:
     def __exit__(self, *exc: object) -> None:
         if self.session is not None and not self.session.done:
             self.session.kill(signal.SIGKILL)
+            self.session.detach()
             self.session.wait()
         self.finish()
 
@@ -234,11 +236,7 @@ class Tracker:
         sudo as root); `control` = where to create the control FIFO (default: a
         temporary directory); `live` = a stream for the live status line;
         `start_disabled` overrides the tracker's option for this session."""
-        if self.closed:
-            raise CaptureError("tracker is finished; create a new Tracker")
-        if self.session is not None and not self.session.done:
-            raise CaptureError(f"session of pid {self.session.pid} is still live: "
-                               "wait() for it before spawning another")
+        self._check_idle()
         if not cmd:
             raise CaptureError("no command given")
         find_command(cmd[0], env, cwd)
@@ -247,6 +245,29 @@ class Tracker:
                                overwrite=overwrite, user=user, control=control, live=live,
                                start_disabled=start_disabled)
         return self.session
+
+    def attach(self, pids: list[int], output: Path | str, *, overwrite: bool = False,
+               control: Path | None = None, live: TextIO | None = None,
+               start_disabled: bool | None = None) -> Session:
+        """Start recording the running processes `pids` (all their threads) and every
+        process they start from now on into the artifact `output`; returns the live
+        session (its wait(timeout) ends the capture after `timeout` seconds, or when
+        every attached process has exited; detach() ends it)."""
+        self._check_idle()
+        if not pids:
+            raise CaptureError("no pid given")
+        self.session_files = set()
+        self.session = Session(self, [], Path(output), env=None, cwd=None,
+                               overwrite=overwrite, user=None, control=control, live=live,
+                               start_disabled=start_disabled, pids=list(pids))
+        return self.session
+
+    def _check_idle(self) -> None:
+        if self.closed:
+            raise CaptureError("tracker is finished; create a new Tracker")
+        if self.session is not None and not self.session.done:
+            raise CaptureError(f"session of pid {self.session.pid} is still live: "
+                               "wait() for it before starting another")
 
     def finish(self) -> None:
         """Detach every probe and unload the program."""
@@ -285,18 +306,11 @@ class Tracker:
         the call sites of its unprobed wrappers where `mapping` (pid's executable
         mapping of it) puts them. The file is classified and its probes placed once per
         inode. Returns the number of probes attached."""
-        try:
-            st = os.stat(open_path)
-        except OSError:
+        got = self.classify(open_path, mapped_path, build_id)
+        if got is None:
             return 0
-        key = (st.st_dev, st.st_ino)
+        key, placed = got
         self.session_files.add(key)
-        if key not in self.classified:
-            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
-            first = True
-        else:
-            first = False
-        placed = self.classified[key]
         if placed is not None and placed.sites and mapping is not None:
             self._register_sites(placed.sites, mapping)
         owner = pid if self.scope == "process" else 0
@@ -306,7 +320,8 @@ class Tracker:
         linked.add(key)
         if placed is None:
             return 0
-        if first:
+        if not placed.tried:
+            placed.tried = True
             return self._attach_first(placed, mapped_path, owner)
         if not placed.offsets:
             return 0
@@ -314,6 +329,20 @@ class Tracker:
         for name, why in refused.items():
             self._refused(placed, name, why, mapped_path)
         return len(placed.offsets) - len(refused)
+
+    def classify(self, open_path: str, mapped_path: str, build_id: str | None
+                 ) -> tuple[tuple[int, int], _Placed | None] | None:
+        """The file's (st_dev, st_ino) and its probes (None: it has none), classified
+        once per inode (attach_file calls it; a caller may before, to take the work out
+        of a stop); None when the file cannot be read."""
+        try:
+            st = os.stat(open_path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino)
+        if key not in self.classified:
+            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
+        return key, self.classified[key]
 
     def _classify(self, open_path: str, mapped_path: str, build_id: str | None,
                   key: tuple[int, int]) -> _Placed | None:

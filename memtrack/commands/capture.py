@@ -1,5 +1,5 @@
-"""`memtrack capture -o OUT.memtrack -- CMD...`: record every allocation of CMD and its
-descendants (memtrack.capture.run)."""
+"""`memtrack capture -o OUT.memtrack -- CMD...` (or `--pid PID`): record every allocation
+of CMD and its descendants, or of running processes and theirs (memtrack.capture.run)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from memtrack.commands import (
 )
 
 
-def run(cmd: list[str], output: Path, *, force: bool, stacks: bool, stack_budget: int,
+def run(cmd: list[str], output: Path, *, pids: list[int], duration: float | None,
+        force: bool, stacks: bool, stack_budget: int,
         stack_copies: bool, python_frames: bool, rss: bool, track_faults: bool, modules: bool,
         start_disabled: bool, control_fifo: Path | None, probe_placement: str, probe_scope: str,
         events_ring_pages: int | None, stacks_ring_pages: int | None, on_ring_full: str,
@@ -42,7 +43,7 @@ def run(cmd: list[str], output: Path, *, force: bool, stacks: bool, stack_budget
         program_cache=program_cache, **rings)
     try:
         return run_capture(cmd, output, options, force=force, control=control_fifo,
-                           timeout=timeout)
+                           timeout=timeout, pids=pids, duration=duration)
     except (CaptureError, ArtifactError, ValueError) as e:
         raise CommandError(str(e)) from None
     finally:

@@ -96,7 +96,8 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
 
 def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
                  allocations: Callable[[pa.Table], None],
-                 timeline: Callable[[pa.Table], None], progress: Advance = no_progress
+                 timeline: Callable[[pa.Table], None], progress: Advance = no_progress,
+                 attached: list[int] | None = None
                  ) -> dict[str, int]:
     """Pair the events of `spill`, bucket by bucket; hands the allocations (ALLOCATIONS,
     by alloc_id) to `allocations` and the heap timeline (HEAP_TIMELINE, in event order)
@@ -118,11 +119,12 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     forks = _Forks(fv["event_id"].to_numpy().astype(np.int64),
                    fv["ts"].to_numpy(), fv["parent"].to_numpy().astype(np.int64),
                    fv["child"].to_numpy().astype(np.int64))
+    bounds.heaps_before_attach(attached or [], forks)
     exits = spill.exits()
     counters = {"allocations": spill.allocations, "allocations_inherited": 0,
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
-                "frees_at_thread_exit": 0, "allocations_reused_without_free": 0,
-                "allocations_before_exec": 0,
+                "frees_at_thread_exit": 0, "frees_before_attach": 0,
+                "allocations_reused_without_free": 0, "allocations_before_exec": 0,
                 "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
     span = max(RANGE_EVENTS, -(-spill.n // MAX_RANGES))  # events of a range
     ranges = -(-spill.n // span)
@@ -148,7 +150,8 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
                 _realloc_freed(rows, freed, span)
                 del rows
         progress(k + 1, steps, buckets=k + 1)
-    counters["frees_unmatched"] -= counters["frees_at_thread_exit"]
+    counters["frees_unmatched"] -= counters["frees_at_thread_exit"] + \
+        counters["frees_before_attach"]
     copy_rows, copy_ids = _copies(copies, spill.allocations)
     del copies
     heap = _Carry()
@@ -380,11 +383,29 @@ class _Bounds:
         self.key, self.pid = key[order], b_pid[order]
         self.eid, self.ts, self.reason = b_eid[order], b_ts[order], b_reason[order]
         self.groups = len(key) + 1  # instances of a process are fewer: (pid, instance) key
+        self.attached = np.zeros(0, np.int64)  # heaps_before_attach's (pid, instance) keys
         # an exec that ends a prelude: the process's boundary before it is its fork
         copying = copying[order]
         self.ends_prelude = self.reason == END_EXEC
         self.ends_prelude[1:] &= copying[:-1] & (self.pid[1:] == self.pid[:-1])
         self.ends_prelude[:1] = False
+
+    def heaps_before_attach(self, attached: list[int], forks: _Forks) -> None:
+        """The process instances whose heap holds blocks allocated before the run began
+        (`capture --pid`): each attached process's first, and the instance a fork of
+        such an instance starts (the child's copy of that heap)."""
+        heaps = {(pid, 0) for pid in attached}
+        if heaps:
+            for ev, parent, child in zip(forks.ev.tolist(), forks.parent.tolist(),
+                                         forks.child.tolist(), strict=True):
+                p = np.array([parent]), np.array([child]), np.array([ev])
+                if (parent, int(self.instance(p[0], p[2])[0])) in heaps:
+                    heaps.add((child, int(self.instance(p[1], p[2])[0])))
+        self.attached = np.array(sorted(p * self.groups + i for p, i in heaps), np.int64)
+
+    def before_attach(self, pid: np.ndarray, inst: np.ndarray) -> np.ndarray:
+        """Whether each (process, instance) is one of heaps_before_attach's."""
+        return np.isin(pid.astype(np.int64) * self.groups + inst, self.attached)
 
     def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
         """How many boundaries of process p came at or before event e."""
@@ -456,10 +477,14 @@ def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarr
     m.allocations(ev[bi], col["pid"][bi], col["addr"][bi])
     m.inherit(forks)
     lone = ~m.f_matched & ~f_rf & ~old_f
-    at_exit = int(_thread_exit_frees(f_ev[lone], m.f_after_free[lone], col["tid"][fi][lone],
-                                     col["pid"][fi][lone], exits).sum())
+    at_exit = _thread_exit_frees(f_ev[lone], m.f_after_free[lone], col["tid"][fi][lone],
+                                 col["pid"][fi][lone], exits)
+    # a free of an address no operation of the run touched, in a heap older than the run
+    unknown = ~m.f_after_free[lone] & ~at_exit & bounds.before_attach(
+        col["pid"][fi][lone], m.f_inst[lone])
     counters = {"frees_unmatched": int((~m.f_matched & ~old_f).sum()),
-                "frees_at_thread_exit": at_exit}
+                "frees_at_thread_exit": int(at_exit.sum()),
+                "frees_before_attach": int(unknown.sum())}
     del lone
     b, fork = m.gathered()
     nr = len(bi)

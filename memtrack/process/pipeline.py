@@ -91,6 +91,9 @@ class Summary:
             out.append(f"note: {self.counters['frees_at_thread_exit']} frees at thread exit "
                        "are glibc's (tcache_thread_shutdown frees the blocks a thread's "
                        "cache held, and the cache itself): not counted as unmatched")
+        if self.counters.get("frees_before_attach"):
+            out.append(f"note: {self.counters['frees_before_attach']} frees of blocks "
+                       "allocated before the capture attached: not counted as unmatched")
         if self.counters.get("allocations_before_exec"):
             out.append(f"note: {self.counters['allocations_before_exec']} allocations of "
                        "forked children before their exec (their parent's program, e.g. a "
@@ -271,7 +274,8 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         try:
             counters = pair_spilled(
                 spill, res.life, m.end_ns or None, partial(rows.insert, "allocations"),
-                partial(rows.insert, "heap_timeline"), progress)
+                partial(rows.insert, "heap_timeline"), progress,
+                [a["pid"] for a in m.attached])
         finally:
             rows.close()
             copied.result()
@@ -295,6 +299,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
             memtrack_version=m.memtrack_version,
             command=m.command,
             root_pid=m.root_pid,
+            attached=m.attached,
             start_ns=m.start_ns,
             end_ns=end_ns,
             wall_offset_ns=m.clock.wall_offset_ns,

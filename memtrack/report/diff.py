@@ -511,7 +511,7 @@ def describe(side: Side) -> Data:
     r = side.reader
     pids = None if r.pid is None else [r.pid] if isinstance(r.pid, int) else list(r.pid)
     return {"name": side.name, "command": r.command, "labels": r.labels,
-            "artifact": r.meta.get("artifact"), "pids": pids}
+            "artifact": r.meta.get("artifact"), "pids": pids, "attached": r.attached}
 
 
 @dataclass
@@ -547,7 +547,7 @@ def _side_line(key: str, d: Data) -> str:
     pids = f" (pid {', '.join(map(str, d['pids']))})" if d["pids"] else ""
     cmd = " ".join(d["command"])
     return f"{key}: {d['name']}{pids}" + (f"  [{labels}]" if labels else "") + \
-        (f"  $ {cmd}" if cmd else "")
+        (f"  $ {cmd}" if cmd else "") + "".join(f"\n  {a}" for a in d["attached"])
 
 
 def format_text(diff: Diff) -> str:
@@ -572,6 +572,7 @@ def format_markdown(diff: Diff) -> str:
         labels = ", ".join(f"{k}={v}" for k, v in side["labels"].items())
         lines.append(f"**{key}** {md(side['name'])}" + (f" ({labels})" if labels else "") +
                      (f" {md(' '.join(side['command']))}" if side["command"] else "") + "  ")
+        lines += [f"{md(a)}  " for a in side["attached"]]
     if d["trust"]["problems"] or d["trust"]["refused_in_both"]:
         lines += ["", *(f":warning: {md(line)}  " for line in trust_lines(d["trust"]))]
     if d["gate"]:

@@ -201,7 +201,8 @@ const matches = s => query !== "" && String(s || "").toLowerCase().includes(quer
 
 function totals() {
   const t = D.report.totals;
-  document.getElementById("command").textContent = (D.report.command || []).join(" ");
+  document.getElementById("command").textContent =
+    [(D.report.command || []).join(" "), ...(D.report.attached || [])].join("\n");
   const at = s => (s === null || s === undefined) ? "" : " at " + s.toFixed(3) + " s";
   const rate = r => " (" + count(r.toFixed(0)) + "/s)";
   table(document.getElementById("totals"), ["", ""], [

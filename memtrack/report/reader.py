@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -174,6 +175,18 @@ class RunReader:
     @property
     def command(self) -> list[str]:
         return json.loads(self.meta.get("command", "[]"))
+
+    @property
+    def attached(self) -> list[str]:
+        """`capture --pid`: "attached to PID at TIME: ..." per process attached to."""
+        try:
+            procs = json.loads(self.meta.get("attached", "[]"))
+            offset = int(self.meta.get("wall_offset_ns", 0) or 0)
+            at = [(int(a["pid"]), time.localtime((int(a["ts"]) + offset) / 1e9)) for a in procs]
+            return [f"attached to {pid} at {time.strftime('%Y-%m-%d %H:%M:%S', t)}: blocks "
+                    "allocated before are not known" for pid, t in at]
+        except (ValueError, TypeError, KeyError, OverflowError, OSError):
+            return ["attached to a running process: blocks allocated before are not known"]
 
     @property
     def labels(self) -> dict[str, str]:

@@ -85,6 +85,7 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
     regions = RegionReader(run)
     return {
         "command": run.command,
+        "attached": run.attached,
         "artifact": run.meta.get("artifact"),
         "pid": opts.pid,
         "totals": run.totals(),
@@ -151,6 +152,7 @@ def format_text(data: dict) -> str:
     lines = []
     if data["command"]:
         lines.append("command: " + " ".join(data["command"]))
+    lines += data["attached"]
 
     def ts(at: float | None) -> str:
         return f" at {at:.3f}s" if at is not None else ""

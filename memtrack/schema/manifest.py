@@ -103,8 +103,12 @@ class Manifest:
     memtrack_version: str = __version__
     host: Host = field(default_factory=Host)
     clock: Clock = field(default_factory=Clock)
-    command: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)  # attached: the first pid's cmdline
     root_pid: Pid = 0
+    # `capture --pid`: per process attached to, {"pid", "ts" (CLOCK_MONOTONIC ns: when
+    # it was tracked, stopped), "rss": {"file", "anon", "shmem": bytes resident then}};
+    # empty for a spawned command. Blocks allocated before are not known.
+    attached: list[dict[str, Any]] = field(default_factory=list)
     exit_status: ExitStatus = field(default_factory=ExitStatus)
     start_ns: Count = 0  # CLOCK_MONOTONIC
     end_ns: Count = 0

@@ -4,6 +4,7 @@ back as rows."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -12,12 +13,14 @@ from typing import Any
 import pytest
 
 from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.procfs import read_maps
 from memtrack.schema import ALLOC_KINDS, EventKind
 from memtrack.schema.artifact import Artifact
 
 M, C, R, A, F = (EventKind.MALLOC, EventKind.CALLOC, EventKind.REALLOC,
                  EventKind.ALIGNED_ALLOC, EventKind.FREE)
 HEAP_KINDS = {*ALLOC_KINDS, EventKind.FREE}
+INT3 = 0xCC
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +100,23 @@ def check_no_loss(r: Run) -> None:
     assert r.result.nonzero_losses() == {}
     assert r.art.manifest.complete
     assert r.art.manifest.nonzero_losses() == {}
+
+
+def probe_bytes(pid: int, art: Path) -> dict[str, int]:
+    """The byte at each libc allocator probe of the capture `art`, in `pid`'s memory."""
+    m = json.loads((art / "manifest.json").read_text())
+    maps = read_maps(pid)
+    assert maps is not None
+    out = {}
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for p in m["probes"]:
+            if "libc.so" not in p["path"]:
+                continue
+            off = p["file_offset"] + p["probe_offset"]
+            for line in maps:
+                if line.path == p["path"] and line.offset <= off < line.offset + (
+                        line.end - line.start) and "x" in line.perms:
+                    mem.seek(line.start + off - line.offset)
+                    out[p["function"]] = mem.read(1)[0]
+    assert "malloc" in out and "free" in out, out
+    return out
