@@ -38,7 +38,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_scale import tree_rss_mib  # noqa: E402
 from conftest import build  # noqa: E402
-from support.pysuite import PYTHON, call_paths, memtrack, suite_command  # noqa: E402
+from support.pysuite import (  # noqa: E402
+    PYTHON,
+    SUITE_ENV,
+    call_paths,
+    clear_bytecode,
+    memtrack,
+    suite_command,
+)
 
 PY_LOOP = """import sys
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000000
@@ -122,7 +129,7 @@ def main() -> None:
             "pysuite": suite_command(),
             "pysuite-malloc": suite_command(),
         }
-        envs = {"pysuite-malloc": {"PYTHONMALLOC": "malloc"}}
+        envs = {"pysuite": SUITE_ENV, "pysuite-malloc": SUITE_ENV | {"PYTHONMALLOC": "malloc"}}
         if args.only:
             workloads = {k: v for k, v in workloads.items() if k in args.only.split(",")}
         trees = {"this": ROOT} | ({"before": args.before.resolve()} if args.before else {})
@@ -131,6 +138,8 @@ def main() -> None:
         for wname, cmd in workloads.items():
             for label, tree in trees.items():
                 print(f"# {wname} with {label} ...", file=sys.stderr, flush=True)
+                if wname.startswith("pysuite"):
+                    clear_bytecode()
                 try:
                     rows[(wname, label)] = run(tree, f"{wname}-{label}", cmd, tmp,
                                                envs.get(wname, {}), wname.startswith("pysuite"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "fixtures" / "pysuite"
 # venv's interpreter: pytest is installed beside memtrack (Debian's python3 has neither)
 PYTHON = sys.executable
+# every run compiles the suite (its modules and pytest's rewriting of its tests) as the
+# first run of a checkout does, and leaves no bytecode behind: what a run records does
+# not depend on the runs before it
+SUITE_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 # per allocation, its Python frames (method 'python') and all its frames, as frame ids
 # from the leaf outward; counted distinct over the allocations
@@ -58,11 +63,18 @@ def suite_command(*select: str, options: tuple[str, ...] = ()) -> list[str]:
     return [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, *files]
 
 
+def clear_bytecode() -> None:
+    """Remove the suite's bytecode (a pytest run outside capture_suite writes it)."""
+    for d in SUITE.rglob("__pycache__"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def capture_suite(out: Path, *select: str, options: tuple[str, ...] = (),
                   pymalloc: bool = True, tree: Path = ROOT) -> subprocess.CompletedProcess[str]:
     """`memtrack capture -o OUT -- python -m pytest ...`, with the default pymalloc or
     PYTHONMALLOC=malloc (set for the command: memtrack passes it on)."""
-    env = {} if pymalloc else {"PYTHONMALLOC": "malloc"}
+    clear_bytecode()
+    env = SUITE_ENV | ({} if pymalloc else {"PYTHONMALLOC": "malloc"})
     return memtrack("capture", "-o", str(out), "--force", "--",
                     *suite_command(*select, options=options), tree=tree, env=env)
 
