@@ -60,6 +60,10 @@ def _cases(tmp: Path) -> dict[str, Callable[[], list[str]]]:
         "sqlite3": sqlite,
         "python3": lambda: [str(Path("/usr/bin/python3").resolve()), "-c",
                             "x = [bytearray(100 + i) for i in range(200)]"],
+        # 40 Python frames deep, each allocating (bytearrays over pymalloc's 512 bytes)
+        "python3-deep": lambda: [str(Path("/usr/bin/python3").resolve()), "-c",
+                                 "def f(n): return [bytearray(600 + n)] + (f(n - 1) if n "
+                                 "else [])\nx = [f(40) for _ in range(20)]"],
     }
     for mode in ("many_allocs", "realloc", "posix_memalign", "calloc"):
         out[f"allocs-{mode}"] = lambda m=mode: [str(build(["capture/allocs.c"])), m]
