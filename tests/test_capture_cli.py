@@ -58,7 +58,8 @@ def test_help_lists_every_env_var() -> None:
 def test_bad_options_fail_in_one_line(tmp_path: Path) -> None:
     r = capture(["-o", str(tmp_path / "x"), "--events-ring-pages", "3", "--", "true"])
     assert r.returncode == 2
-    assert r.stderr.strip() == "memtrack: --events-ring-pages 3: must be a power of two (pages)"
+    assert r.stderr.strip() == ("memtrack: --events-ring-pages 3: must be a power of two "
+                                "(pages), at most 1048576 (4 GiB per CPU)")
     r = capture(["-o", str(tmp_path / "x"), "--stacks", "maybe", "--", "true"])
     assert r.returncode == 2 and "--stacks maybe" in r.stderr
     r = capture(["-o", str(tmp_path / "x"), "--stack-budget", "1000", "--", "true"])
@@ -68,6 +69,15 @@ def test_bad_options_fail_in_one_line(tmp_path: Path) -> None:
     r = capture(["-o", str(tmp_path / "x"), "--on-ring-full", "block", "--", "true"])
     assert r.returncode == 2
     assert r.stderr.strip() == "memtrack: --on-ring-full block: expected pause or drop"
+    # every number bounded, each in one line and before anything runs
+    for args, said in ((["--events-ring-pages", str(1 << 40)], "at most 1048576"),
+                       (["--stack-budget", str(10**22)], "got 10000000000000000000000"),
+                       (["--timeout", "-1"], "--timeout: expected 0.001 to 10000000"),
+                       (["--timeout", "nan"], "--timeout: expected 0.001 to 10000000"),
+                       (["--timeout", "inf"], "--timeout: expected 0.001 to 10000000")):
+        r = capture(["-o", str(tmp_path / "x"), *args, "--", "true"])
+        assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert not (tmp_path / "x").exists()
     # a stack ring that cannot hold what the producers write before they stop
     r = capture(["-o", str(tmp_path / "x"), "--stacks-ring-pages", "2", "--", "true"])
     assert r.returncode == 2

@@ -14,14 +14,24 @@ from memtrack.capture.procfs import attach_refusal
 from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker, find_command
 from memtrack.schema import EVENT_DTYPE
 
+MAX_RING_PAGES = 1 << 20  # a ring of 4 GiB per CPU
+
 
 def check_options(options: CaptureOptions) -> None:
     """One-line errors for option values capture cannot use."""
     cpus = os.cpu_count() or 1
+    if options.stacks:  # capture.stacks is imported only then
+        from memtrack.capture.stacks import check_budget
+
+        try:
+            check_budget(options.stack_budget)
+        except ValueError as e:
+            raise CaptureError(str(e)) from None
     for name, pages in (("--events-ring-pages", options.events_ring_pages),
                         ("--stacks-ring-pages", options.stacks_ring_pages)):
-        if pages <= 0 or pages & (pages - 1):
-            raise CaptureError(f"{name} {pages}: must be a power of two (pages)")
+        if pages <= 0 or pages & (pages - 1) or pages > MAX_RING_PAGES:
+            raise CaptureError(f"{name} {pages}: must be a power of two (pages), at most "
+                               f"{MAX_RING_PAGES} (4 GiB per CPU)")
         if options.on_ring_full != "pause" or (name == "--stacks-ring-pages"
                                                 and not options.stacks):
             continue

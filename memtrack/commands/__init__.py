@@ -23,10 +23,11 @@ class CommandError(Exception):
 MAX_TOP = 1_000_000  # --top: rows per section
 MAX_PID = (1 << 32) - 1  # --pid: a pid column is UINTEGER
 MAX_JOBS = 1024  # --jobs
+MAX_SECONDS = 10**7  # --timeout, --duration: 115 days
 
 
-def bounded(option: str, value: int, low: int, high: int) -> int:
-    """`value` of `option` if low <= value <= high, else CommandError."""
+def bounded(option: str, value: float, low: float, high: float) -> float:
+    """`value` of `option` if low <= value <= high (not NaN), else CommandError."""
     if not low <= value <= high:
         raise CommandError(f"{option}: expected {low} to {high}, got {value}")
     return value

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from memtrack.commands import (
+    MAX_SECONDS,
     CommandError,
+    bounded,
     check_output,
     give_to_invoking_user,
     require_privileges,
@@ -31,6 +33,9 @@ def run(cmd: list[str], output: Path, *, pids: list[int], duration: float | None
     from memtrack.capture.tracker import CaptureError
     from memtrack.schema.artifact import ArtifactError
 
+    for option, seconds in (("--timeout", timeout), ("--duration", duration)):
+        if seconds is not None:
+            bounded(option, seconds, 0.001, MAX_SECONDS)
     check_output(output, force)
     rings = {k: v for k, v in (("events_ring_pages", events_ring_pages),
                                ("stacks_ring_pages", stacks_ring_pages)) if v is not None}

@@ -16,6 +16,7 @@ from memtrack.commands import MAX_PID, MAX_TOP, CommandError, bounded, open_run_
 from memtrack.schema.ddl import first_line
 
 FORMATS = ("text", "json", "markdown")
+MAX_PERCENT = 1e9  # --fail-above (inf and NaN are no percentage)
 
 
 def choices(option: str, given: Sequence[str], allowed: Sequence[str],
@@ -56,8 +57,9 @@ def run(base: str, head: str, *, dataset: Path | None = None, fmt: str = "text",
     if fmt not in FORMATS:
         raise CommandError(f"--format: expected text, json or markdown, got {fmt!r}")
     bounded("--top", top, 1, MAX_TOP)
-    if fail_above is not None and not fail_above >= 0:
-        raise CommandError(f"--fail-above: expected a percentage >= 0, got {fail_above}")
+    if fail_above is not None and not 0 <= fail_above <= MAX_PERCENT:
+        raise CommandError(f"--fail-above: expected a percentage from 0 to {MAX_PERCENT:g}, "
+                           f"got {fail_above}")
     if fail_on and fail_above is None:
         raise CommandError("--fail-on goes with --fail-above PCT")
     if pid is not None and process is not None:
