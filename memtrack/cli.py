@@ -215,9 +215,11 @@ def process(
         Path | None,
         typer.Option("--parquet", help="Also write every table as Parquet, one directory each."),
     ] = None,
-    host_modules: Annotated[str, typer.Option(
+    host_modules: Annotated[str | None, typer.Option(
         "--host-modules", **SWITCH,
-        help="Use host files (same build id) for modules the artifact lacks.")] = "on",
+        help="Use host files (same build id) for modules the artifact lacks (default: on "
+             "for a run captured on this machine in this boot, else off).",
+        show_default=False)] = None,
     cache_dir: Annotated[
         Path | None,
         typer.Option("--cache-dir", envvar="MEMTRACK_CACHE_DIR",
@@ -258,7 +260,8 @@ def process(
     from memtrack.commands import process as cmd
 
     call(cmd.run, artifact, output, parquet=parquet,
-         host_modules=on("--host-modules", host_modules), cache_dir=cache_dir,
+         host_modules=None if host_modules is None else on("--host-modules", host_modules),
+         cache_dir=cache_dir,
          no_cache=not on("--cache", cache), quiet=quiet,
          say=lambda line: err().print(line, markup=False, soft_wrap=True),
          dataset=dataset, run_id=run_id, labels=label or [], force=force, jobs=jobs,

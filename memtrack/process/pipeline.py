@@ -71,6 +71,7 @@ class Summary:
     rows: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # said, not kept in the run's warnings
     metadata: Path | None = None  # RUN.memory_metadata.json
 
     def lines(self) -> list[str]:
@@ -96,6 +97,7 @@ class Summary:
                        "forked children before their exec (their parent's program, e.g. a "
                        "shell's, between fork and exec): ended by the exec, in no "
                        "process's figures")
+        out.extend(f"note: {n}" for n in self.notes)
         out.extend(f"warning: {w}" for w in self.warnings)
         return out
 
@@ -153,7 +155,7 @@ def process(
     out_db: Path | str,
     *,
     parquet_dir: Path | str | None = None,
-    host_modules: bool = True,
+    host_modules: bool | None = None,
     cache_dir: Path | str | None = None,
     progress: bool | ProgressSink | None = None,
     chunk_bytes: int | None = None,
@@ -165,8 +167,9 @@ def process(
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
     host_modules: where the artifact lacks a module, use the host file at its mapped path
-    when its build id matches. cache_dir: the symbol and CFI caches (per module), None
-    for none.
+    when its build id matches (ModuleStore); None: only for a run captured on this host
+    in this boot (Host.captured_here), else not, with a note saying so.
+    cache_dir: the symbol and CFI caches (per module), None for none.
     progress: where the stages are (memtrack.process.progress): True draws it on stderr
     (TerminalProgress), None only when stderr is a terminal, False nowhere; or a sink.
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
@@ -193,6 +196,10 @@ def process(
     st = Stages(summary, shown or (progress if not isinstance(progress, bool) else None))
     with shown or nullcontext():
         art = Artifact.open(artifact_path, accept_damaged=accept_damaged)
+        if host_modules is None:
+            host_modules = art.manifest.host.captured_here()
+            if not host_modules:
+                summary.notes.append(HOST_MODULES_OFF)
         db = RunDatabase(out_db, jobs)
         spill = EventSpill(db.tmp.with_name(db.tmp.name + ".spill"),
                            buckets_for(_events_estimate(art)))
@@ -207,6 +214,11 @@ def process(
         finally:
             spill.remove()
     return summary
+
+
+HOST_MODULES_OFF = ("host modules off: the run was not captured on this machine in this boot "
+                    "(machine id and boot id); only the artifact's module copies are read "
+                    "(--host-modules on reads this host's files at the mapped paths)")
 
 
 def _events_estimate(art: Artifact) -> int:
