@@ -29,6 +29,8 @@ DWARF_SECTIONS = (
     ".debug_ranges", ".debug_rnglists", ".debug_addr", ".debug_str_offsets", ".debug_aranges",
 )  # fmt: skip
 
+MAX_SECTION_BYTES = 4 << 30  # a compressed section inflates to at most this
+
 ELF_ERRORS = (OSError, ELFError, struct.error, ValueError, zlib.error, KeyError, IndexError,
               AssertionError)
 
@@ -99,6 +101,7 @@ class ElfImage:
         except OSError as e:
             raise ElfReadError(f"{path}: not a readable ELF file ({e})") from None
         try:
+            self.size = self._f.seek(0, io.SEEK_END)
             self.elf = ELFFile(self._f)
             self.sections = {s.name: s for s in self.elf.iter_sections()}
         except ELF_ERRORS as e:
@@ -161,10 +164,10 @@ class ElfImage:
         if sec is None:
             return None
         try:
-            data = sec.data()
+            data = self.data(sec)
             end = data.index(b"\0")
             (crc,) = struct.unpack_from("<I", data, (end + 4) & ~3)
-        except ELF_ERRORS:
+        except (ElfReadError, *ELF_ERRORS):
             return None
         return data[:end].decode(errors="replace"), crc
 
@@ -188,21 +191,39 @@ class ElfImage:
         compressed or .zdebug sections count, a debug stub's NOBITS one does not)."""
         return self.has(".debug_info")
 
+    def data(self, sec: Any) -> bytes:
+        """A section's bytes, b"" for NOBITS, inflated where SHF_COMPRESSED; read only
+        once its size is known to fit (its bytes inside the file, its inflated size at
+        most MAX_SECTION_BYTES): a size in a header is never an allocation."""
+        if sec["sh_type"] == "SHT_NOBITS":
+            return b""
+        if sec["sh_offset"] + sec["sh_size"] > self.size:
+            raise ElfReadError(f"{self.path}: section {sec.name} ends beyond the file "
+                               f"({sec['sh_size']:,} bytes at {sec['sh_offset']:#x})")
+        try:
+            if sec.compressed and sec.data_size > MAX_SECTION_BYTES:
+                raise ElfReadError(f"{self.path}: section {sec.name} inflates to "
+                                   f"{sec.data_size:,} bytes, more than {MAX_SECTION_BYTES:,}")
+            return bytes(sec.data())  # pyelftools inflates SHF_COMPRESSED sections
+        except ELF_ERRORS as e:
+            raise ElfReadError(f"{self.path}: section {sec.name} unreadable ({e})") from None
+
     def section_bytes(self, name: str) -> bytes:
         """A section's contents, decompressed (SHF_COMPRESSED or the old .zdebug form)."""
         s = self.sections.get(name)
         if s is not None and s["sh_type"] != "SHT_NOBITS":
-            try:
-                return bytes(s.data())  # pyelftools inflates SHF_COMPRESSED sections
-            except ELF_ERRORS as e:
-                raise ElfReadError(f"{self.path}: section {name} unreadable ({e})") from None
+            return self.data(s)
         z = self.sections.get(".z" + name[1:])
         if z is not None:
-            raw = z.data()
+            raw = self.data(z)
             if raw[:4] != b"ZLIB":
                 raise ElfReadError(f"{self.path}: section {z.name} has no ZLIB header")
+            size = int.from_bytes(raw[4:12], "big")
+            if size > MAX_SECTION_BYTES:
+                raise ElfReadError(f"{self.path}: section {z.name} inflates to {size:,} "
+                                   f"bytes, more than {MAX_SECTION_BYTES:,}")
             try:
-                return zlib.decompress(raw[12:])
+                return zlib.decompressobj().decompress(raw[12:], size)
             except zlib.error as e:
                 raise ElfReadError(f"{self.path}: section {z.name} corrupt ({e})") from None
         return b""
@@ -215,14 +236,7 @@ class ElfImage:
         sec = self.sections.get(name)
         if sec is None or sec["sh_type"] == "SHT_NOBITS":
             return None
-        size = self._f.seek(0, io.SEEK_END)
-        if sec["sh_offset"] + sec["sh_size"] > size:  # read no more than the file holds
-            raise ElfReadError(f"{self.path}: section {name} ends beyond the file "
-                               f"({sec['sh_size']:,} bytes at {sec['sh_offset']:#x})")
-        try:
-            return bytes(sec.data()), int(sec["sh_addr"])
-        except ELF_ERRORS as e:
-            raise ElfReadError(f"{self.path}: section {name} unreadable ({e})") from None
+        return self.data(sec), int(sec["sh_addr"])
 
     # ---- code ----------------------------------------------------------------------
     def code(self, vaddr: int, size: int) -> bytes:
