@@ -46,7 +46,7 @@ from memtrack.schema.stages import (
     MODULES,
     SYMBOLIZED_FRAMES,
 )
-from memtrack.symbolize.modules import ModuleStore
+from memtrack.symbolize.modules import ModuleStore, host_modules_for
 
 T = TypeVar("T")
 
@@ -168,7 +168,7 @@ def process(
 
     host_modules: where the artifact lacks a module, use the host file at its mapped path
     when its build id matches (ModuleStore); None: only for a run captured on this host
-    in this boot (Host.captured_here), else not, with a note saying so.
+    in this boot, else not, with a note saying so (host_modules_for).
     cache_dir: the symbol and CFI caches (per module), None for none.
     progress: where the stages are (memtrack.process.progress): True draws it on stderr
     (TerminalProgress), None only when stderr is a terminal, False nowhere; or a sink.
@@ -196,10 +196,8 @@ def process(
     st = Stages(summary, shown or (progress if not isinstance(progress, bool) else None))
     with shown or nullcontext():
         art = Artifact.open(artifact_path, accept_damaged=accept_damaged)
-        if host_modules is None:
-            host_modules = art.manifest.host.captured_here()
-            if not host_modules:
-                summary.notes.append(HOST_MODULES_OFF)
+        host_modules, note = host_modules_for(art.manifest.host, host_modules)
+        summary.notes += [note] if note else []
         db = RunDatabase(out_db, jobs)
         spill = EventSpill(db.tmp.with_name(db.tmp.name + ".spill"),
                            buckets_for(_events_estimate(art)))
@@ -214,11 +212,6 @@ def process(
         finally:
             spill.remove()
     return summary
-
-
-HOST_MODULES_OFF = ("host modules off: the run was not captured on this machine in this boot "
-                    "(machine id and boot id); only the artifact's module copies are read "
-                    "(--host-modules on reads this host's files at the mapped paths)")
 
 
 def _events_estimate(art: Artifact) -> int:

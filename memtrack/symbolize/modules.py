@@ -33,9 +33,21 @@ from memtrack.elf import (
 )
 from memtrack.schema import VDSO_PATH
 from memtrack.schema.artifact import BUILD_ID, module_copies
+from memtrack.schema.manifest import Host
 
 # the largest host file read as a module (libLLVM is ~150 MiB; a debug file can be GiBs)
 MAX_HOST_MODULE_BYTES = 4 << 30
+
+
+def host_modules_for(host: Host, asked: bool | None) -> tuple[bool, str]:
+    """Whether host files stand in for modules an artifact lacks: as `asked`, else only
+    for a run captured on this machine in this boot (`host`, the manifest's); and the
+    note that says they are off and how to force them ("" when none)."""
+    if asked is not None or host.captured_here():
+        return asked is not False, ""
+    return False, ("host modules off: the run was not captured on this machine in this "
+                   "boot (machine id and boot id); only the artifact's module copies are "
+                   "read (--host-modules on reads this host's files at the mapped paths)")
 
 
 class ModuleError(Exception):
