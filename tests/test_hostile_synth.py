@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from support.hostile import _section_size, module_info, read_table, reseal, write_table
-from support.page import page_data
+from support.page import browsing, page_data
 from support.synth import write_storm
 from test_hostile import ROOT, check, memtrack
 
@@ -182,3 +182,6 @@ def test_fork_exec_storm_report_is_bounded(tmp_path: Path) -> None:
     assert len(blob["timelines"]) == 20
     assert {n[0] for n in blob["flame"]["calls"] if n[2] == 1} >= {"other processes"}
     assert page.stat().st_size < 1 << 20
+    with browsing(page) as b:
+        assert b.eval("document.querySelectorAll('#timeline svg').length") == 20
+        assert "4801 more processes" in b.eval("document.getElementById('tables').textContent")
