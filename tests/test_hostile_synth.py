@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -84,6 +85,19 @@ def _debug_section(name: str) -> Callable[[Path, Path], None]:
     return damage
 
 
+def _segment_size(art: Path, outside: Path) -> None:
+    """libc's executable PT_LOAD says it holds 2^40 bytes of the file (p_filesz)."""
+    elf = module_dir(art, LIBC) / "libc.so.6"
+    data = bytearray(elf.read_bytes())
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    for h in range(phoff, phoff + phnum * phentsize, phentsize):
+        kind, flags = struct.unpack_from("<II", data, h)
+        if kind == 1 and flags & 1:  # PT_LOAD, PF_X
+            struct.pack_into("<Q", data, h + 0x20, 1 << 40)
+    elf.write_bytes(bytes(data))
+
+
 CASES: dict[str, Callable[[Path, Path], None]] = {
     # a copy refused or missing: process fell back to the mapping's host path
     "copy-refused-etc-shadow": lambda a, o: (refuse_copy(a), map_libc_to(a, "/etc/shadow")),
@@ -98,6 +112,7 @@ CASES: dict[str, Callable[[Path, Path], None]] = {
     "debug-info-2^40": _debug_section(".debug_info"),
     "debug-line-2^40": _debug_section(".debug_line"),
     "debug-strtab-2^40": _debug_section(".strtab"),
+    "libc-segment-2^40": _segment_size,
     "stacks-field-name-not-utf8": _stacks_field_name,
 }
 

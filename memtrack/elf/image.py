@@ -247,10 +247,10 @@ class ElfImage:
         if off is None or size <= 0:
             return b""
         i = int(np.searchsorted(seg.offset, np.uint64(off), side="right")) - 1
-        end = int(seg.offset[i] + seg.filesz[i])
+        end = min(int(seg.offset[i] + seg.filesz[i]), self.size)  # no more than the file
         try:
             self._f.seek(off)
-            return self._f.read(min(size, end - off))
+            return self._f.read(max(min(size, end - off), 0))
         except OSError:
             return b""
 
@@ -261,6 +261,9 @@ class ElfImage:
         for off, va, size, x in zip(seg.offset.tolist(), seg.vaddr.tolist(),
                                     seg.filesz.tolist(), seg.executable.tolist(), strict=True):
             if x and size:
+                if off + size > self.size:  # a size in a header is never an allocation
+                    raise ElfReadError(f"{self.path}: segment at {off:#x} ends beyond the "
+                                       f"file ({size:,} bytes)")
                 try:
                     self._f.seek(off)
                     out.append((va, self._f.read(size)))
