@@ -98,6 +98,16 @@ def _segment_size(art: Path, outside: Path) -> None:
     elf.write_bytes(bytes(data))
 
 
+def _note_size(art: Path, outside: Path) -> None:
+    """libc's build-id note says its descriptor holds 2 GiB (n_descsz)."""
+    d = module_dir(art, LIBC)
+    elf = d / "libc.so.6"
+    data = bytearray(elf.read_bytes())
+    at = data.index(b"GNU\0" + bytes.fromhex(d.name)) - 12
+    struct.pack_into("<I", data, at + 4, 0x7FFF_FFF0)
+    elf.write_bytes(bytes(data))
+
+
 CASES: dict[str, Callable[[Path, Path], None]] = {
     # a copy refused or missing: process fell back to the mapping's host path
     "copy-refused-etc-shadow": lambda a, o: (refuse_copy(a), map_libc_to(a, "/etc/shadow")),
@@ -113,6 +123,7 @@ CASES: dict[str, Callable[[Path, Path], None]] = {
     "debug-line-2^40": _debug_section(".debug_line"),
     "debug-strtab-2^40": _debug_section(".strtab"),
     "libc-segment-2^40": _segment_size,
+    "libc-build-id-note-2^31": _note_size,
     "stacks-field-name-not-utf8": _stacks_field_name,
 }
 

@@ -20,6 +20,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 SHF_EXECINSTR = 0x4
+NT_GNU_BUILD_ID = 3
 SHF_COMPRESSED = 0x800
 PF_X = 0x1
 R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT = 6, 7
@@ -144,18 +145,29 @@ class ElfImage:
         the .note.gnu.build-id section (a debug file's notes are not in a segment)."""
         try:
             for seg in self.elf.iter_segments():
-                if seg["p_type"] != "PT_NOTE":
-                    continue
-                for note in seg.iter_notes():
-                    if note["n_type"] == "NT_GNU_BUILD_ID" and note["n_name"] == "GNU":
-                        return str(note["n_desc"]).lower()
+                if seg["p_type"] == "PT_NOTE" and seg["p_offset"] + seg["p_filesz"] <= self.size:
+                    self._f.seek(seg["p_offset"])
+                    found = self._build_id_note(self._f.read(seg["p_filesz"]))
+                    if found:
+                        return found
             sec = self.sections.get(".note.gnu.build-id")
-            if sec is not None:
-                for note in sec.iter_notes():
-                    if note["n_type"] == "NT_GNU_BUILD_ID":
-                        return str(note["n_desc"]).lower()
-        except ELF_ERRORS:
+            return self._build_id_note(self.data(sec)) if sec is not None else None
+        except (ElfReadError, *ELF_ERRORS):
             return None
+
+    def _build_id_note(self, notes: bytes) -> str | None:
+        """The GNU build id among ELF notes, each note's sizes checked against the bytes
+        (pyelftools read a note's n_descsz of 2 GiB as it stood)."""
+        order = "<" if self.elf.little_endian else ">"
+        pos = 0
+        while pos + 12 <= len(notes):
+            namesz, descsz, kind = struct.unpack_from(order + "III", notes, pos)
+            desc = pos + 12 + (namesz + 3) // 4 * 4
+            if desc + descsz > len(notes):
+                return None
+            if kind == NT_GNU_BUILD_ID and notes[pos + 12:pos + 12 + namesz] == b"GNU\0":
+                return notes[desc:desc + descsz].hex()
+            pos = desc + (descsz + 3) // 4 * 4
         return None
 
     def debuglink(self) -> tuple[str, int] | None:
