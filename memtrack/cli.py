@@ -71,6 +71,15 @@ def on(flag: str, value: str) -> bool:
     return value == "on"
 
 
+def switch(flag: str, value: str | None) -> bool | None:
+    """An on/off switch whose default depends on what it reads: None when not given."""
+    return None if value is None else on(flag, value)
+
+
+HOST_MODULES_HELP = ("Use host files (same build id) for modules the artifact lacks "
+                     "(default: on for a run captured on this machine in this boot, else off).")
+
+
 def call(run: Callable[..., int], *args: object, **kwargs: object) -> None:
     """Run a command's `run` and exit with its status (2 and one line on CommandError)."""
     try:
@@ -225,9 +234,9 @@ def process(
         Path | None,
         typer.Option("--parquet", help="Also write every table as Parquet, one directory each."),
     ] = None,
-    host_modules: Annotated[str, typer.Option(
-        "--host-modules", **SWITCH,
-        help="Use host files (same build id) for modules the artifact lacks.")] = "on",
+    host_modules: Annotated[str | None, typer.Option(
+        "--host-modules", **SWITCH, show_default=False,
+        help=HOST_MODULES_HELP)] = None,
     cache_dir: Annotated[
         Path | None,
         typer.Option("--cache-dir", envvar="MEMTRACK_CACHE_DIR",
@@ -268,7 +277,7 @@ def process(
     from memtrack.commands import process as cmd
 
     call(cmd.run, artifact, output, parquet=parquet,
-         host_modules=on("--host-modules", host_modules), cache_dir=cache_dir,
+         host_modules=switch("--host-modules", host_modules), cache_dir=cache_dir,
          no_cache=not on("--cache", cache), quiet=quiet,
          say=lambda line: err().print(line, markup=False, soft_wrap=True),
          dataset=dataset, run_id=run_id, labels=label or [], force=force, jobs=jobs,
@@ -398,17 +407,17 @@ def symbolize(
 def unwind_record(
     artifact: Annotated[Path, typer.Argument(help="An artifact directory (NAME.memtrack).")],
     record: Annotated[str, typer.Option("--record", help="The stack hash (hex or decimal).")],
-    host_modules: Annotated[str, typer.Option(
-        "--host-modules", **SWITCH,
-        help="Read modules missing from the artifact from this host.")] = "off",
+    host_modules: Annotated[str | None, typer.Option(
+        "--host-modules", **SWITCH, show_default=False,
+        help=HOST_MODULES_HELP)] = None,
     accept_damaged: AcceptDamaged = False,
 ) -> None:
     """Unwind one stack record and print its frames with method (regs, cfi, fp, fp-kernel)
     and symbol."""
     from memtrack.commands import unwind as cmd
 
-    call(cmd.run, artifact, record, on("--host-modules", host_modules), sys.stdout,
-         accept_damaged)
+    call(cmd.run, artifact, record, switch("--host-modules", host_modules), sys.stdout,
+         accept_damaged, sys.stderr)
 
 
 # the commands run by main() so far (run_as_program ends the process at once after capture)

@@ -37,13 +37,16 @@ def one_line(err: str) -> str:
 def test_every_switch_takes_on_or_off() -> None:
     """No --x/--no-x pairs anywhere: a switch takes its value (on|off), so no switch
     can leave its value to be read as CMD."""
-    switches = []
+    switches, chosen = [], []  # chosen: a default that depends on the run (cli.switch)
     for name, command in typer.main.get_command(app).commands.items():  # type: ignore[attr-defined]
         for p in command.params:
             assert not p.secondary_opts, (name, p.opts)
             if p.metavar == "on|off":
                 switches.append(f"{name} {p.opts[0]}")
-                assert p.default in ("on", "off") and not p.is_flag
+                assert p.default in ("on", "off", None) and not p.is_flag
+                if p.default is None:
+                    chosen.append(f"{name} {p.opts[0]}")
+    assert sorted(chosen) == ["process --host-modules", "unwind --host-modules"]
     assert sorted(switches) == [
         "capture --modules", "capture --python-frames", "capture --rss",
         "capture --stack-copies", "capture --stacks", "capture --track-faults",

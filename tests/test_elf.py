@@ -73,3 +73,25 @@ def test_unreadable_files_fail_in_one_line(tmp_path: Path) -> None:
             ElfImage(path)
         assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value)
         assert read_build_id(path) is None
+
+
+@pytest.mark.parametrize("field", [4, 8])  # a note's n_namesz, n_descsz
+def test_a_note_size_is_not_a_read(tmp_path: Path, field: int) -> None:
+    """A build-id note whose sizes say 4 GiB: no build id, and nothing near that read
+    (pyelftools read n_descsz bytes as it stood)."""
+    import struct
+    import tracemalloc
+
+    bid = read_build_id(LIBC)
+    assert bid
+    data = bytearray(LIBC.read_bytes())
+    struct.pack_into("<I", data, data.index(b"GNU\0" + bytes.fromhex(bid)) - 12 + field - 4,
+                     0xFFFF_FFF0)
+    bad = tmp_path / "libc.so.6"
+    bad.write_bytes(bytes(data))
+    tracemalloc.start()
+    try:
+        assert read_build_id(bad) is None
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()

@@ -1,9 +1,11 @@
 """Hostile artifacts (issue 16): every case of tests/support/hostile.py damages a copy of
-one small real capture, and `info`, `process` and `report` run on it through the command
-line, each in a subprocess with a time limit, an address-space limit (RLIMIT_AS) and an
-audit hook (tests/support/hostile_run.py) that names every file opened outside the
-artifact and the output. Each must exit 0 with the right output or 2 with one line naming
-the problem, never print a traceback, and read or write nothing outside."""
+one small real capture (marked as captured on another machine), and `info`, `process`
+(its default host modules: off), `report` as text and `--html`, `export`, `diff` and
+`unwind` run on it through the command line, in a subprocess with a time limit, an
+address-space limit (RLIMIT_AS) and an audit hook (tests/support/hostile_run.py) that
+names every file opened outside the artifact and the output. Each must exit 0 with the
+right output or 2 with one line naming the problem, never print a traceback, and read or
+write nothing outside."""
 
 from __future__ import annotations
 
@@ -17,9 +19,19 @@ import duckdb
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.hostile import Case, cases, libc_dir, module_info, reseal
+from support.hostile import (
+    Case,
+    cases,
+    libc_dir,
+    manifest,
+    module_info,
+    read_table,
+    reseal,
+    set_manifest,
+)
 
 import memtrack
+from memtrack.schema.manifest import Host
 
 ROOT = Path(__file__).resolve().parents[1]
 # the memtrack this test imported (a worktree's on PYTHONPATH, say): the runner's too
@@ -29,7 +41,8 @@ TIME_LIMIT = 120  # seconds per command, on a shared 2-core machine
 MEMORY_LIMIT = 6 << 30  # address space per command
 READ_ROOTS = [*(p for p in sys.path if p.startswith("/") and not p.startswith("/tmp")),
               sys.prefix, sys.base_prefix, str(PACKAGE), "/usr/lib/debug", "/proc",
-              "/sys", "/dev/urandom", "/usr/share/zoneinfo", "/etc/localtime"]
+              "/sys", "/dev/urandom", "/usr/share/zoneinfo", "/etc/localtime",
+              "/etc/machine-id"]  # memtrack reads its own host identity (Host.current)
 
 pytestmark = pytest.mark.bpf
 
@@ -41,6 +54,9 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = subprocess.run([sys.executable, "-m", "memtrack.cli", "capture", "-o", str(art), "--",
                         "/bin/ls", "/"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
+    here = Host.current()  # capture names its host: process reads host modules for it
+    assert (manifest(art)["host"]["machine_id"], manifest(art)["host"]["boot_id"]) == (
+        here.machine_id, here.boot_id)
     return art
 
 
@@ -96,12 +112,13 @@ def make(capture: Path, tmp_path: Path, case: Case) -> tuple[Path, Path, list[st
     """The damaged copy, the outside directory (a valid ELF, a manifest) and its listing."""
     art = tmp_path / "run.memtrack"
     shutil.copytree(capture, art, symlinks=True)
+    set_manifest(art, host__machine_id="0" * 32)  # uploaded from another machine
     outside = tmp_path / "outside"
     outside.mkdir()
     shutil.copyfile(libc_dir(art) / module_info(libc_dir(art))["file"], outside / "libc.so.6")
     shutil.copyfile(art / "manifest.json", outside / "manifest.json")
+    case.damage(art, outside)  # which may put a file there (a FIFO a mapping names)
     before = sorted(str(p) for p in outside.rglob("*"))
-    case.damage(art, outside)
     if case.reseal:
         reseal(art)
     return art, outside, before
@@ -125,15 +142,17 @@ def test_hostile_artifact(capture: Path, shared_cache: Path, tmp_path: Path,
     db = out / "run.duckdb"
     results, bad = memtrack(
         tmp_path, ["info", str(art)],
-        ["process", str(art), "-o", str(db), "--host-modules", "off", "--cache-dir",
-         str(shared_cache), "--quiet"],
-        ["?", "report", str(db)], read=[art, shared_cache, out], write=[shared_cache, out])
-    info, proc, report = results
-    said = [check(r, bad, what) for r, what in zip(results, ("info", "process", "report"),
-                                                  strict=True) if r is not None]
+        ["process", str(art), "-o", str(db), "--cache-dir", str(shared_cache)],
+        ["?", "report", str(db)], ["?", "report", str(db), "--html", str(out / "r.html")],
+        ["?", "export", str(db), "--format", "pprof", "-o", str(out / "r.pb.gz")],
+        ["?", "diff", str(db), str(db)],
+        ["unwind", str(art), "--record", str(read_table(capture, "stacks")["hash"][0])],
+        read=[art, shared_cache, out], write=[shared_cache, out, tmp_path / "xdg"])
+    info, proc, *reports = results
+    said = [check(r, bad, " ".join(r.args[:1])) for r in results if r is not None]
     codes = [info.returncode, proc.returncode]
     if proc.returncode == 0:
-        assert report is not None and report.returncode == 0, report
+        assert all(r is not None and r.returncode == 0 for r in reports[:-1]), reports
     assert sorted(str(p) for p in outside.rglob("*")) == before, "written outside"
     assert not [p for p in tmp_path.parent.rglob("ESCAPED*")], "a build id escaped"
     if case.expect == "ok":

@@ -29,6 +29,7 @@ from memtrack.report.text import ReportOptions, report_data
 from memtrack.schema import EVENTS, MAPPINGS, RSS, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.schema.ddl import open_run
+from memtrack.schema.manifest import Host
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 from memtrack.symbolize.modules import ModuleStore
 
@@ -153,6 +154,7 @@ def repeated_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]
     w.write("mappings", snaps.mappings.cast(MAPPINGS))
     w.manifest.root_pid = pid
     w.manifest.end_ns = END_NS * n
+    w.manifest.host = Host.current()  # snapshots of this host: its modules are the mapped files
     w.close()
     return path, n
 

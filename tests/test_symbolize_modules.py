@@ -3,7 +3,9 @@ files, file offset -> ELF vaddr."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -15,6 +17,7 @@ from support.procfs import vdso_bytes
 
 from memtrack.elf import build_id_of_bytes, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
+from memtrack.schema.manifest import Host
 from memtrack.symbolize.modules import ModuleError, ModuleStore
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
@@ -60,6 +63,32 @@ def test_host_modules_checks_build_id(tmp_path: Path) -> None:
     assert read_build_id(mod.debug_path) == bid
     assert store.get("ab" * 20, str(LIBC)) is None
     assert any("build id differs" in p for p in store.problems)
+
+
+def test_host_modules_read_only_regular_files(tmp_path: Path) -> None:
+    """A FIFO, a device, a directory or a relative path at a mapping's path is refused
+    without blocking or reading it; a symlink to the right file is that file."""
+    bid = read_build_id(LIBC)
+    assert bid
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opened for reading, it would block until a writer came
+    link = tmp_path / "libc.so.6"
+    link.symlink_to(LIBC)
+    store = ModuleStore(None, host_modules=True)
+    for path in (fifo, "/dev/zero", tmp_path, "libc.so.6", tmp_path / "missing"):
+        assert store.get(bid, str(path)) is None
+    assert sum("not a regular file" in p for p in store.problems) == 3
+    mod = store.get(bid, str(link))
+    assert mod is not None and mod.elf_path == link
+
+
+def test_captured_here() -> None:
+    here = Host.current()
+    assert here.machine_id and here.boot_id
+    assert here.captured_here()
+    assert not dataclasses.replace(here, boot_id="0" * 36).captured_here()  # rebooted
+    assert not dataclasses.replace(here, machine_id="0" * 32).captured_here()  # elsewhere
+    assert not Host().captured_here()  # an artifact from before format 2.4: unknown
 
 
 def test_vdso_from_artifact(tmp_path: Path) -> None:

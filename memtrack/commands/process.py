@@ -72,7 +72,7 @@ def ended_by_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool,
+def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool | None,
         cache_dir: Path | None, no_cache: bool, quiet: bool,
         say: Callable[[str], None], dataset: Path | None = None, run_id: str | None = None,
         labels: Sequence[str] = (), force: bool = False, jobs: int | None = None,
@@ -84,7 +84,7 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
                     python_frames=python_frames, accept_damaged=accept_damaged)
 
 
-def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool,
+def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool | None,
          cache_dir: Path | None, no_cache: bool, quiet: bool,
          say: Callable[[str], None], dataset: Path | None, run_id: str | None,
          labels: Sequence[str], force: bool, jobs: int | None, python_frames: bool,
@@ -138,7 +138,7 @@ def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modu
     return status
 
 
-def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: bool,
+def _process(artifact: Path, output: Path, parquet: Path | None, host_modules: bool | None,
              cache_dir: Path | None, no_cache: bool, force: bool, quiet: bool,
              say: Callable[[str], None], labels: dict[str, str], jobs: int | None,
              python_frames: bool, accept_damaged: bool,

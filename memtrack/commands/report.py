@@ -42,7 +42,7 @@ def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
         from memtrack.report.html import write_html
 
         try:
-            write_html(con, html, opts)
+            write_html(con, html, opts, data)
         except OSError as e:
             raise CommandError(f"{html}: {e.strerror or e}") from None
         give_to_invoking_user(html)

@@ -15,7 +15,7 @@ from memtrack.process.decode import decode_chunks
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.symbolize import default_cache_dir, symbolize_frames
-from memtrack.symbolize.modules import ModuleStore
+from memtrack.symbolize.modules import ModuleStore, host_modules_for
 
 
 def find_record(art: Artifact, stack_hash: int) -> pa.Table | None:
@@ -29,11 +29,11 @@ def find_record(art: Artifact, stack_hash: int) -> pa.Table | None:
     return None
 
 
-def run(artifact: Path, record: str, host_modules: bool, out: TextIO,
-        accept_damaged: bool = False) -> int:
+def run(artifact: Path, record: str, host_modules: bool | None, out: TextIO,
+        accept_damaged: bool = False, say: TextIO | None = None) -> int:
     try:
         return show_record(artifact, record, out, host_modules=host_modules,
-                           accept_damaged=accept_damaged)
+                           accept_damaged=accept_damaged, say=say)
     except (ArtifactError, ValueError) as e:
         raise CommandError(f"unwind: {e}") from None
 
@@ -51,14 +51,19 @@ def parse_hash(text: str) -> int:
 
 
 def show_record(artifact_path: Path, record: str, out: TextIO, *,
-                host_modules: bool = False, accept_damaged: bool = False) -> int:
+                host_modules: bool | None = False, accept_damaged: bool = False,
+                say: TextIO | None = None) -> int:
     """Print one stack record's frames with how each was found and its symbol (inline
-    frames indented). Returns the exit status."""
+    frames indented). Returns the exit status. `host_modules` None: as for `process`
+    (host_modules_for), its note to `say`."""
     want = parse_hash(record)
     art = Artifact.open(artifact_path, accept_damaged=accept_damaged)
     rows = find_record(art, want)
     if rows is None:
         raise ValueError(f"no stack record with hash {want:#x} in {artifact_path}")
+    host_modules, note = host_modules_for(art.manifest.host, host_modules)
+    if note and say is not None:  # once the artifact is read: an error is one line
+        say.write(f"note: {note}\n")
     store = ModuleStore(artifact_path, host_modules=host_modules)
     res = unwind(rows, artifact_mappings(art, rows.column("pid").to_numpy()), store,
                  cache_dir=default_cache_dir())

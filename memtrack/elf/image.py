@@ -20,6 +20,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 SHF_EXECINSTR = 0x4
+NT_GNU_BUILD_ID = 3
 SHF_COMPRESSED = 0x800
 PF_X = 0x1
 R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT = 6, 7
@@ -28,6 +29,8 @@ DWARF_SECTIONS = (
     ".debug_info", ".debug_abbrev", ".debug_str", ".debug_line_str", ".debug_line",
     ".debug_ranges", ".debug_rnglists", ".debug_addr", ".debug_str_offsets", ".debug_aranges",
 )  # fmt: skip
+
+MAX_SECTION_BYTES = 4 << 30  # a compressed section inflates to at most this
 
 ELF_ERRORS = (OSError, ELFError, struct.error, ValueError, zlib.error, KeyError, IndexError,
               AssertionError)
@@ -99,6 +102,7 @@ class ElfImage:
         except OSError as e:
             raise ElfReadError(f"{path}: not a readable ELF file ({e})") from None
         try:
+            self.size = self._f.seek(0, io.SEEK_END)
             self.elf = ELFFile(self._f)
             self.sections = {s.name: s for s in self.elf.iter_sections()}
         except ELF_ERRORS as e:
@@ -141,18 +145,29 @@ class ElfImage:
         the .note.gnu.build-id section (a debug file's notes are not in a segment)."""
         try:
             for seg in self.elf.iter_segments():
-                if seg["p_type"] != "PT_NOTE":
-                    continue
-                for note in seg.iter_notes():
-                    if note["n_type"] == "NT_GNU_BUILD_ID" and note["n_name"] == "GNU":
-                        return str(note["n_desc"]).lower()
+                if seg["p_type"] == "PT_NOTE" and seg["p_offset"] + seg["p_filesz"] <= self.size:
+                    self._f.seek(seg["p_offset"])
+                    found = self._build_id_note(self._f.read(seg["p_filesz"]))
+                    if found:
+                        return found
             sec = self.sections.get(".note.gnu.build-id")
-            if sec is not None:
-                for note in sec.iter_notes():
-                    if note["n_type"] == "NT_GNU_BUILD_ID":
-                        return str(note["n_desc"]).lower()
-        except ELF_ERRORS:
+            return self._build_id_note(self.data(sec)) if sec is not None else None
+        except (ElfReadError, *ELF_ERRORS):
             return None
+
+    def _build_id_note(self, notes: bytes) -> str | None:
+        """The GNU build id among ELF notes, each note's sizes checked against the bytes
+        (pyelftools read a note's n_descsz of 2 GiB as it stood)."""
+        order = "<" if self.elf.little_endian else ">"
+        pos = 0
+        while pos + 12 <= len(notes):
+            namesz, descsz, kind = struct.unpack_from(order + "III", notes, pos)
+            desc = pos + 12 + (namesz + 3) // 4 * 4
+            if desc + descsz > len(notes):
+                return None
+            if kind == NT_GNU_BUILD_ID and notes[pos + 12:pos + 12 + namesz] == b"GNU\0":
+                return notes[desc:desc + descsz].hex()
+            pos = desc + (descsz + 3) // 4 * 4
         return None
 
     def debuglink(self) -> tuple[str, int] | None:
@@ -161,10 +176,10 @@ class ElfImage:
         if sec is None:
             return None
         try:
-            data = sec.data()
+            data = self.data(sec)
             end = data.index(b"\0")
             (crc,) = struct.unpack_from("<I", data, (end + 4) & ~3)
-        except ELF_ERRORS:
+        except (ElfReadError, *ELF_ERRORS):
             return None
         return data[:end].decode(errors="replace"), crc
 
@@ -188,21 +203,39 @@ class ElfImage:
         compressed or .zdebug sections count, a debug stub's NOBITS one does not)."""
         return self.has(".debug_info")
 
+    def data(self, sec: Any) -> bytes:
+        """A section's bytes, b"" for NOBITS, inflated where SHF_COMPRESSED; read only
+        once its size is known to fit (its bytes inside the file, its inflated size at
+        most MAX_SECTION_BYTES): a size in a header is never an allocation."""
+        if sec["sh_type"] == "SHT_NOBITS":
+            return b""
+        if sec["sh_offset"] + sec["sh_size"] > self.size:
+            raise ElfReadError(f"{self.path}: section {sec.name} ends beyond the file "
+                               f"({sec['sh_size']:,} bytes at {sec['sh_offset']:#x})")
+        try:
+            if sec.compressed and sec.data_size > MAX_SECTION_BYTES:
+                raise ElfReadError(f"{self.path}: section {sec.name} inflates to "
+                                   f"{sec.data_size:,} bytes, more than {MAX_SECTION_BYTES:,}")
+            return bytes(sec.data())  # pyelftools inflates SHF_COMPRESSED sections
+        except ELF_ERRORS as e:
+            raise ElfReadError(f"{self.path}: section {sec.name} unreadable ({e})") from None
+
     def section_bytes(self, name: str) -> bytes:
         """A section's contents, decompressed (SHF_COMPRESSED or the old .zdebug form)."""
         s = self.sections.get(name)
         if s is not None and s["sh_type"] != "SHT_NOBITS":
-            try:
-                return bytes(s.data())  # pyelftools inflates SHF_COMPRESSED sections
-            except ELF_ERRORS as e:
-                raise ElfReadError(f"{self.path}: section {name} unreadable ({e})") from None
+            return self.data(s)
         z = self.sections.get(".z" + name[1:])
         if z is not None:
-            raw = z.data()
+            raw = self.data(z)
             if raw[:4] != b"ZLIB":
                 raise ElfReadError(f"{self.path}: section {z.name} has no ZLIB header")
+            size = int.from_bytes(raw[4:12], "big")
+            if size > MAX_SECTION_BYTES:
+                raise ElfReadError(f"{self.path}: section {z.name} inflates to {size:,} "
+                                   f"bytes, more than {MAX_SECTION_BYTES:,}")
             try:
-                return zlib.decompress(raw[12:])
+                return zlib.decompressobj().decompress(raw[12:], size)
             except zlib.error as e:
                 raise ElfReadError(f"{self.path}: section {z.name} corrupt ({e})") from None
         return b""
@@ -215,14 +248,7 @@ class ElfImage:
         sec = self.sections.get(name)
         if sec is None or sec["sh_type"] == "SHT_NOBITS":
             return None
-        size = self._f.seek(0, io.SEEK_END)
-        if sec["sh_offset"] + sec["sh_size"] > size:  # read no more than the file holds
-            raise ElfReadError(f"{self.path}: section {name} ends beyond the file "
-                               f"({sec['sh_size']:,} bytes at {sec['sh_offset']:#x})")
-        try:
-            return bytes(sec.data()), int(sec["sh_addr"])
-        except ELF_ERRORS as e:
-            raise ElfReadError(f"{self.path}: section {name} unreadable ({e})") from None
+        return self.data(sec), int(sec["sh_addr"])
 
     # ---- code ----------------------------------------------------------------------
     def code(self, vaddr: int, size: int) -> bytes:
@@ -233,10 +259,10 @@ class ElfImage:
         if off is None or size <= 0:
             return b""
         i = int(np.searchsorted(seg.offset, np.uint64(off), side="right")) - 1
-        end = int(seg.offset[i] + seg.filesz[i])
+        end = min(int(seg.offset[i] + seg.filesz[i]), self.size)  # no more than the file
         try:
             self._f.seek(off)
-            return self._f.read(min(size, end - off))
+            return self._f.read(max(min(size, end - off), 0))
         except OSError:
             return b""
 
@@ -247,6 +273,9 @@ class ElfImage:
         for off, va, size, x in zip(seg.offset.tolist(), seg.vaddr.tolist(),
                                     seg.filesz.tolist(), seg.executable.tolist(), strict=True):
             if x and size:
+                if off + size > self.size:  # a size in a header is never an allocation
+                    raise ElfReadError(f"{self.path}: segment at {off:#x} ends beyond the "
+                                       f"file ({size:,} bytes)")
                 try:
                     self._f.seek(off)
                     out.append((va, self._f.read(size)))

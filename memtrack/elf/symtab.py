@@ -102,9 +102,9 @@ def read_symbol_table(image: ElfImage) -> tuple[SymbolTable, str]:
 
 def _raw_symbols(image: ElfImage, sec: Any) -> tuple[np.ndarray, bytes]:
     """A symbol section's entries (SYM_DTYPE) and its string table."""
-    data = sec.data()
+    data = image.data(sec)
     syms = np.frombuffer(data, dtype=SYM_DTYPE, count=len(data) // SYM_DTYPE.itemsize)
-    return syms, image.elf.get_section(sec["sh_link"]).data()
+    return syms, image.data(image.elf.get_section(sec["sh_link"]))
 
 
 def _name_at(strtab: bytes, off: int) -> str:

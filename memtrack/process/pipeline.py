@@ -46,7 +46,7 @@ from memtrack.schema.stages import (
     MODULES,
     SYMBOLIZED_FRAMES,
 )
-from memtrack.symbolize.modules import ModuleStore
+from memtrack.symbolize.modules import ModuleStore, host_modules_for
 
 T = TypeVar("T")
 
@@ -71,6 +71,7 @@ class Summary:
     rows: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # said, not kept in the run's warnings
     metadata: Path | None = None  # RUN.memory_metadata.json
 
     def lines(self) -> list[str]:
@@ -99,6 +100,7 @@ class Summary:
                        "forked children before their exec (their parent's program, e.g. a "
                        "shell's, between fork and exec): ended by the exec, in no "
                        "process's figures")
+        out.extend(f"note: {n}" for n in self.notes)
         out.extend(f"warning: {w}" for w in self.warnings)
         return out
 
@@ -156,7 +158,7 @@ def process(
     out_db: Path | str,
     *,
     parquet_dir: Path | str | None = None,
-    host_modules: bool = True,
+    host_modules: bool | None = None,
     cache_dir: Path | str | None = None,
     progress: bool | ProgressSink | None = None,
     chunk_bytes: int | None = None,
@@ -168,8 +170,9 @@ def process(
     """Process an artifact into a run database. Raises ArtifactError for a bad artifact.
 
     host_modules: where the artifact lacks a module, use the host file at its mapped path
-    when its build id matches. cache_dir: the symbol and CFI caches (per module), None
-    for none.
+    when its build id matches (ModuleStore); None: only for a run captured on this host
+    in this boot, else not, with a note saying so (host_modules_for).
+    cache_dir: the symbol and CFI caches (per module), None for none.
     progress: where the stages are (memtrack.process.progress): True draws it on stderr
     (TerminalProgress), None only when stderr is a terminal, False nowhere; or a sink.
     chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
@@ -196,6 +199,8 @@ def process(
     st = Stages(summary, shown or (progress if not isinstance(progress, bool) else None))
     with shown or nullcontext():
         art = Artifact.open(artifact_path, accept_damaged=accept_damaged)
+        host_modules, note = host_modules_for(art.manifest.host, host_modules)
+        summary.notes += [note] if note else []
         db = RunDatabase(out_db, jobs)
         spill = EventSpill(db.tmp.with_name(db.tmp.name + ".spill"),
                            buckets_for(_events_estimate(art)))

@@ -21,20 +21,23 @@ import duckdb
 
 from memtrack.report import regions
 from memtrack.report.reader import METRICS, UNITS, Costs, RunReader
-from memtrack.report.text import SECTIONS, ReportOptions, report_data
+from memtrack.report.text import SECTIONS, ReportOptions, busiest, report_data
 from memtrack.schema import is_loss
 
 TIMELINE_POINTS = 1500  # per process and series, at most (reader.downsampled)
+PAGE_PROCESSES = 200  # in the table and flame graph: those with the most calls
+TIMELINE_PROCESSES = 20  # timelines drawn: of the processes with the most calls
 FLAME_METRICS = {"allocated": "bytes allocated", "calls": "calls", "peak": "alive at peak",
                  "leaked": "leaked", "temporary": "temporary allocations"}
 assert set(FLAME_METRICS) == set(METRICS)
 
 
-def flame_tree(c: Costs, metric: str) -> list[list[Any]]:
+def flame_tree(c: Costs, metric: str, shown: set[int] | None = None) -> list[list[Any]]:
     """The flame graph's nodes from the root outward ("all", process, main, ..., site), in
     pre-order (a node before its children, these by value, the largest first): [name,
     value, depth]. Flat, so that a stack of any depth is no recursion here or in the
-    page."""
+    page. The processes not in `shown` (when given) hang from one node, "other
+    processes", so that a run of thousands of them is not thousands of trees."""
     root: list[Any] = ["all", 0, {}]
     for row in c.rows:
         v = row.value(metric)
@@ -42,7 +45,8 @@ def flame_tree(c: Costs, metric: str) -> list[list[Any]]:
             continue
         node = root
         node[1] += v
-        for name in [c.root(row.pid), *reversed(c.names(row.backtrace))]:
+        top = c.root(row.pid) if shown is None or row.pid in shown else "other processes"
+        for name in [top, *reversed(c.names(row.backtrace))]:
             child = node[2].get(name)
             if child is None:
                 child = node[2][name] = [name, 0, {}]
@@ -58,17 +62,32 @@ def flame_tree(c: Costs, metric: str) -> list[list[Any]]:
     return out
 
 
-def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions) -> dict[str, Any]:
+def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions,
+              report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the page embeds: bounded whatever the run (a fork/exec storm is thousands of
+    processes): the PAGE_PROCESSES with the most calls in its table and flame graph
+    (the others as one "other processes"), the timelines of the TIMELINE_PROCESSES
+    first of those, and how many processes there are. `report`: report_data's, when
+    the caller has it."""
     run = RunReader(con, opts.pid)
     c = run.costs()
+    report = dict(report or report_data(con, opts))
+    total = len(report["processes"])
+    report["processes"] = busiest(report["processes"], PAGE_PROCESSES)
+    pids = [p["pid"] for p in report["processes"]]
+    shown = set(pids) if total > PAGE_PROCESSES else None
+    timelines = [p["pid"] for p in busiest(report["processes"], TIMELINE_PROCESSES)]
     return {
         "title": run.title,
-        "report": report_data(con, opts),
+        "report": report,
+        "processes_total": total,
+        "timeline_processes": TIMELINE_PROCESSES,
         "sections": [s.describe() for s in SECTIONS],
         "metrics": [{"key": m, "label": label, "unit": UNITS[m]}
                     for m, label in FLAME_METRICS.items()],
-        "flame": {m: flame_tree(c, m) for m in FLAME_METRICS},
-        "timelines": run.timelines(TIMELINE_POINTS),
+        "flame": {m: flame_tree(c, m, shown) for m in FLAME_METRICS},
+        "timelines": run.timelines(TIMELINE_POINTS, timelines if total > TIMELINE_PROCESSES
+                                   else None),
         "hotspots": RunReader(con).hotspots(50),
         "regions": regions.html_data(run, opts.top),
         "loss_counters": [k for k in run.losses if is_loss(k)],
@@ -83,9 +102,9 @@ def render(data: dict[str, Any]) -> str:
 
 
 def write_html(con: duckdb.DuckDBPyConnection, out: Path, opts: ReportOptions | None = None,
-               ) -> None:
+               report: dict[str, Any] | None = None) -> None:
     opts = opts or ReportOptions()
-    Path(out).write_text(render(page_data(con, opts)))
+    Path(out).write_text(render(page_data(con, opts, report)))
 
 
 TEMPLATE = r"""<!DOCTYPE html>
@@ -315,6 +334,9 @@ function timeline() {
   const box = document.getElementById("timeline");
   box.textContent = "";
   if (!D.timelines.length) { el("p", {}, box, "no heap or RSS samples"); return; }
+  if (D.processes_total > D.timeline_processes)
+    el("p", {}, box, "the " + D.timeline_processes + " processes with the most calls of "
+       + D.processes_total + " (memtrack report --pid PID --html: one process's)");
   const W = Math.max(box.clientWidth || 0, 600), PH = 110, GAP = 14, L = 78, R = 16, T = 22;
   const t0 = 0, t1 = Math.max(D.report.totals.runtime_s,
     ...D.timelines.map(p => Math.max(...p.heap.concat(p.rss).map(q => q[0]))));
@@ -420,6 +442,10 @@ function tables() {
       count(p.calls), bytes(p.peak_heap_bytes), bytes(p.leaked_bytes),
       p.peak_rss_bytes === null ? "" : bytes(p.peak_rss_bytes)]),
     [true, true, false, false, true, true, true, true]);
+  if (D.processes_total > R.processes.length)
+    el("p", {}, box, (D.processes_total - R.processes.length) + " more processes with "
+       + "fewer calls, in the flame graph as \"other processes\" (memtrack report "
+       + "--format json lists them all)");
   el("h2", {}, box, "Hotspots (by allocating function, all processes)");
   const ht = table(box, ["function", "calls", "allocated", "at peak", "leaked", "incl. calls",
                          "incl. allocated"],

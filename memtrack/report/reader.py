@@ -508,13 +508,14 @@ class RunReader:
             WHERE p.pid = ?""", [int(self.meta.get("root_pid", 0) or 0)])
 
     # ---- timelines ---------------------------------------------------------------
-    def timelines(self, points: int) -> list[dict[str, Any]]:
-        """Per process: heap bytes and RSS over time, [seconds from the run's time zero
-        (program_start_ns; earlier samples at 0), bytes], each series cut to at most
-        `points` (downsampled: each bucket's minimum, maximum and last value kept),
-        ending at its last value (the heap at exit); and the stops that capture held it
-        for, [begin s, end s, reason] (the `points` longest)."""
-        pids = f"SELECT pid FROM processes WHERE {self.where()}"
+    def timelines(self, points: int, only: list[int] | None = None) -> list[dict[str, Any]]:
+        """Per process (of `only`, when given): heap bytes and RSS over time, [seconds
+        from the run's time zero (program_start_ns; earlier samples at 0), bytes], each
+        series cut to at most `points` (downsampled: each bucket's minimum, maximum and
+        last value kept), ending at its last value (the heap at exit); and the stops
+        that capture held it for, [begin s, end s, reason] (the `points` longest)."""
+        chosen = self.where() if only is None else RunReader(self.con, tuple(only)).where()
+        pids = f"SELECT pid FROM processes WHERE {self.where()} AND {chosen}"
         series = {"heap": f"""SELECT pid, ts, heap_bytes, event_id FROM heap_timeline
                               WHERE pid IN ({pids})""",
                   "rss": f"SELECT pid, ts, rss, ts FROM rss_timeline WHERE pid IN ({pids})"}
@@ -537,7 +538,7 @@ class RunReader:
                                             round((e - start) / 1e9, 9), r])
         out = []
         for p, name in self.con.execute(f"""SELECT pid, name FROM processes
-                                            WHERE {self.where()} ORDER BY start_ts, pid
+                                            WHERE pid IN ({pids}) ORDER BY start_ts, pid
                                             """).fetchall():
             heap, rss = points_of["heap"].get(p, []), points_of.get("rss", {}).get(p, [])
             if heap or rss:

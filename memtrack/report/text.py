@@ -98,6 +98,12 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
     }
 
 
+def busiest(processes: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The `n` processes with the most calls, in their order (by start)."""
+    top = sorted(range(len(processes)), key=lambda i: -processes[i]["calls"])[:n]
+    return [processes[i] for i in sorted(top)]
+
+
 def human_bytes(n: float) -> str:
     """Binary units, named as such: 512 B, 1.19 MiB, 1.27 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -171,8 +177,8 @@ def format_text(data: dict) -> str:
     ]
     if len(data["processes"]) > 1:
         lines += ["", "PROCESSES"]
-        procs = sorted(data["processes"], key=lambda p: -p["calls"])[:MAX_PROCESSES]
-        for p in sorted(procs, key=data["processes"].index):
+        procs = busiest(data["processes"], MAX_PROCESSES)
+        for p in procs:
             status = (signal_text(p["exit_signal"]) if p["exit_signal"] else
                       f"exit {p['exit_code']}" if p["exit_code"] is not None else "no exit seen")
             lines.append(

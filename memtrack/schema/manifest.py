@@ -27,11 +27,13 @@ class ManifestError(ValueError):
     """manifest.json does not match the manifest's schema (worded for one line)."""
 
 
-def _boot_id() -> str:
+def _read_id(path: str) -> str:
+    """A one-line identity file of this host (/etc/machine-id, the boot id), "" when
+    there is none."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
+        with open(path) as f:
+            return f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
         return ""
 
 
@@ -42,6 +44,9 @@ class Host:
     page_size: PageSize = 4096
     boot_id: str = ""
     hostname: str = ""
+    # /etc/machine-id (format 2.4): with the boot id, what says a run was captured on
+    # the machine reading it, in the boot it runs (ModuleStore's host modules)
+    machine_id: str = ""
 
     @classmethod
     def current(cls) -> Host:
@@ -50,9 +55,17 @@ class Host:
             kernel=u.release,
             arch=u.machine,
             page_size=os.sysconf("SC_PAGE_SIZE"),
-            boot_id=_boot_id(),
+            boot_id=_read_id("/proc/sys/kernel/random/boot_id"),
             hostname=u.node,
+            machine_id=_read_id("/etc/machine-id"),
         )
+
+    def captured_here(self) -> bool:
+        """Whether this host is the one the run was captured on, in the same boot: the
+        same machine id and boot id, both known (a hostname proves nothing)."""
+        here = Host.current()
+        return bool(self.machine_id and self.boot_id) and (
+            (self.machine_id, self.boot_id) == (here.machine_id, here.boot_id))
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 A module comes from an artifact's `modules/BUILD_ID/` copy (module.json says which file
 is the ELF and which its separate debug file), or, with `host_modules=True`, from the
-path it was mapped from on this host once that file's build id has been checked. Its
-debug file is the artifact's copy, else the host's `/usr/lib/debug/.build-id/` file of
-the same build id (or a .gnu_debuglink with a matching CRC).
+path it was mapped from on this host once it is known to be a regular file of a bounded
+size whose build id is the mapping's (`process`'s default only for a run captured on
+this host, memtrack.schema.manifest.Host.captured_here). Its debug file is the
+artifact's copy, else the host's `/usr/lib/debug/.build-id/` file of the same build id
+(or a .gnu_debuglink with a matching CRC).
 
 Address normalization: a runtime address becomes a file offset through its mapping
 (`addr - start + offset`), and a file offset becomes an ELF virtual address through the
@@ -14,6 +16,8 @@ PT_LOAD segment holding it (`Module.file_offset_to_vaddr`, memtrack.elf.Segments
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +33,21 @@ from memtrack.elf import (
 )
 from memtrack.schema import VDSO_PATH
 from memtrack.schema.artifact import BUILD_ID, module_copies
+from memtrack.schema.manifest import Host
+
+# the largest host file read as a module (libLLVM is ~150 MiB; a debug file can be GiBs)
+MAX_HOST_MODULE_BYTES = 4 << 30
+
+
+def host_modules_for(host: Host, asked: bool | None) -> tuple[bool, str]:
+    """Whether host files stand in for modules an artifact lacks: as `asked`, else only
+    for a run captured on this machine in this boot (`host`, the manifest's); and the
+    note that says they are off and how to force them ("" when none)."""
+    if asked is not None or host.captured_here():
+        return asked is not False, ""
+    return False, ("host modules off: the run was not captured on this machine in this "
+                   "boot (machine id and boot id); only the artifact's module copies are "
+                   "read (--host-modules on reads this host's files at the mapped paths)")
 
 
 class ModuleError(Exception):
@@ -191,12 +210,27 @@ class ModuleStore:
         return mod
 
     def _host_module(self, build_id: str, path_hint: str) -> Module | None:
-        if path_hint == VDSO_PATH:
+        """The host file at `path_hint` if it is a regular file of at most
+        MAX_HOST_MODULE_BYTES whose build id is `build_id`. It is opened with O_PATH
+        first (which reads nothing and cannot block: a FIFO or a device there is refused
+        from its fstat) and its build-id note is the first thing read of it."""
+        if path_hint == VDSO_PATH or not path_hint.startswith("/"):
             return None  # the host's vDSO is not the traced one; only the artifact has it
         p = Path(path_hint)
-        if not p.is_file():
+        try:
+            fd = os.open(p, os.O_PATH | os.O_CLOEXEC)
+        except (OSError, ValueError):
             return None
-        if read_build_id(p) != build_id:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_HOST_MODULE_BYTES:
+                self.problems.append(f"{p}: not a regular file of at most "
+                                     f"{MAX_HOST_MODULE_BYTES:,} bytes; host module not read")
+                return None
+            own = read_build_id(f"/proc/self/fd/{fd}")  # the file fstat saw, not a new one
+        finally:
+            os.close(fd)
+        if own != build_id:
             self.problems.append(f"{p}: build id differs from the traced module {build_id}")
             return None
         return Module(build_id, path_hint, p, self._host_debug(p, build_id))

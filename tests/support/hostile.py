@@ -156,6 +156,18 @@ def _escape_build_id(art: Path, outside: Path) -> None:
     set_column(art, "mappings", "build_id", bad, slice(0, None))
 
 
+def _map_libc_to(art: Path, path: str) -> None:
+    """libc's copy refused (module.json not JSON) and its mappings say `path`: process
+    once fell back to that host file (/etc/shadow, a FIFO) for a run from elsewhere."""
+    d = libc_dir(art)
+    libc = module_info(d)["path"]
+    (d / "module.json").write_text("{")
+    t = read_table(art, "mappings")
+    paths = [path if p == libc else p for p in t.column("path").to_pylist()]
+    write_table(art, "mappings", t.set_column(t.schema.get_field_index("path"), "path",
+                                              pa.array(paths, pa.string())))
+
+
 def _other_elf(art: Path, outside: Path) -> None:
     # an ELF filed under another module's build id (its note differs)
     a, b = modules(art)[:2]
@@ -221,6 +233,15 @@ def _cases() -> list[Case]:
           "must be strings"),
         C("module-elf-section-2^40", lambda a, o: _section_size(
             libc_dir(a) / module_info(libc_dir(a))["file"], ".eh_frame", 1 << 40), "ok"),
+        C("module-debug-section-2^40", lambda a, o: _section_size(
+            libc_dir(a) / module_info(libc_dir(a))["debug_file"], ".debug_info", 1 << 40),
+          "ok"),
+        C("mapping-etc-shadow", lambda a, o: _map_libc_to(a, "/etc/shadow"), "ok",
+          "host modules off"),
+        C("mapping-fifo", lambda a, o: (os.mkfifo(o / "fifo"), _map_libc_to(a, str(o / "fifo"))),
+          "ok", "host modules off"),
+        C("mapping-other-artifact", lambda a, o: _map_libc_to(a, str(o / "libc.so.6")), "ok",
+          "host modules off"),
         C("module-elf-empty", lambda a, o: (
             libc_dir(a) / module_info(libc_dir(a))["file"]).write_bytes(b""), "ok"),
         # manifest fields of the wrong type or out of range

@@ -92,6 +92,37 @@ def write_artifact(path: Path, events: pa.Table | None = None, *,
     return path
 
 
+def write_storm(path: Path, processes: int) -> Path:
+    """A fork/exec storm: pid 100 (a shell) forks `processes` children one after
+    another, 1 ms apart, each of which execs, allocates three blocks (its RSS growing
+    with each), frees one and exits (the others leaked at its exit)."""
+    rows, rss, procs = [], [], [(900, 100, 1, "sh", "/bin/sh", ["sh"])]
+    ts = 1000
+    for i in range(processes):
+        pid = 1000 + i
+        rows += [(ts, 100, 100, K.FORK, 0, pid, 0, 0, 0), (ts + 1, pid, pid, K.EXEC, 0, 0, 0, 0, 0)]
+        procs.append((ts + 1, pid, 100, f"job{i}", "/bin/job", ["job", str(i)]))
+        for j in range(3):
+            rows.append((ts + 2 + j, pid, pid, K.MALLOC, 0, 0x1000 + 64 * j, 0, 100 + j, 11))
+            rss.append((ts + 2 + j, pid, 1, 4096 * (j + 1), False))
+        rows += [(ts + 5, pid, pid, K.FREE, 0, 0x1000, 0, 0, 0),
+                 (ts + 6, pid, pid, K.EXIT, 1, 0, 0, 0, 0)]
+        ts += 1_000_000
+    w = ArtifactWriter(path)
+    w.write("events", events_table(rows))
+    w.write("processes", pa.table(dict(zip(PROCESSES.names, zip(*procs, strict=True),
+                                           strict=True)), schema=PROCESSES))
+    w.write("rss", pa.table(dict(zip(RSS.names, zip(*rss, strict=True), strict=True)),
+                            schema=RSS))
+    w.write("mappings", MAPPINGS.empty_table())
+    w.manifest.root_pid = 100
+    w.manifest.start_ns = 900
+    w.manifest.end_ns = ts
+    w.manifest.command = ["sh", "storm"]
+    w.close()
+    return path
+
+
 # Hand-built unwinding and symbolization results for the stack hashes above, so that
 # report and export tests control every frame: hash -> frames innermost first
 # (depth 0 is the allocator itself); NAME:LINE is NAME at another line of its file.
