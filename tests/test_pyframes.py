@@ -156,17 +156,12 @@ def python_part(frames: list[tuple[str, str, int, str]]) -> list[tuple[str, str,
             for n, f, ln, m in frames if m == "python"]
 
 
-@pytest.mark.bpf
-@pytest.mark.parametrize("interp", sorted(INTERPRETERS))
-def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
-    exe = INTERPRETERS[interp]
-    if not exe.exists():
-        pytest.skip(f"no {exe} here")
+def chains() -> dict[int, list[tuple[str, str, int]]]:
+    """The Python frames of each allocation of frames.py, by size."""
     s = sites()
-    con = capture_and_process(tmp_path, python=str(exe))
     mod = ("<module>", "frames.py", s["module"])
     # bytearray(n) asks for n + 1 bytes
-    want = {
+    return {
         N + 2: [("leaf", "frames.py", s["leaf"]), ("middle", "frames.py", s["middle"]),
                 ("main", "frames.py", s["main"]), mod],
         N + 11: [("gen", "frames.py", s["gen"]), ("main", "frames.py", s["main_gen"]), mod],
@@ -177,7 +172,19 @@ def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
         N + 41: [("from_string", "<generated>", 2), ("<module>", "<generated>", 3),
                  ("main", "frames.py", s["main_exec"]), mod],
     }
-    for size, chain in want.items():
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("interp", sorted(INTERPRETERS))
+def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
+    """--python-stacks mixed: every native frame, the Python runs in place of the
+    evaluation frames that ran them."""
+    exe = INTERPRETERS[interp]
+    if not exe.exists():
+        pytest.skip(f"no {exe} here")
+    s = sites()
+    con = capture_and_process(tmp_path, "--python-stacks", "mixed", python=str(exe))
+    for size, chain in chains().items():
         frames = frames_of(con, size)
         assert python_part(frames) == chain, (size, frames)
         # native frames (the allocator, bytearray's C code) above the Python ones, the
@@ -226,6 +233,52 @@ def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
         SELECT s.complete FROM stacks s JOIN stack_frames f USING (stack_id)
         WHERE f.depth = s.depth - 1 AND f.method = 'python'""").fetchall()
     assert not any(c for (c,) in short)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("interp", ["debian-3.11", "built-3.12"])
+def test_python_cut(tmp_path: Path, interp: str) -> None:
+    """--python-stacks python (the default): the allocator and its caller, then the
+    Python frames, nothing of the native stack under them: one stack record per Python
+    call path."""
+    exe = INTERPRETERS[interp]
+    if not exe.exists():
+        pytest.skip(f"no {exe} here")
+    s = sites()
+    con = capture_and_process(tmp_path, python=str(exe))
+    for size, chain in chains().items():
+        frames = frames_of(con, size)
+        assert python_part(frames) == chain, (size, frames)
+        assert [f[3] for f in frames[:2]] == ["regs", "cfi"], frames
+        assert all(f[3] == "python" for f in frames[2:]), frames
+        stop = con.execute("""SELECT stop, complete, truncated FROM stacks WHERE stack_id =
+            (SELECT stack_id FROM allocations WHERE size = ?)""", [size]).fetchone()
+        assert stop == ("python", False, False)
+    th = python_part(frames_of(con, N + 51))
+    assert th[0] == ("in_thread", "frames.py", s["thread"])
+    assert [f[0] for f in th[1:]] == ["Thread.run", "Thread._bootstrap_inner",
+                                      "Thread._bootstrap"]
+    # json's C encoder called from JSONEncoder.iterencode: below it, the Python callers
+    rows = con.execute("""
+        SELECT DISTINCT stack_id FROM stack_lines WHERE name = 'JSONEncoder.iterencode'
+        AND stack_id IN (SELECT stack_id FROM allocations)""").fetchall()
+    assert rows
+    for (sid,) in rows:
+        names = [n for (n,) in con.execute(
+            "SELECT name FROM stack_lines WHERE stack_id = ? ORDER BY position", [sid]
+        ).fetchall()]
+        it = names.index("JSONEncoder.iterencode")
+        assert names[it + 1:it + 4] == ["JSONEncoder.encode", "dumps", "main"], names
+    counters = json.loads(con.execute(
+        "SELECT value FROM meta WHERE key = 'counters'").fetchone()[0])
+    assert counters["python_runs_unplaced"] == 0 and counters["python_code_missing"] == 0
+    # every allocation made while Python code ran has a Python cut, none other does
+    cut, py = con.execute("""
+        SELECT count(*) FILTER (WHERE s.stop = 'python'),
+               count(*) FILTER (WHERE s.stack_id IN (
+                   SELECT stack_id FROM stack_frames WHERE method = 'python'))
+        FROM allocations a JOIN stacks s USING (stack_id)""").fetchone()
+    assert cut == py > 0
 
 
 def native_only(con: duckdb.DuckDBPyConnection) -> None:

@@ -95,6 +95,7 @@ struct mt_py_scratch {
     u64 more;
     u64 nnew;
     u64 missing;
+    u64 frame; /* mt_py_frame's answer, for mt_py_capture */
 };
 
 enum mt_py_stat {
@@ -213,25 +214,45 @@ static __always_inline int mt_py_code_record(struct mt_py_scratch *s, const stru
     return 0;
 }
 
-/* The stack hash of an allocation: `native` folded with the thread's Python frames, or
- * `native` itself when it runs no Python code (or its interpreter is not known). */
-static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
+/* The calling thread's innermost Python frame (a _PyInterpreterFrame), or 0 when its
+ * process has no known interpreter, the thread no thread state, or no Python code runs
+ * on it; also left in scratch for mt_py_capture (the stack capture in between then
+ * carries no register of it: one verifier state, whatever it was). */
+static __always_inline u64 mt_py_frame(u32 pid, u32 tid) {
+    int cpu = bpf_get_smp_processor_id();
+    struct mt_py_scratch *s = mt_py_scratch.lookup(&cpu);
+    if (!s)
+        return 0;
+    volatile struct mt_py_scratch *vs = s;
+    vs->frame = 0;
     struct mt_py_proc *p = mt_py_procs.lookup(&pid);
     if (!p)
-        return native;
+        return 0;
+    mt_py_count(MT_PY_CAPTURES);
+    u64 ts = mt_py_tstate(p, tid);
+    if (!ts) {
+        mt_py_count(MT_PY_NO_THREAD);
+        return 0;
+    }
+    u64 cframe = mt_py_word((void *)ts, p->ts_cframe);
+    vs->frame = cframe ? mt_py_word((void *)cframe, p->cf_current) : 0;
+    return vs->frame;
+}
+
+/* The stack hash of an allocation: `native` folded with the thread's Python frames from
+ * the frame mt_py_frame found outward, or `native` itself when there are none. */
+static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
     int cpu = bpf_get_smp_processor_id();
     struct mt_py_scratch *s = mt_py_scratch.lookup(&cpu);
     if (!s)
         return native;
     volatile struct mt_py_scratch *vs = s;
-    mt_py_count(MT_PY_CAPTURES);
-    u64 ts = mt_py_tstate(p, tid);
-    if (!ts) {
-        mt_py_count(MT_PY_NO_THREAD);
+    u64 frame = vs->frame;
+    if (!frame)
         return native;
-    }
-    u64 cframe = mt_py_word((void *)ts, p->ts_cframe);
-    u64 frame = cframe ? mt_py_word((void *)cframe, p->cf_current) : 0;
+    struct mt_py_proc *p = mt_py_procs.lookup(&pid);
+    if (!p)
+        return native;
     u64 h = mt_fnv_step(MT_FNV_OFFSET, native);
     /* the frame count lives in scratch (read back through a volatile pointer): the
      * verifier carries one state per iteration, whatever the shims skipped */

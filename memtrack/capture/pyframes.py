@@ -232,6 +232,7 @@ class PyFramesPart:
 
     def __init__(self, options: CaptureOptions, *, seen_entries: int = 65536,
                  code_entries: int = 65536, ring_pages: int = 1024) -> None:
+        self.cut = options.python_stacks == "python"
         self.ring_pages = ring_pages
         self.seen_entries = seen_entries
         self.code_entries = code_entries
@@ -243,7 +244,8 @@ class PyFramesPart:
         return ["pyframes.h"]
 
     def cflags(self) -> list[str]:
-        return ["-DMT_PYFRAMES", f"-DMT_PY_RING_PAGES={self.ring_pages}",
+        return ["-DMT_PYFRAMES", f"-DMT_PY_CUT={int(self.cut)}",
+                f"-DMT_PY_RING_PAGES={self.ring_pages}",
                 f"-DMT_PY_SEEN={self.seen_entries}", f"-DMT_PY_CODES={self.code_entries}",
                 f"-DMT_PY_FORK_CHILD={fork_child_offset()}"]
 

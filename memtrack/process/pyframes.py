@@ -195,6 +195,11 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     found = (si < len(st_hash)) & (st_hash[st_order][np.minimum(si, len(st_hash) - 1)]
                                    == rnative) if len(st_hash) else np.zeros(nrec, bool)
     counters["python_native_missing"] = int((~found).sum())
+    # a Python cut's native stack ends at the allocator's caller by design: its runs go
+    # outermost, none is unplaced
+    st_stop = stacks.column("stop").to_numpy(zero_copy_only=False)
+    cut = found & (st_stop[st_order][np.minimum(si, max(len(st_hash) - 1, 0))] == "python") \
+        if len(st_hash) else np.zeros(nrec, bool)
 
     # native rows, repeated per record; an evaluation frame whose run exists is dropped
     nlen = hi - lo
@@ -214,9 +219,9 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     big = np.iinfo(np.int64).max // 4
     pdepth = np.where(placed[pyf], sf.column("depth").to_numpy().astype(np.int64)[at]
                       if sf.num_rows else 0, big)
+    lost = ~placed[pyf] & ~cut[frow[pyf]]
     counters["python_runs_unplaced"] = int(len(np.unique(
-        np.stack([frow[pyf][~placed[pyf]], frun[pyf][~placed[pyf]]]), axis=1)[0])) \
-        if (~placed[pyf]).any() else 0
+        np.stack([frow[pyf][lost], frun[pyf][lost]]), axis=1)[0])) if lost.any() else 0
     prow = frow[pyf]
     rows = np.concatenate([nrow, prow])
     dkey = np.concatenate([ndepth, pdepth])

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from memtrack.schema import (
+    ADDED_COLUMNS,
     MANIFEST,
     MODULE_INFO,
     MODULES_DIR,
@@ -377,8 +378,10 @@ class Artifact:
                                         ) from None
                 raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})"
                                     ) from None
+            filled = self._filled(name, reader.schema)
             try:
-                diff = _schema_diff(reader.schema, schema)
+                diff = _schema_diff(reader.schema, pa.schema(
+                    [f for f in schema if f.name not in filled]))
             except UnicodeDecodeError:  # pyarrow decodes a field's name as it is asked
                 diff = "a field name that is not UTF-8"
             if diff:
@@ -397,7 +400,9 @@ class Artifact:
                     break
                 if not batch.schema.equals(schema):
                     batch = pa.RecordBatch.from_arrays(
-                        [batch.column(n) for n in schema.names], schema=schema)
+                        [pa.repeat(pa.scalar(filled[f.name], f.type), batch.num_rows)
+                         if f.name in filled else batch.column(f.name) for f in schema],
+                        schema=schema)
                 rows += batch.num_rows
                 into.position = f.tell()
                 yield batch
@@ -413,6 +418,16 @@ class Artifact:
         if into.truncated:
             self.truncated.add(name)
             self.warn(f"{shown}: {into.problem}; reading the whole batches before it")
+
+    def _filled(self, name: str, got: pa.Schema) -> dict[str, object]:
+        """The columns of table `name` that a minor format after this artifact's added
+        (ADDED_COLUMNS) and its file lacks: name -> the value its rows read as."""
+        try:
+            version = tuple(int(x) for x in self.manifest.format_version.split(".")[:2])
+        except ValueError:
+            return {}
+        return {col: value for col, since, value in ADDED_COLUMNS.get(name, ())
+                if version < since and col not in got.names}
 
     def warn(self, text: str) -> None:
         """A warning, once (a table read again warns again)."""
