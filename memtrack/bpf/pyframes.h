@@ -62,9 +62,9 @@ struct mt_py_proc {
     u32 ts_native_tid;
     u32 ts_cframe;
     u32 cf_current;         /* in _PyCFrame: current_frame */
-    u32 f_code;             /* in _PyInterpreterFrame */
+    u32 f_code;             /* in _PyInterpreterFrame (3.13: f_executable) */
     u32 f_previous;
-    u32 f_prev_instr;
+    u32 f_prev_instr;       /* the instruction executing (3.13: instr_ptr) */
     u32 f_is_entry;         /* 3.11: the frame was entered from C */
     u32 co_span;            /* start of the MT_PY_SPAN bytes hashed */
     u32 co_firstlineno;     /* in PyCodeObject */
@@ -79,8 +79,9 @@ struct mt_py_proc {
     u32 bytes_size;         /* ob_size */
     u32 bytes_data;         /* ob_sval */
     u32 f_owner;            /* _PyInterpreterFrame.owner */
-    u32 shim;               /* 3.12: a run ends at a shim frame (owner CSTACK), no is_entry */
-    u32 _pad;
+    u32 shim;               /* 3.12+: a run ends at a shim frame (owner CSTACK), no is_entry */
+    u32 cframe;             /* 1: the frame is tstate->cframe->current_frame (3.11, 3.12);
+                             * 0: tstate->current_frame (3.13: cf_current in PyThreadState) */
 };
 
 /* a record's header, then room for the strings (at masked offsets) and the line table */
@@ -230,7 +231,7 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
         mt_py_count(MT_PY_NO_THREAD);
         return native;
     }
-    u64 cframe = mt_py_word((void *)ts, p->ts_cframe);
+    u64 cframe = p->cframe ? mt_py_word((void *)ts, p->ts_cframe) : ts;
     u64 frame = cframe ? mt_py_word((void *)cframe, p->cf_current) : 0;
     u64 h = mt_fnv_step(MT_FNV_OFFSET, native);
     /* the frame count lives in scratch (read back through a volatile pointer): the

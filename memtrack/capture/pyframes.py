@@ -82,23 +82,27 @@ FIELDS = (
     "bytes_size",  # PyVarObject.ob_size
     "bytes_data",  # PyBytesObject.ob_sval
     "f_owner",  # _PyInterpreterFrame.owner
-    "shim",  # 1: runs end above shim frames (3.12), 0: at is_entry frames (3.11)
+    "shim",  # 1: runs end above shim frames (3.12, 3.13), 0: at is_entry frames (3.11)
+    "cframe",  # 1: the frame is tstate->cframe->current_frame, 0: tstate->current_frame
 )
 OFFSETS: dict[tuple[int, int], tuple[int, ...]] = {
     (3, 11): (576, 40, 16, 8, 160, 56, 8, 32, 48, 56, 68, 64, 72, 112, 128, 136, 184,
-              16, 32, 48, 72, 16, 32, 69, 0),
+              16, 32, 48, 72, 16, 32, 69, 0, 1),
     # 3.12: the current thread state is a thread-local (0: search the thread list), no
     # is_entry (0: unused)
     (3, 12): (0, 40, 72, 8, 144, 56, 0, 0, 8, 56, 0, 64, 68, 112, 128, 136, 192,
-              16, 32, 40, 56, 16, 32, 70, 1),
+              16, 32, 40, 56, 16, 32, 70, 1, 1),
+    # 3.13: as 3.12, and no _PyCFrame: PyThreadState.current_frame is cf_current (ts_cframe
+    # unused); f_code is f_executable, f_prev_instr is instr_ptr
+    (3, 13): (0, 632, 7344, 8, 160, 0, 72, 0, 8, 56, 0, 64, 68, 112, 128, 136, 200,
+              16, 32, 40, 56, 16, 32, 70, 1, 0),
 }
 
 
 class PyProc(ct.Structure):
     """bpf/pyframes.h struct mt_py_proc."""
 
-    _fields_ = [("runtime", ct.c_uint64), *((f, ct.c_uint32) for f in FIELDS),
-                ("_pad", ct.c_uint32)]
+    _fields_ = [("runtime", ct.c_uint64), *((f, ct.c_uint32) for f in FIELDS)]
 
 
 @dataclass(frozen=True)
@@ -289,7 +293,7 @@ class PyFramesPart:
                     "native frames only"]
         assert found.version is not None
         proc = PyProc(starts[found.path] - found.first_load + found.runtime_vaddr,
-                      *OFFSETS[found.version[:2]], 0)
+                      *OFFSETS[found.version[:2]])
         table[ct.c_uint32(pid)] = proc
         return []
 
