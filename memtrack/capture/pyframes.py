@@ -52,6 +52,7 @@ KERNEL_STATS = (
 )
 KERNEL_LOSSES = ("pyframes_ring_full", "python_frames_cut")
 TRACEFS = Path("/sys/kernel/tracing/events")
+DEBUG_COOKIE = b"xdebugpy"  # _Py_Debug_Cookie
 
 # Offsets per CPython version (major, minor), in the order of bpf/pyframes.h's struct
 # mt_py_proc, each `offsetof` of that version's headers (Include/internal: compile a
@@ -113,14 +114,16 @@ class Interpreter:
     runtime_vaddr: int
     first_load: int  # the first PT_LOAD's vaddr, page-aligned (where offset 0 maps)
     version: tuple[int, int, int] | None  # None: older than 3.11 (no Py_Version)
+    free_threaded: bool = False  # a --disable-gil build (3.13t): other layouts
 
     @property
     def supported(self) -> bool:
-        return self.version is not None and self.version[:2] in OFFSETS
+        return (self.version is not None and self.version[:2] in OFFSETS
+                and not self.free_threaded)
 
     def describe(self) -> str:
         v = ".".join(map(str, self.version)) if self.version else "before 3.11"
-        return f"CPython {v} ({self.path})"
+        return f"CPython {v}{' free-threaded' if self.free_threaded else ''} ({self.path})"
 
 
 def find_interpreter(path: str) -> Interpreter | None:
@@ -141,11 +144,14 @@ def find_interpreter(path: str) -> Interpreter | None:
                 if len(raw) == 4:
                     hexv = int.from_bytes(raw, "little")
                     version = (hexv >> 24, (hexv >> 16) & 0xFF, (hexv >> 8) & 0xFF)
+            # 3.13+: _PyRuntime opens with _Py_DebugOffsets: cookie, version, free_threaded
+            head = img.code(runtime, 24)
+            free = head[:8] == DEBUG_COOKIE and int.from_bytes(head[16:24], "little") != 0
             seg = img.segments
             first = int(seg.vaddr[0]) & ~0xFFF if len(seg.vaddr) else 0
     except (ElfReadError, OSError, ValueError, KeyError):
         return None
-    return Interpreter(path, runtime, first, version)
+    return Interpreter(path, runtime, first, version, free)
 
 
 def fork_child_offset(tracefs: Path = TRACEFS) -> int:
@@ -288,9 +294,9 @@ class PyFramesPart:
                 pass
             if found is None:
                 return []
-            return [f"python frames: {found.describe()} is not a version memtrack knows "
-                    f"(known: {', '.join(f'{a}.{b}' for a, b in OFFSETS)}); its stacks have "
-                    "native frames only"]
+            return [f"python frames: {found.describe()} is not a build memtrack knows "
+                    f"(known: {', '.join(f'{a}.{b}' for a, b in OFFSETS)}, with the GIL); its "
+                    "stacks have native frames only"]
         assert found.version is not None
         proc = PyProc(starts[found.path] - found.first_load + found.runtime_vaddr,
                       *OFFSETS[found.version[:2]])
