@@ -10,11 +10,12 @@
  * without an entry gets native frames only.
  *
  * The thread state: _PyRuntime.gilstate.tstate_current when its native_thread_id is the
- * calling thread's (it holds the GIL), else (and always on 3.12, whose current thread
+ * calling thread's (it holds the GIL), else (and always on 3.12+, whose current thread
  * state is a thread-local) the interpreters' thread list is searched for it (a thread
- * that released the GIL still has its frames). A run of frames one evaluation call
+ * that released the GIL still has its frames); its frame is cframe->current_frame
+ * (3.11, 3.12) or its own current_frame (3.13). A run of frames one evaluation call
  * executed ends at a frame with is_entry (3.11) or just above a shim frame owned by the
- * C stack (3.12, skipped). Each frame is one read
+ * C stack (3.12, 3.13; skipped). Each frame is one read
  * of the _PyInterpreterFrame header (code, previous, prev_instr, is_entry, owner) and
  * one of the code object's MT_PY_SPAN bytes of immutable fields (up to the line table
  * pointer), hashed
@@ -48,8 +49,8 @@
 #define MT_PY_LINES 8192    /* bytes of a line table kept */
 #define MT_PY_SPAN 80       /* bytes of a code object's immutable fields hashed */
 #define MT_PY_FRAME 72      /* bytes of a frame header read */
-#define MT_PY_SHIMS 32      /* entry shim frames (3.12) walked past at most */
-#define MT_PY_CSTACK 3      /* _PyInterpreterFrame.owner of a 3.12 shim: FRAME_OWNED_BY_CSTACK */
+#define MT_PY_SHIMS 32      /* entry shim frames (3.12+) walked past at most */
+#define MT_PY_CSTACK 3      /* _PyInterpreterFrame.owner of a 3.12+ shim: FRAME_OWNED_BY_CSTACK */
 #define MT_PY_SHIM_MARK 0x5348494dULL
 
 /* The offsets of one interpreter version (memtrack.capture.pyframes.OFFSETS). */

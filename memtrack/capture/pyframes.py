@@ -4,11 +4,12 @@ At each attach stop (exec, a new executable mapping) `on_stop` looks for a CPyth
 interpreter among the process's executable mappings: a module whose dynamic symbols
 define `_PyRuntime` (Debian's stripped /usr/bin/python3 exports it, as does a
 libpython). Its version is the `Py_Version` constant read from the file (3.11+), never
-from code run in the traced process. A version in OFFSETS gets an entry in the kernel's
-mt_py_procs (the runtime's address and that version's struct offsets), and from then on
-every allocation of the process folds its thread's Python frames into its stack hash;
-any other version is one warning naming it and the file, and its stacks keep their
-native frames only.
+from code run in the traced process; a free-threaded build (3.13t) says so in the
+`_Py_DebugOffsets` that open `_PyRuntime` (3.13+). A version in OFFSETS, built with the
+GIL, gets an entry in the kernel's mt_py_procs (the runtime's address and that
+version's struct offsets), and from then on every allocation of the process folds its
+thread's Python frames into its stack hash; any other version or build is one warning
+naming it and the file, and its stacks keep their native frames only.
 
 The ring carries two kinds of records (bpf/pyframes.h): Python stack records (a chain
 of code keys and instruction indexes, and the native stack hash it extends) and code
@@ -57,7 +58,8 @@ DEBUG_COOKIE = b"xdebugpy"  # _Py_Debug_Cookie
 # Offsets per CPython version (major, minor), in the order of bpf/pyframes.h's struct
 # mt_py_proc, each `offsetof` of that version's headers (Include/internal: compile a
 # file defining Py_BUILD_CORE that prints them; tests/test_pyframes.py does so against
-# the installed python3.11-dev headers, and pyenv's 3.12 where present, and compares).
+# the installed python3.11-dev headers, and pyenv's 3.12 and 3.13 where present, and
+# compares; 3.13's also against the _Py_DebugOffsets its libpython holds).
 FIELDS = (
     "tstate_current",  # _PyRuntimeState.gilstate.tstate_current
     "interp_head",  # _PyRuntimeState.interpreters.head

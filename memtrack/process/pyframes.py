@@ -4,7 +4,7 @@ native stacks they extend.
 A Python stack record (capture/pyframes.py) names a native stack (`native_hash`) and a
 chain of (code key, instruction index, entered from C) innermost first. Each frame is
 named from its code record: the qualified name, the file, and the line its instruction
-falls in (the code object's line table: the location table of CPython 3.11 and 3.12).
+falls in (the code object's line table: the location table of CPython 3.11 to 3.13).
 The chain splits into runs, each ending at a frame entered from C: the frames one call of
 `_PyEval_EvalFrameDefault` executed. In the merged stack each run replaces the evaluation
 frame that ran it, innermost first, so that a C extension called from Python shows its
@@ -61,7 +61,7 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 
 
 def line_ranges(linetable: bytes, first_line: int) -> tuple[np.ndarray, np.ndarray]:
-    """CPython 3.11's (and 3.12's) location table (Objects/locations.md) as (end code unit of each
+    """CPython 3.11's (to 3.13's) location table (Objects/locations.md) as (end code unit of each
     entry, its line; 0 for no location). A table cut short yields the entries it holds."""
     ends: list[int] = []
     lines: list[int] = []
