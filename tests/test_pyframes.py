@@ -389,6 +389,8 @@ def test_unknown_build_is_one_note(tmp_path: Path, build: str) -> None:
                      "memtrack knows (known: 3.11, 3.12, 3.13, with the GIL); its stacks "
                      "have native frames only"]
     assert Artifact.open(art).read("py_stacks").table.num_rows == 0
+    if build != "3.10":
+        return  # the same path from here on: once is enough
     r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
