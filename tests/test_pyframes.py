@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from memtrack.capture.pyframes import DEBUG_COOKIE, FIELDS, OFFSETS, find_interpreter
 from memtrack.elf.image import ElfImage
-from memtrack.process.pyframes import line_ranges
+from memtrack.process.pyframes import line_ranges, trampolines
 from memtrack.schema.artifact import Artifact
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +173,18 @@ def test_line_table_matches_cpython(interp: str) -> None:
             assert lines[j] == line, (name, unit)  # 0: no line
             checked += 1
     assert checked > 500
+
+
+def test_trampolines_are_code_without_a_line() -> None:
+    """3.13's __init__ trampoline (table b'\\xfb': one no-location entry) and an empty
+    table are trampolines; compiled code, a cut table and one BPF could not read are
+    not."""
+    real = compile("x = 1\ny = x\n", "<t>", "exec").co_linetable
+    codes = pa.table({"linetable": [b"\xfb", b"", real, real[:2], b"", b"\xf8\xfb"],
+                      "linetable_size": pa.array([1, 0, len(real), len(real), 24, 2],
+                                                 pa.uint32())})
+    assert trampolines(codes).tolist() == [True, True, False, False, False, True]
+    assert trampolines(codes.slice(2)).tolist() == [False, False, False, True]
 
 
 def test_interpreter_found_from_its_symbols(tmp_path: Path) -> None:

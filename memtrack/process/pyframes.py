@@ -98,10 +98,11 @@ def line_ranges(linetable: bytes, first_line: int) -> tuple[np.ndarray, np.ndarr
 
 
 def trampolines(codes: pa.Table) -> np.ndarray:
-    """Per code record: whether no instruction of it has a line (its location table holds
-    no-location entries only, whose bytes are 0xf8-0xff, or nothing). Compiled Python
-    always has one (RESUME at its first line); CPython's own trampoline code objects
-    (3.13's _Py_InitCleanup: table b'\\xfb') do not."""
+    """Per code record: whether no instruction of it has a line (its whole location table,
+    as read, holds no-location entries only, whose bytes are 0xf8-0xff, or nothing).
+    Compiled Python always has one (RESUME at its first line); CPython's own trampoline
+    code objects (3.13's _Py_InitCleanup: table b'\\xfb') do not. A table BPF could not
+    read (empty, though its size is not) is not a trampoline's."""
     table = codes.column("linetable").cast(pa.large_binary()).combine_chunks()
     if len(table) == 0:
         return np.zeros(0, bool)
@@ -109,7 +110,8 @@ def trampolines(codes: pa.Table) -> np.ndarray:
     offsets = np.frombuffer(offs, np.int64)[table.offset:table.offset + len(table) + 1]
     values = np.frombuffer(data or b"", np.uint8)[offsets[0]:offsets[-1]]
     located = np.concatenate([[0], np.cumsum(values < 0xF8)])
-    return located[offsets[1:] - offsets[0]] == located[offsets[:-1] - offsets[0]]
+    whole = np.diff(offsets) == codes.column("linetable_size").to_numpy()
+    return whole & (located[offsets[1:] - offsets[0]] == located[offsets[:-1] - offsets[0]])
 
 
 def eval_ranges(store: ModuleStore, frames: pa.Table) -> dict[str, tuple[int, int]]:
