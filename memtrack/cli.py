@@ -132,7 +132,7 @@ def capture(
              "the proof that each stack record unwinds as its allocations would.")] = "off",
     python_frames: Annotated[str, typer.Option(
         "--python-frames", envvar="MEMTRACK_PYTHON_FRAMES", **SWITCH,
-        help="Python frames in the stacks of CPython 3.11 and 3.12 programs (with "
+        help="Python frames in the stacks of CPython 3.11, 3.12 and 3.13 programs (with "
              "--stacks on).")] = "on",
     python_stacks: Annotated[str, typer.Option(
         "--python-stacks", envvar="MEMTRACK_PYTHON_STACKS",
