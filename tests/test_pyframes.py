@@ -402,6 +402,13 @@ def test_python_cut(tmp_path: Path, interp: str) -> None:
                    SELECT stack_id FROM stack_frames WHERE method = 'python'))
         FROM allocations a JOIN stacks s USING (stack_id)""").fetchone()
     assert cut == py > 0
+    # process --python-frames off: a Python cut alone, the allocator and its caller
+    db = tmp_path / "native.duckdb"
+    r = subprocess.run([*MEMTRACK, "process", str(tmp_path / "run.memtrack"), "-o", str(db),
+                        "--python-frames", "off"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    native = duckdb.connect(str(db), read_only=True)
+    assert [f[3] for f in frames_of(native, N + 2)] == ["regs", "cfi"]
 
 
 def native_only(con: duckdb.DuckDBPyConnection) -> None:
@@ -416,10 +423,11 @@ def native_only(con: duckdb.DuckDBPyConnection) -> None:
 @pytest.mark.bpf
 def test_python_frames_off(tmp_path: Path) -> None:
     """capture --python-frames off: the native frames only, the evaluation frames in
-    place; process --python-frames off on an artifact that has them: the same."""
+    place; process --python-frames off on an artifact that has them (with the whole
+    native stacks: --python-stacks mixed): the same."""
     native_only(capture_and_process(tmp_path / "capture", "--python-frames", "off"))
     art, db = tmp_path / "run.memtrack", tmp_path / "native.duckdb"
-    capture_and_process(tmp_path).close()
+    capture_and_process(tmp_path, "--python-stacks", "mixed").close()
     r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "--python-frames",
                         "off"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
