@@ -363,6 +363,38 @@ def diff(
 
 
 @app.command()
+def history(
+    dataset: Annotated[Path, typer.Option(
+        "--dataset", help="The run dataset (DIR/TABLE/run=ID/) whose runs to follow.")],
+    fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
+    order_by: Annotated[str | None, typer.Option(
+        "--order-by", metavar="LABEL", show_default="the runs' start time",
+        help="Order the runs by this label (--label of process, e.g. commit_time): "
+             "numerically when every value is a number, else as text.")] = None,
+    tolerance: Annotated[float | None, typer.Option(
+        "--tolerance", metavar="PCT", show_default="5",
+        help="A noisy figure (peak heap, peak RSS) steps when it changes by more than "
+             "PCT percent; calls, bytes allocated, average size and leaked step on any "
+             "change.")] = None,
+    last: Annotated[int | None, typer.Option(
+        "--last", metavar="N", help="Only the last N runs in order.")] = None,
+    fail_on_step: Annotated[bool, typer.Option(
+        "--fail-on-step", help="Exit with status 1 when the latest run stepped.")] = False,
+    html: Annotated[Path | None, typer.Option(
+        "--html", help="Also write a self-contained HTML page of charts here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the HTML page if it "
+                                                        "exists.")] = False,
+) -> None:
+    """Every benchmark (region) and process name across the runs of a dataset: its peak
+    heap, bytes allocated, calls, average size, leaked and peak RSS per run, and the
+    runs where a figure stepped."""
+    from memtrack.commands import history as cmd
+
+    call(cmd.run, dataset, fmt=fmt, order_by=order_by, tolerance=tolerance, last=last,
+         fail_on_step=fail_on_step, html=html, force=force, out=sys.stdout)
+
+
+@app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
     fmt: Annotated[str, typer.Option("--format", help="folded, pprof or speedscope.")],

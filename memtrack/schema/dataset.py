@@ -135,17 +135,21 @@ def _arrow(files: list[Path], partitioned: Path | None = None) -> ds.Dataset:
         raise DatasetError(f"{partitioned or files[0]}: {first_line(e)}") from None
 
 
-def open_dataset(root: Path, *, files: bool = False) -> duckdb.DuckDBPyConnection:
+def open_dataset(root: Path, *, files: bool = False,
+                 tables: tuple[str, ...] = (RUNS_TABLE, *EXPORT_TABLES),
+                 runs: list[str] | None = None) -> duckdb.DuckDBPyConnection:
     """A locked reading session (memtrack.schema.ddl: no file access unless `files`)
-    with a view per table across every run of the dataset, each with its `run` column
-    (VARCHAR), `runs` among them."""
+    with a view per table across every run of the dataset (or of `tables`, over `runs`
+    of it), each with its `run` column (VARCHAR), `runs` among them."""
     root = Path(root)
     ids = run_ids(root)
+    if runs is not None:
+        ids = sorted(set(ids) & set(runs))
     if not ids:
         raise DatasetError(f"{root}: the dataset holds no run yet")
     con = reading_session()
     try:
-        for name in (RUNS_TABLE, *EXPORT_TABLES):
+        for name in tables:
             found = [f for i in ids if (f := data_file(root, name, i)) is not None]
             if found:
                 con.register(name, _arrow(found, root / name))
