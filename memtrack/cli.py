@@ -249,8 +249,9 @@ def process(
         "--force", help="Replace the run database (and its metadata, Parquet) and the "
                         "dataset's run of that id if they exist.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
-    dataset: Annotated[Path | None, typer.Option(
-        "--dataset", help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/).")] = None,
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/; or a "
+                          "URI: s3://bucket/DIR, file:///DIR).")] = None,
     run_id: Annotated[str | None, typer.Option(
         "--run-id", help="The run's id in the dataset (letters, digits, . _ -).")] = None,
     label: Annotated[list[str] | None, typer.Option(
@@ -312,8 +313,9 @@ def query(
         metavar="[RUN] SQL", help="A run database written by `memtrack process` and the SQL "
                                   "to run; with --dataset, the SQL alone.")],
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
-    dataset: Annotated[Path | None, typer.Option(
-        "--dataset", help="Query every run of this dataset (a view per table, with its run "
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", help="Query every run of this dataset (a directory or a URI: "
+                          "s3://bucket/DIR, file:///DIR; a view per table, with its run "
                           "column, and runs).")] = None,
     allow_files: Annotated[bool, typer.Option(
         "--allow-files", help="Let the SQL read and write files (read_csv, COPY ... TO).")
@@ -331,8 +333,9 @@ def diff(
     base: Annotated[str, typer.Argument(
         metavar="BASE", help="The base run: a run database, or with --dataset a run id.")],
     head: Annotated[str, typer.Argument(metavar="HEAD", help="The head run, the same way.")],
-    dataset: Annotated[Path | None, typer.Option(
-        "--dataset", help="BASE and HEAD are run ids of this dataset.")] = None,
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", help="BASE and HEAD are run ids of this dataset (a directory or a "
+                          "URI).")] = None,
     fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
     pid: Annotated[str | None, typer.Option(
         "--pid", help="Only this process: PID in both runs, or BASE_PID:HEAD_PID.")] = None,
@@ -364,8 +367,9 @@ def diff(
 
 @app.command()
 def history(
-    dataset: Annotated[Path, typer.Option(
-        "--dataset", help="The run dataset (DIR/TABLE/run=ID/) whose runs to follow.")],
+    dataset: Annotated[str, typer.Option(
+        "--dataset", help="The run dataset (DIR/TABLE/run=ID/, or a URI: s3://bucket/DIR, "
+                          "file:///DIR) whose runs to follow.")],
     fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
     order_by: Annotated[str | None, typer.Option(
         "--order-by", metavar="LABEL", show_default="the runs' start time",

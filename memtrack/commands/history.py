@@ -18,7 +18,7 @@ MAX_TOLERANCE = 1e6  # percent
 MAX_RUNS = 10**7  # --last
 
 
-def run(dataset: Path, *, fmt: str = "text", order_by: str | None = None,
+def run(dataset: str | Path, *, fmt: str = "text", order_by: str | None = None,
         tolerance: float | None = None, last: int | None = None,
         fail_on_step: bool = False, html: Path | None = None, force: bool = False,
         out: TextIO) -> int:

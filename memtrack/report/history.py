@@ -215,7 +215,7 @@ def run_diff(base: str, base_con: Any, head: str, head_con: Any) -> str:
                                Side(f"run {head}", RunReader(head_con))))
 
 
-def run_diffs(root: Path, runs: list[str]) -> dict[str, str]:
+def run_diffs(root: str | Path, runs: list[str]) -> dict[str, str]:
     """Each run's diff against the run before it (the first has none), for the last
     MAX_DIFFS runs: each run opened once (open_dataset_run), its session kept for the
     next run's diff."""
@@ -242,7 +242,7 @@ def run_diffs(root: Path, runs: list[str]) -> dict[str, str]:
     return out
 
 
-def history_data(root: Path, opts: HistoryOptions) -> History:
+def history_data(root: str | Path, opts: HistoryOptions) -> History:
     """The history of the dataset at `root` (DatasetError, HistoryError, duckdb.Error)."""
     from memtrack.schema.dataset import RUNS_TABLE, open_dataset
 
