@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from memtrack.report.diff import md, signed, value
-from memtrack.schema.ddl import LEAKED, sql_literal
+from memtrack.schema.ddl import LEAKED, connect, sql_literal
 
 Data = dict[str, Any]
 
@@ -45,6 +45,7 @@ DEFAULT_TOLERANCE = 5.0  # percent, for the noisy figures
 EXIT_STEPPED = 1  # --fail-on-step: the latest run stepped
 RECENT_RUNS = 5  # "largest recent change": over the last runs of the history
 WHOLE_PROCESS = "(whole process)"  # a process name's series without a benchmark
+RUNS_PER_SESSION = 50  # runs whose figures one session computes (it holds their rss rows)
 MAX_DIFFS = 200  # the page embeds the diffs of the last runs (each against its predecessor)
 
 # The tables the figures come from (a session over the dataset's runs: open_dataset).
@@ -242,6 +243,11 @@ def run_diffs(root: str | Path, runs: list[str]) -> dict[str, str]:
     return out
 
 
+def _arrow(result: Any) -> pa.Table:
+    """A DuckDB result's Arrow table (a reader in newer DuckDB clients)."""
+    return result.read_all() if hasattr(result, "read_all") else result
+
+
 def history_data(root: str | Path, opts: HistoryOptions) -> History:
     """The history of the dataset at `root` (DatasetError, HistoryError, duckdb.Error)."""
     from memtrack.schema.dataset import RUNS_TABLE, open_dataset
@@ -255,13 +261,23 @@ def history_data(root: str | Path, opts: HistoryOptions) -> History:
         order = order[-opts.last:]
         for i, r in enumerate(order):
             r["position"] = i
-    con = open_dataset(root, tables=TABLES, runs=[r["run"] for r in order])
+    runs = pa.table({"run": [r["run"] for r in order],
+                     "position": pa.array([r["position"] for r in order], pa.int32())})
+    figures = []
+    for i in range(0, max(len(order), 1), RUNS_PER_SESSION):
+        con = open_dataset(root, tables=TABLES, runs=[r["run"] for r in order][
+            i:i + RUNS_PER_SESSION])
+        try:
+            con.register("run_order", runs)
+            con.execute("CREATE TABLE rss_rows AS SELECT * FROM rss")  # in the files' order
+            con.execute(FIGURES_SQL)
+            figures.append(_arrow(con.execute("SELECT * FROM figures").arrow()))
+        finally:
+            con.close()
+    con = connect()
     try:
-        con.register("run_order", pa.table({
-            "run": [r["run"] for r in order],
-            "position": pa.array([r["position"] for r in order], pa.int32())}))
-        con.execute("CREATE TABLE rss_rows AS SELECT * FROM rss")  # in the files' order
-        con.execute(FIGURES_SQL)
+        con.register("run_order", runs)
+        con.register("figures", pa.concat_tables(figures))
         exact = ", ".join(f"'{k}'" for k, (_, _, e) in FIGURES.items() if e)
         con.execute(STEPS_SQL.format(figures=", ".join(FIGURES), exact=exact,
                                      doubles=", ".join(f"{k}::DOUBLE AS {k}" for k in FIGURES),
@@ -315,8 +331,9 @@ def _series(con: Any, runs: int) -> list[Data]:
         points = [{"run": r, "position": p, "instances": n,
                    **{k: values[i][j] for i, k in enumerate(FIGURES)}}
                   for j, (r, p, n) in enumerate(zip(run_ids, positions, instances, strict=True))]
-        out.append({"process": proc, "benchmark": bench, "points": points,
-                    "steps": steps.get((proc, bench), []),
+        mine = sorted(steps.get((proc, bench), []),
+                      key=lambda t: (t["position"], list(FIGURES).index(t["figure"])))
+        out.append({"process": proc, "benchmark": bench, "points": points, "steps": mine,
                     "recent_change": biggest.get((proc, bench), 0.0)})
     return out
 
