@@ -136,15 +136,16 @@ document.getElementById("diff-close").onclick = () => {
   const box = document.getElementById("diff"); box.classList.remove("open"); box.dataset.run = "";
 };
 
-const W = 250, H = 96, L = 6, R = 6, T = 18, B = 8;
+const W = 280, H = 96, L = 6, R = 6, T = 18, B = 8;
 function chart(parent, s, c) {
   const pts = s.points.filter(p => p[c.key] !== null);
   const svg = el("svg", {class: "chart", width: W, height: H, "data-figure": c.key}, parent);
   el("rect", {class: "frame", x: L, y: T, width: W - L - R, height: H - T - B}, svg);
   const last = pts.length ? pts[pts.length - 1][c.key] : null;
-  el("text", {x: L, y: 12}, svg, c.label + ": " + fmt(last, c.unit));
-  if (!pts.length) return svg;
   const vs = pts.map(p => p[c.key]), lo = Math.min(...vs), hi = Math.max(...vs);
+  el("text", {x: L, y: 12}, svg, c.label + ": " + fmt(last, c.unit) +
+     (pts.length && lo !== hi ? " (" + fmt(lo, c.unit) + " to " + fmt(hi, c.unit) + ")" : ""));
+  if (!pts.length) return svg;
   const n = Math.max(RUNS.length - 1, 1);
   const x = p => L + 4 + (W - L - R - 8) * (RUNS.length > 1 ? p.position / n : 0.5);
   const y = v => hi === lo ? T + (H - T - B) / 2
