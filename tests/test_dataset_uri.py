@@ -107,3 +107,42 @@ def test_links_inside_are_refused(tmp_path: Path) -> None:
 def test_a_bad_uri_is_one_line(tmp_path: Path) -> None:
     code, _, err = invoke("query", "--dataset", "nosuch://x/y", "SELECT 1")
     assert code == 2 and err.startswith("memtrack: nosuch://x/y: ") and err.count("\n") == 1
+
+
+def test_object_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code path of `s3://` (no local filesystem under it: listings, moves that are
+    copies) on pyarrow's in-memory filesystem (`mock:`): append, a failed append that
+    leaves no run, query, a run read as its database, history."""
+    import pyarrow.fs as pafs
+
+    from memtrack.report.history import HistoryOptions, history_data
+    from memtrack.schema.dataset import open_dataset, open_dataset_run
+
+    fs, _ = pafs.FileSystem.from_uri("mock:///")
+    remote = Remote(fs, "bucket/ds", "mock:///bucket/ds")
+    db = write_run(tmp_path / "run.duckdb")
+    for run in ("r1", "r2"):
+        assert writer.append_run(remote, run, db) is False
+    with pytest.raises(DatasetError, match="already in the dataset"):
+        writer.append_run(remote, "r1", db)
+    copy = writer.copy_parquet
+
+    def failing(con: object, query: str, path: Path) -> None:
+        if path.name == "allocations":
+            raise OSError(28, "No space left on device")
+        copy(con, query, path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer, "copy_parquet", failing)
+    with pytest.raises(OSError):
+        writer.append_run(remote, "r3", db)
+    monkeypatch.setattr(writer, "copy_parquet", copy)
+    assert run_ids(remote) == ["r1", "r2"]
+    names = [i.base_name for i in fs.get_file_info(pafs.FileSelector("bucket/ds"))]
+    assert sorted(names) == sorted(["runs", *writer.EXPORT_TABLES])  # no staging left
+    con = open_dataset(remote)
+    assert con.execute(PER_RUN).fetchall() == [(r, len(SIZES), sum(SIZES)) for r in ("r1", "r2")]
+    run = open_dataset_run(remote, "r2")
+    assert run.execute("SELECT sum(size)::BIGINT FROM allocations").fetchone() == (sum(SIZES),)
+    h = history_data(remote, HistoryOptions(diffs=True)).data
+    assert h["dataset"] == "mock:///bucket/ds" and [r["run"] for r in h["runs"]] == ["r1", "r2"]
+    assert h["steps"] == [] and list(h["diffs"]) == ["r2"]

@@ -163,23 +163,37 @@ def _info(root: Remote, path: str) -> pafs.FileInfo:
 def run_ids(root: Location | str) -> list[str]:
     """The runs of a dataset (those whose `runs` file exists), sorted."""
     root = where(root)
+    if isinstance(root, Remote) and isinstance(root.fs, pafs.LocalFileSystem):
+        root = Path(root.path)  # file://: the local rules
     if isinstance(root, Remote):
         if _info(root, root.join(RUNS_TABLE)).type != pafs.FileType.Directory:
             raise DatasetError(f"{root}: not a memtrack dataset (no {RUNS_TABLE}/ directory)")
-        try:
-            entries = root.fs.get_file_info(pafs.FileSelector(root.join(RUNS_TABLE)))
-        except (pa.ArrowException, OSError) as e:
-            raise DatasetError(f"{root}: {first_line(e)}") from None
-        prefix = f"{PARTITION}="
-        ids = (e.base_name[len(prefix):] for e in entries
-               if e.type == pafs.FileType.Directory and e.base_name.startswith(prefix))
-        return sorted(i for i in ids if RUN_ID.fullmatch(i) and data_file(root, RUNS_TABLE, i))
+        return sorted(_remote_files(root, RUNS_TABLE))
     runs = Path(root) / RUNS_TABLE
     if runs.is_symlink() or not runs.is_dir():
         raise DatasetError(f"{root}: not a memtrack dataset (no {RUNS_TABLE}/ directory)")
     prefix = f"{PARTITION}="
     ids = (d.name[len(prefix):] for d in runs.iterdir() if d.name.startswith(prefix))
     return sorted(i for i in ids if RUN_ID.fullmatch(i) and data_file(root, RUNS_TABLE, i))
+
+
+def _remote_files(root: Remote, table: str) -> dict[str, str]:
+    """A table's files in a dataset on object storage, by run: one listing (not a
+    request per run)."""
+    try:
+        entries = root.fs.get_file_info(pafs.FileSelector(root.join(table), recursive=True,
+                                                          allow_not_found=True))
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{root}: {first_line(e)}") from None
+    out = {}
+    for e in entries:
+        parts = e.path.rsplit("/", 2)
+        if e.type == pafs.FileType.File and len(parts) == 3 and parts[2] == DATA_FILE \
+                and parts[1].startswith(f"{PARTITION}="):
+            run = parts[1][len(PARTITION) + 1:]
+            if RUN_ID.fullmatch(run):
+                out[run] = e.path
+    return out
 
 
 def _fs(root: Location) -> pafs.FileSystem | None:
@@ -230,7 +244,11 @@ def open_dataset(root: Location | str, *, files: bool = False,
     con = reading_session()
     try:
         for name in tables:
-            found = [f for i in ids if (f := data_file(root, name, i)) is not None]
+            if isinstance(root, Remote) and not isinstance(root.fs, pafs.LocalFileSystem):
+                listed = _remote_files(root, name)
+                found = [listed[i] for i in ids if i in listed]
+            else:
+                found = [f for i in ids if (f := data_file(root, name, i)) is not None]
             if found:
                 con.register(name, _arrow(found, _table_dir(root, name), _fs(root)))
         lock(con, files=files)
