@@ -250,8 +250,9 @@ def process(
                         "dataset's run of that id if they exist.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
     dataset: Annotated[str | None, typer.Option(
-        "--dataset", help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/; or a "
-                          "URI: s3://bucket/DIR, file:///DIR).")] = None,
+        "--dataset", metavar="DIR",
+        help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/; or a URI: "
+             "s3://bucket/DIR, file:///DIR).")] = None,
     run_id: Annotated[str | None, typer.Option(
         "--run-id", help="The run's id in the dataset (letters, digits, . _ -).")] = None,
     label: Annotated[list[str] | None, typer.Option(
@@ -314,7 +315,7 @@ def query(
                                   "to run; with --dataset, the SQL alone.")],
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
     dataset: Annotated[str | None, typer.Option(
-        "--dataset", help="Query every run of this dataset (a directory or a URI: "
+        "--dataset", metavar="DIR", help="Query every run of this dataset (a directory or a URI: "
                           "s3://bucket/DIR, file:///DIR; a view per table, with its run "
                           "column, and runs).")] = None,
     allow_files: Annotated[bool, typer.Option(
@@ -334,8 +335,8 @@ def diff(
         metavar="BASE", help="The base run: a run database, or with --dataset a run id.")],
     head: Annotated[str, typer.Argument(metavar="HEAD", help="The head run, the same way.")],
     dataset: Annotated[str | None, typer.Option(
-        "--dataset", help="BASE and HEAD are run ids of this dataset (a directory or a "
-                          "URI).")] = None,
+        "--dataset", metavar="DIR",
+        help="BASE and HEAD are run ids of this dataset (a directory or a URI).")] = None,
     fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
     pid: Annotated[str | None, typer.Option(
         "--pid", help="Only this process: PID in both runs, or BASE_PID:HEAD_PID.")] = None,
@@ -368,8 +369,9 @@ def diff(
 @app.command()
 def history(
     dataset: Annotated[str, typer.Option(
-        "--dataset", help="The run dataset (DIR/TABLE/run=ID/, or a URI: s3://bucket/DIR, "
-                          "file:///DIR) whose runs to follow.")],
+        "--dataset", metavar="DIR",
+        help="The run dataset (DIR/TABLE/run=ID/, or a URI: s3://bucket/DIR, file:///DIR) "
+             "whose runs to follow.")],
     fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
     order_by: Annotated[str | None, typer.Option(
         "--order-by", metavar="LABEL", show_default="the runs' start time",
