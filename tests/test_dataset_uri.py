@@ -146,3 +146,26 @@ def test_object_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     h = history_data(remote, HistoryOptions(diffs=True)).data
     assert h["dataset"] == "mock:///bucket/ds" and [r["run"] for r in h["runs"]] == ["r1", "r2"]
     assert h["steps"] == [] and list(h["diffs"]) == ["r2"]
+
+
+@pytest.mark.parametrize("as_uri", [False, True])
+def test_an_append_leaves_the_other_runs_alone(tmp_path: Path, as_uri: bool) -> None:
+    """Appending a run creates its own files and nothing else: every file of the runs
+    already there is the same file (inode, size, time) afterwards."""
+    db = write_run(tmp_path / "run.duckdb")
+    ds = tmp_path / "ds"
+    root = ds.as_uri() if as_uri else ds
+    for run in ("r1", "r2"):
+        writer.append_run(root, run, db)
+
+    def files() -> dict[str, tuple[int, int, int]]:
+        return {str(p.relative_to(ds)): (p.stat().st_ino, p.stat().st_size,
+                                         p.stat().st_mtime_ns)
+                for p in ds.rglob("*") if p.is_file()}
+
+    before = files()
+    writer.append_run(root, "r3", db)
+    after = files()
+    assert {k: after[k] for k in before} == before
+    assert sorted({k.split("/")[1] for k in set(after) - set(before)}) == ["run=r3"]
+    assert len(set(after) - set(before)) == len(writer.EXPORT_TABLES) + 1
