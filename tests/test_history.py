@@ -138,7 +138,7 @@ def test_runs_by_start_time_and_the_last_ones(ds: Path) -> None:
     assert d["steps"] == []
 
 
-def test_text_and_markdown(ds: Path) -> None:
+def test_text_and_markdown(ds: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     code, text, _ = invoke("history", "--dataset", ds, "--order-by", "commit_time")
     assert code == 0
     lines = text.splitlines()
@@ -170,6 +170,15 @@ def test_text_and_markdown(ds: Path) -> None:
     assert (f"| `{at}` | `bench_step` | `bench` | bytes allocated 1.25 KiB -> 2.25 KiB "
             f"(+1.00 KiB, +80.0%) | `{run_id(STEP_RUN - 1)}` |") in md.splitlines()
     assert sum(ln.startswith(f"| `{run_id(STEP_RUN)}") for ln in md.splitlines()) == 6
+    # cut at a line to fit a comment
+    from memtrack.report import history
+
+    monkeypatch.setattr(history, "MD_LIMIT", 800)
+    code, cut, _ = invoke("history", "--dataset", ds, "--order-by", "commit_time",
+                          "--format", "markdown")
+    body, note = cut.rsplit("\n\n", 1)
+    assert note == "(cut to fit a comment: --format text has it all)\n"
+    assert len(body) <= 800 and md.startswith(body + "\n")
 
 
 def test_fail_on_step(ds: Path, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from memtrack.report.diff import md, signed, value
+from memtrack.report.diff import MD_LIMIT, md, signed, value
 from memtrack.schema.ddl import LEAKED, connect, sql_literal
 
 Data = dict[str, Any]
@@ -434,7 +434,11 @@ def format_markdown(h: History) -> str:
               "|:--|:--|" + "--:|" * (len(HEAD) - 2)]
     lines += ["| " + " | ".join([md(r[0]), md(r[1]), *r[2:]]) + " |"
               for r in (_latest_row(s) for s in d["series"])]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if len(text) > MD_LIMIT:  # a pull-request comment holds 65536 characters
+        text = text[:text.rfind("\n", 0, MD_LIMIT)] + \
+            "\n\n(cut to fit a comment: --format text has it all)\n"
+    return text
 
 
 def format_json(h: History) -> str:
