@@ -385,7 +385,8 @@ def history(
     last: Annotated[int | None, typer.Option(
         "--last", metavar="N", help="Only the last N runs in order.")] = None,
     fail_on_step: Annotated[bool, typer.Option(
-        "--fail-on-step", help="Exit with status 1 when the latest run stepped.")] = False,
+        "--fail-on-step", help="Exit with status 1 when the latest run stepped, 3 when it "
+                               "or the run before it lost data (not comparable).")] = False,
     html: Annotated[Path | None, typer.Option(
         "--html", help="Also write a self-contained HTML page of charts here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the HTML page if it "

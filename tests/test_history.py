@@ -198,6 +198,21 @@ def test_fail_on_step(ds: Path, tmp_path: Path) -> None:
     code, out, _ = invoke(*args, "--fail-on-step")
     assert code == 1
     assert out.splitlines()[-1] == f"latest run {run_id(RUNS + 1)} (commit_time=1110): 6 steps"
+    assert "LOST DATA" not in out
+    # run 22 lost events: it and run 23 after it do not compare (3, as diff's gate)
+    add_run(grown, tmp_path / "scratch", RUNS + 2, BLOCK, {"events_ring_full": 5,
+                                                            "stack_copies_cut": 2})
+    code, out, _ = invoke(*args, "--fail-on-step")
+    assert code == 3
+    lines = out.splitlines()
+    i = lines.index("RUNS THAT LOST DATA (their figures fall short of what ran)")
+    assert lines[i + 1:i + 3] == [f"{run_id(RUNS + 2)}: events_ring_full 5", ""]
+    code, out, _ = invoke(*args, "--format", "json")
+    assert [r["lost"] for r in json.loads(out)["runs"]] == [{}, {}, {"events_ring_full": 5}]
+    add_run(grown, tmp_path / "scratch", RUNS + 3, BLOCK)
+    assert invoke(*args, "--fail-on-step")[0] == 3
+    add_run(grown, tmp_path / "scratch", RUNS + 4, BLOCK)
+    assert invoke(*args, "--fail-on-step")[0] == 0
 
 
 @pytest.mark.parametrize("extra,message", [

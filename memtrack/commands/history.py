@@ -1,7 +1,8 @@
 """`memtrack history --dataset DIR`: every benchmark (region name) and process name
 across the runs of a dataset, with the runs that stepped (memtrack.report.history), as
 text, JSON or markdown, and with `--html OUT.html` one page of charts; with
-`--fail-on-step` exit status 1 when the latest run stepped."""
+`--fail-on-step` exit status 1 when the latest run stepped, 3 when it or the run
+before it lost data (as `diff`'s gate: their figures do not compare)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def run(dataset: str | Path, *, fmt: str = "text", order_by: str | None = None,
         out: TextIO) -> int:
     from memtrack.report.history import (
         DEFAULT_TOLERANCE,
+        EXIT_NOT_COMPARABLE,
         EXIT_STEPPED,
         HistoryError,
         HistoryOptions,
@@ -58,4 +60,7 @@ def run(dataset: str | Path, *, fmt: str = "text", order_by: str | None = None,
         raise CommandError(f"history: {first_line(e)}") from None
     render = {"text": format_text, "json": format_json, "markdown": format_markdown}[fmt]
     out.write(render(history))
-    return EXIT_STEPPED if fail_on_step and history.stepped else 0
+    if not fail_on_step:
+        return 0
+    return EXIT_NOT_COMPARABLE if not history.comparable else \
+        EXIT_STEPPED if history.stepped else 0

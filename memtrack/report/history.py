@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from memtrack.report.diff import MD_LIMIT, md, signed, value
+from memtrack.schema import is_loss
 from memtrack.schema.ddl import LEAKED, connect, sql_literal
 
 Data = dict[str, Any]
@@ -43,6 +44,7 @@ FIGURES = {
 }  # fmt: skip
 DEFAULT_TOLERANCE = 5.0  # percent, for the noisy figures
 EXIT_STEPPED = 1  # --fail-on-step: the latest run stepped
+EXIT_NOT_COMPARABLE = 3  # --fail-on-step: the latest run or the one before lost data
 RECENT_RUNS = 5  # "largest recent change": over the last runs of the history
 WHOLE_PROCESS = "(whole process)"  # a process name's series without a benchmark
 RUNS_PER_SESSION = 50  # runs whose figures one session computes (it holds their rss rows)
@@ -189,6 +191,11 @@ class History:
     def stepped(self) -> bool:
         return bool(self.data["latest"]["steps"])
 
+    @property
+    def comparable(self) -> bool:
+        """Whether the latest run and the one before it lost no data (as `diff` asks)."""
+        return not any(r["lost"] for r in self.data["runs"][-2:])
+
 
 def run_order(con: Any, order_by: str | None) -> list[Data]:
     """The runs of a dataset session (`runs`) in order (ORDER_SQL)."""
@@ -243,6 +250,17 @@ def run_diffs(root: str | Path, runs: list[str]) -> dict[str, str]:
     return out
 
 
+def losses(text: str | None) -> dict[str, int]:
+    """A run's loss counters that are not zero (meta `losses`; not the fidelity notes,
+    nor refused probes: as `diff` judges whether runs compare)."""
+    try:
+        counters = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return {k: v for k, v in counters.items() if isinstance(v, int) and v and is_loss(k)
+            and k != "probes_refused"} if isinstance(counters, dict) else {}
+
+
 def _arrow(result: Any) -> pa.Table:
     """A DuckDB result's Arrow table (a reader in newer DuckDB clients)."""
     return result.read_all() if hasattr(result, "read_all") else result
@@ -263,7 +281,7 @@ def history_data(root: str | Path, opts: HistoryOptions) -> History:
             r["position"] = i
     runs = pa.table({"run": [r["run"] for r in order],
                      "position": pa.array([r["position"] for r in order], pa.int32())})
-    figures = []
+    figures, lost = [], {}
     for i in range(0, max(len(order), 1), RUNS_PER_SESSION):
         con = open_dataset(root, tables=TABLES, runs=[r["run"] for r in order][
             i:i + RUNS_PER_SESSION])
@@ -272,6 +290,8 @@ def history_data(root: str | Path, opts: HistoryOptions) -> History:
             con.execute("CREATE TABLE rss_rows AS SELECT * FROM rss")  # in the files' order
             con.execute(FIGURES_SQL)
             figures.append(_arrow(con.execute("SELECT * FROM figures").arrow()))
+            lost.update(con.execute(
+                "SELECT run, value FROM meta WHERE key = 'losses'").fetchall())
         finally:
             con.close()
     con = connect()
@@ -292,7 +312,8 @@ def history_data(root: str | Path, opts: HistoryOptions) -> History:
     data: Data = {
         "dataset": str(root), "order_by": opts.order_by, "tolerance_pct": opts.tolerance,
         "exact": [k for k, (_, _, e) in FIGURES.items() if e],
-        "runs": [{k: r[k] for k in ("run", "labels", "start_time", "order")} for r in order],
+        "runs": [{**{k: r[k] for k in ("run", "labels", "start_time", "order")},
+                  "lost": losses(lost.get(r["run"]))} for r in order],
         "series": series, "steps": steps,
         "latest": {"run": latest, "steps": [s for s in steps if s["run"] == latest]},
     }
@@ -407,12 +428,22 @@ def format_text(h: History) -> str:
     for s in d["steps"]:
         lines.append(f"{run_name(runs, s['run'], d['order_by'])}: {series_name(s)} "
                      f"{step_text(s)} since {s['previous']}")
+    lines += lost_lines(d)
     latest = d["latest"]
     if latest["run"] is not None:
         n = len(latest["steps"])
         lines += ["", f"latest run {run_name(runs, latest['run'], d['order_by'])}: "
                   + (f"{n} step{'s' if n != 1 else ''}" if n else "no step")]
     return "\n".join(lines) + "\n"
+
+
+def lost_lines(d: Data) -> list[str]:
+    """A line per run that lost data: its figures fall short of what ran."""
+    lost = [r for r in d["runs"] if r["lost"]]
+    if not lost:
+        return []
+    return ["", "RUNS THAT LOST DATA (their figures fall short of what ran)"] + [
+        f"{r['run']}: " + ", ".join(f"{k} {v}" for k, v in r["lost"].items()) for r in lost]
 
 
 def format_markdown(h: History) -> str:
@@ -424,6 +455,7 @@ def format_markdown(h: History) -> str:
         mark = ":x:" if latest["steps"] else ":white_check_mark:"
         lines += ["", f"{mark} latest run {md(run_name(runs, latest['run'], d['order_by']))}: "
                   + (f"{len(latest['steps'])} step(s)" if latest["steps"] else "no step")]
+    lines += [f":warning: {md(ln)}  " for ln in lost_lines(d)[2:]]
     if d["steps"]:
         lines += ["", "| run | benchmark | process | step | since |",
                   "|:--|:--|:--|:--|:--|"]

@@ -112,7 +112,9 @@ RUNS.forEach((r, i) => { BY_RUN[r.run] = Object.assign({i: i}, r); });
 function runText(run) {
   const r = BY_RUN[run], labels = Object.entries(r.labels).map(([k, v]) => k + "=" + v);
   return "run " + run + " (" + (r.i + 1) + " of " + RUNS.length + ")" +
-    (labels.length ? "\n" + labels.join("\n") : "") + "\nstarted " + r.start_time;
+    (labels.length ? "\n" + labels.join("\n") : "") + "\nstarted " + r.start_time +
+    (Object.keys(r.lost).length ? "\nLOST DATA: " + Object.entries(r.lost).map(
+      ([k, v]) => k + " " + v).join(", ") : "");
 }
 const tip = document.getElementById("tip");
 function showTip(e, text) {

@@ -78,9 +78,10 @@ def rss_noise(i: int) -> int:
     return 128 * ((i * 5) % 7)
 
 
-def add_run(ds: Path, scratch: Path, i: int, block: int | None = None) -> str:
+def add_run(ds: Path, scratch: Path, i: int, block: int | None = None,
+            losses: dict[str, int] | None = None) -> str:
     """Append run i (1-based) to the dataset `ds`, from the run database of its block
-    size (written once in `scratch`)."""
+    size (written once in `scratch`); `losses`: its capture's loss counters."""
     block = step_bytes(i) if block is None else block
     scratch.mkdir(parents=True, exist_ok=True)
     base = scratch / f"block{block}.duckdb"
@@ -93,6 +94,8 @@ def add_run(ds: Path, scratch: Path, i: int, block: int | None = None) -> str:
         labels = {"commit": run_id(i), "commit_time": str(commit_time(i))}
         con.execute("INSERT INTO meta VALUES ('labels', ?), ('wall_offset_ns', ?)",
                     [json.dumps(labels), str((10_000 - i) * 10**9)])
+        if losses:
+            con.execute("UPDATE meta SET value = ? WHERE key = 'losses'", [json.dumps(losses)])
     append_run(ds, run_id(i), db)
     db.unlink()
     return run_id(i)
