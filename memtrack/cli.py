@@ -254,8 +254,10 @@ def process(
         "--force", help="Replace the run database (and its metadata, Parquet) and the "
                         "dataset's run of that id if they exist.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress, no summary.")] = False,
-    dataset: Annotated[Path | None, typer.Option(
-        "--dataset", help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/).")] = None,
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", metavar="DIR",
+        help="Append the run to this Parquet dataset (DIR/TABLE/run=ID/; or a URI: "
+             "s3://bucket/DIR, file:///DIR).")] = None,
     run_id: Annotated[str | None, typer.Option(
         "--run-id", help="The run's id in the dataset (letters, digits, . _ -).")] = None,
     label: Annotated[list[str] | None, typer.Option(
@@ -317,8 +319,9 @@ def query(
         metavar="[RUN] SQL", help="A run database written by `memtrack process` and the SQL "
                                   "to run; with --dataset, the SQL alone.")],
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
-    dataset: Annotated[Path | None, typer.Option(
-        "--dataset", help="Query every run of this dataset (a view per table, with its run "
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", metavar="DIR", help="Query every run of this dataset (a directory or a URI: "
+                          "s3://bucket/DIR, file:///DIR; a view per table, with its run "
                           "column, and runs).")] = None,
     allow_files: Annotated[bool, typer.Option(
         "--allow-files", help="Let the SQL read and write files (read_csv, COPY ... TO).")
@@ -336,8 +339,9 @@ def diff(
     base: Annotated[str, typer.Argument(
         metavar="BASE", help="The base run: a run database, or with --dataset a run id.")],
     head: Annotated[str, typer.Argument(metavar="HEAD", help="The head run, the same way.")],
-    dataset: Annotated[Path | None, typer.Option(
-        "--dataset", help="BASE and HEAD are run ids of this dataset.")] = None,
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", metavar="DIR",
+        help="BASE and HEAD are run ids of this dataset (a directory or a URI).")] = None,
     fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
     pid: Annotated[str | None, typer.Option(
         "--pid", help="Only this process: PID in both runs, or BASE_PID:HEAD_PID.")] = None,
@@ -365,6 +369,41 @@ def diff(
     call(cmd.run, base, head, dataset=dataset, fmt=fmt, pid=pid, process=process,
          metrics=metric or [], top=top, fail_above=fail_above, fail_on=fail_on or [],
          out=sys.stdout)
+
+
+@app.command()
+def history(
+    dataset: Annotated[str, typer.Option(
+        "--dataset", metavar="DIR",
+        help="The run dataset (DIR/TABLE/run=ID/, or a URI: s3://bucket/DIR, file:///DIR) "
+             "whose runs to follow.")],
+    fmt: Annotated[str, typer.Option("--format", help="text, json or markdown.")] = "text",
+    order_by: Annotated[str | None, typer.Option(
+        "--order-by", metavar="LABEL", show_default="the runs' start time",
+        help="Order the runs by this label (--label of process, e.g. commit_time): "
+             "numerically when every value is a number, else as text.")] = None,
+    tolerance: Annotated[float | None, typer.Option(
+        "--tolerance", metavar="PCT", show_default="5",
+        help="A noisy figure (peak heap, peak RSS) steps when it changes by more than "
+             "PCT percent; calls, bytes allocated, average size and leaked step on any "
+             "change.")] = None,
+    last: Annotated[int | None, typer.Option(
+        "--last", metavar="N", help="Only the last N runs in order.")] = None,
+    fail_on_step: Annotated[bool, typer.Option(
+        "--fail-on-step", help="Exit with status 1 when the latest run stepped, 3 when it "
+                               "or the run before it lost data (not comparable).")] = False,
+    html: Annotated[Path | None, typer.Option(
+        "--html", help="Also write a self-contained HTML page of charts here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the HTML page if it "
+                                                        "exists.")] = False,
+) -> None:
+    """Every benchmark (region) and process name across the runs of a dataset: its peak
+    heap, bytes allocated, calls, average size, leaked and peak RSS per run, and the
+    runs where a figure stepped."""
+    from memtrack.commands import history as cmd
+
+    call(cmd.run, dataset, fmt=fmt, order_by=order_by, tolerance=tolerance, last=last,
+         fail_on_step=fail_on_step, html=html, force=force, out=sys.stdout)
 
 
 @app.command()

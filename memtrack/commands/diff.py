@@ -38,7 +38,7 @@ def parse_pids(pid: str) -> tuple[int, int]:
                                                                 MAX_PID)
 
 
-def run(base: str, head: str, *, dataset: Path | None = None, fmt: str = "text",
+def run(base: str, head: str, *, dataset: str | Path | None = None, fmt: str = "text",
         pid: str | None = None, process: str | None = None, metrics: Sequence[str] = (),
         top: int = 10, fail_above: float | None = None, fail_on: Sequence[str] = (),
         out: TextIO) -> int:

@@ -74,7 +74,7 @@ def ended_by_signals() -> Iterator[None]:
 
 def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool | None,
         cache_dir: Path | None, no_cache: bool, quiet: bool,
-        say: Callable[[str], None], dataset: Path | None = None, run_id: str | None = None,
+        say: Callable[[str], None], dataset: str | Path | None = None, run_id: str | None = None,
         labels: Sequence[str] = (), force: bool = False, jobs: int | None = None,
         python_frames: bool = True, accept_damaged: bool = False) -> int:
     with ended_by_signals():
@@ -86,9 +86,11 @@ def run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modul
 
 def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modules: bool | None,
          cache_dir: Path | None, no_cache: bool, quiet: bool,
-         say: Callable[[str], None], dataset: Path | None, run_id: str | None,
+         say: Callable[[str], None], dataset: str | Path | None, run_id: str | None,
          labels: Sequence[str], force: bool, jobs: int | None, python_frames: bool,
          accept_damaged: bool) -> int:
+    from pyarrow.fs import LocalFileSystem
+
     from memtrack.schema.dataset import DatasetError
 
     meta_labels = parse_labels(labels)
@@ -104,18 +106,22 @@ def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modu
                         force, quiet, say, meta_labels, jobs,
                         python_frames, accept_damaged)[0]
     from memtrack.process.dataset import append_run, check_target
+    from memtrack.schema.dataset import Remote, where
 
     try:
-        check_target(dataset, run_id, force)
-        dataset.mkdir(parents=True, exist_ok=True)
+        place = where(dataset)
+        check_target(place, run_id, force)
+        if not isinstance(place, Remote):
+            place.mkdir(parents=True, exist_ok=True)
     except DatasetError as e:
         raise CommandError(str(e)) from None
     except OSError as e:
         raise CommandError(f"{e.filename or dataset}: {e.strerror or e}") from None
     # without -o the run database is written beside the dataset's files (a hidden
-    # directory no engine reads), then removed
-    work = None if output is not None else Path(tempfile.mkdtemp(prefix=".process-",
-                                                                 dir=dataset))
+    # directory no engine reads; a temporary one for a dataset behind a URI), then removed
+    work = None if output is not None else Path(tempfile.mkdtemp(
+        prefix=".process-" if not isinstance(place, Remote) else "memtrack-process-",
+        dir=None if isinstance(place, Remote) else place))
     try:
         db = output if work is None else work / "run.duckdb"
         status, metadata = _process(artifact, db, parquet, host_modules, cache_dir, no_cache,
@@ -123,12 +129,14 @@ def _run(artifact: Path, output: Path | None, *, parquet: Path | None, host_modu
                                     python_frames, accept_damaged,
                                     shown=None if work is None else f"{dataset} run {run_id}")
         try:
-            replaced = append_run(dataset, run_id, db, metadata=metadata, force=force)
+            replaced = append_run(place, run_id, db, metadata=metadata, force=force)
         except DatasetError as e:
             raise CommandError(str(e)) from None
         except OSError as e:
             raise CommandError(f"{e.filename or dataset}: {e.strerror or e}") from None
-        for part in sorted(dataset.glob(f"*/run={run_id}")):  # this run's files only
+        local = Path(place.path) if isinstance(place, Remote) and isinstance(
+            place.fs, LocalFileSystem) else None if isinstance(place, Remote) else place
+        for part in sorted(local.glob(f"*/run={run_id}")) if local else ():  # this run's only
             give_to_invoking_user(part)
     finally:
         if work is not None:

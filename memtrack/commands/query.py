@@ -18,7 +18,7 @@ from memtrack.commands import CommandError, open_run_db
 FORMATS = ("table", "csv", "json")
 
 
-def run(args: Sequence[str], fmt: str, out: TextIO, dataset: Path | None = None,
+def run(args: Sequence[str], fmt: str, out: TextIO, dataset: str | Path | None = None,
         allow_files: bool = False) -> int:
     """args: RUN.duckdb and the SQL, or with a dataset the SQL alone."""
     if fmt not in FORMATS:

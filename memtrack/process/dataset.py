@@ -8,6 +8,12 @@ into place: no engine reads a file whose name starts with a dot, and a rename is
 atomic, so a reader sees a run's table whole or not at all. A dataset lives on shared
 storage: its directories are opened one component at a time without following a
 symbolic link, and the rename replaces a link, never what it points to.
+
+A dataset behind a URI (memtrack.schema.dataset.Remote: object storage through
+pyarrow's filesystems) is written the same way: each file written locally, uploaded
+under a hidden staging directory of the dataset, then moved into place (a rename on a
+local filesystem; on object storage a copy, which creates the object whole), the
+`runs` file last, and removed first when a run is replaced.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from memtrack.schema.dataset import (
     DATA_FILE,
@@ -29,10 +37,13 @@ from memtrack.schema.dataset import (
     RUNS,
     RUNS_TABLE,
     DatasetError,
+    Location,
+    Remote,
     check_run_id,
     partition,
+    where,
 )
-from memtrack.schema.ddl import EXPORT_TABLES, RunError, open_run, sql_literal
+from memtrack.schema.ddl import EXPORT_TABLES, RunError, first_line, open_run, sql_literal
 
 
 def copy_parquet(con: duckdb.DuckDBPyConnection, query: str, path: Path) -> None:
@@ -78,11 +89,18 @@ def open_directory(root_fd: int, root: Path, *names: str) -> int:
     return fd
 
 
-def check_target(root: Path, run_id: str, force: bool) -> None:
+def check_target(root: Location | str, run_id: str, force: bool) -> None:
     """Refuse (DatasetError) a run id, a directory or an existing run `append_run`
     would not write: checked before `process` does its work, and again when it writes."""
     check_run_id(run_id)
-    root = Path(root)
+    root = where(root)
+    if isinstance(root, Remote):
+        runs_file = f"{partition(root, RUNS_TABLE, run_id)}/{DATA_FILE}"
+        if _remote(root, root.fs.get_file_info, runs_file).type != pafs.FileType.NotFound \
+                and not force:
+            raise DatasetError(f"{root}: run {run_id!r} is already in the dataset "
+                               "(--force replaces it)")
+        return
     if root.exists() and not root.is_dir():
         raise DatasetError(f"{root}: not a directory")
     if root.is_dir() and not (root / RUNS_TABLE).is_dir() and any(
@@ -94,17 +112,23 @@ def check_target(root: Path, run_id: str, force: bool) -> None:
                            "(--force replaces it)")
 
 
-def append_run(root: Path, run_id: str, run_db: Path, *, metadata: Path | None = None,
-               force: bool = False) -> bool:
-    """Append the run database `run_db` to the dataset at `root` as run `run_id`
-    (created if need be); `metadata`: its memory_metadata.json. Returns whether a run
-    of that id was replaced (`force`)."""
-    root = Path(root)
+def append_run(root: Location | str, run_id: str, run_db: Path, *,
+               metadata: Path | None = None, force: bool = False) -> bool:
+    """Append the run database `run_db` to the dataset at `root` (a directory, or a
+    URI: memtrack.schema.dataset.where) as run `run_id` (created if need be);
+    `metadata`: its memory_metadata.json. Returns whether a run of that id was
+    replaced (`force`)."""
+    root = where(root)
     check_target(root, run_id, force)
     try:
         con = open_run(run_db, files=True)  # the database process just wrote
     except RunError as e:
         raise DatasetError(str(e)) from None
+    if isinstance(root, Remote):
+        try:
+            return _append_remote(root, run_id, con, metadata)
+        finally:
+            con.close()
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".append-", dir=root))
     fds: list[int] = []
@@ -140,6 +164,62 @@ def append_run(root: Path, run_id: str, run_db: Path, *, metadata: Path | None =
         for fd in fds:
             os.close(fd)
         shutil.rmtree(staging, ignore_errors=True)
+    return replaced
+
+
+def _remote(root: Remote, call: object, *args: object) -> object:
+    """A call on the dataset's filesystem, its errors as one line (DatasetError)."""
+    try:
+        return call(*args)  # type: ignore[operator]
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{root}: {first_line(e)}") from None
+
+
+def _append_remote(root: Remote, run_id: str, con: duckdb.DuckDBPyConnection,
+                   metadata: Path | None) -> bool:
+    """append_run into a dataset behind a URI: each table written locally by DuckDB,
+    uploaded to a hidden staging directory of the dataset, moved into place; the
+    `runs` file removed first (replacing a run) and placed last."""
+    fs = root.fs
+    local = Path(tempfile.mkdtemp(prefix="memtrack-append-"))
+    staging = root.join(f".append-{uuid.uuid4().hex}")
+    runs_file = f"{partition(root, RUNS_TABLE, run_id)}/{DATA_FILE}"
+    info = _remote(root, fs.get_file_info, runs_file)
+    replaced = info.type != pafs.FileType.NotFound  # type: ignore[attr-defined]
+
+    def place(table: str) -> None:  # local/table -> staging/table -> TABLE/run=ID/data.parquet
+        staged = f"{staging}/{table}"
+        _remote(root, pafs.copy_files, str(local / table), staged, pafs.LocalFileSystem(), fs)
+        (local / table).unlink()
+        target = str(partition(root, table, run_id))
+        if isinstance(fs, pafs.LocalFileSystem):  # file://: no directory is a link
+            os.close(open_directory(fds[0], Path(root.path), table, f"{PARTITION}={run_id}"))
+        else:
+            _remote(root, fs.create_dir, target)
+        _remote(root, fs.move, staged, f"{target}/{DATA_FILE}")
+
+    fds: list[int] = []
+    try:
+        _remote(root, fs.create_dir, staging)
+        if isinstance(fs, pafs.LocalFileSystem):
+            fds.append(os.open(root.path, os.O_RDONLY | os.O_DIRECTORY))
+        if replaced:  # the run leaves the dataset until every table is in place again
+            _remote(root, fs.delete_file, runs_file)
+        for name in EXPORT_TABLES:
+            copy_parquet(con, f"SELECT * FROM {name}", local / name)
+            place(name)
+        con.register("runs_row", runs_row(dict(con.execute(
+            "SELECT key, value FROM meta").fetchall()), metadata))
+        copy_parquet(con, "SELECT * FROM runs_row", local / RUNS_TABLE)
+        place(RUNS_TABLE)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            fs.delete_dir(staging)
+        except (pa.ArrowException, OSError):
+            pass
     return replaced
 
 

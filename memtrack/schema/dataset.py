@@ -13,7 +13,9 @@ documents the layout for other engines.
 
 Here are the readers: `open_dataset` (every run, one view per table with its `run`
 column) and `open_dataset_run` (one run, with the run database's views, for the run
-reader).
+reader). A dataset lies in a local directory (a path: every entry checked on the way,
+no symbolic link followed) or behind a URI (`s3://bucket/dir`, `gs://`, `file:///dir`:
+`Remote`, read and written through pyarrow's filesystems); `where` tells them apart.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from memtrack.schema.ddl import (
@@ -76,15 +80,62 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def partition(root: Path, table: str, run_id: str) -> Path:
+@dataclass(frozen=True)
+class Remote:
+    """A dataset behind a URI: a pyarrow filesystem (S3, GCS, local for `file://`...)
+    and the dataset's directory in it."""
+
+    fs: pafs.FileSystem
+    path: str
+    uri: str
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def join(self, *names: str) -> str:
+        return "/".join([self.path.rstrip("/"), *names])
+
+
+Location = Path | Remote
+
+
+def where(dataset: str | Path | Remote) -> Location:
+    """Where a dataset lies: a local directory (a path), or a URI (`scheme://...`)
+    opened through pyarrow's filesystems (DatasetError when it cannot be)."""
+    if isinstance(dataset, (Path, Remote)):
+        return dataset
+    if "://" not in dataset:
+        return Path(dataset)
+    try:
+        fs, path = pafs.FileSystem.from_uri(dataset)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DatasetError(f"{dataset}: {first_line(e)}") from None
+    return Remote(fs, path, dataset)
+
+
+def partition(root: Location, table: str, run_id: str) -> Path | str:
     """The directory of one run's file of one table."""
+    if isinstance(root, Remote):
+        return root.join(table, f"{PARTITION}={run_id}")
     return Path(root) / table / f"{PARTITION}={run_id}"
 
 
-def data_file(root: Path, table: str, run_id: str) -> Path | None:
+def data_file(root: Location | str, table: str, run_id: str) -> Path | str | None:
     """One run's file of one table, or None where there is none. A dataset is hostile
     input as an artifact is: every entry below `root` on the way must be a directory or,
     the last, a regular file, never a symbolic link (DatasetError)."""
+    root = where(root)
+    if isinstance(root, Remote):
+        if isinstance(root.fs, pafs.LocalFileSystem):  # file://: the local rules
+            found = data_file(Path(root.path), table, run_id)
+            return None if found is None else str(found)
+        path = root.join(table, f"{PARTITION}={run_id}", DATA_FILE)
+        kind = _info(root, path).type
+        if kind == pafs.FileType.NotFound:
+            return None
+        if kind != pafs.FileType.File:
+            raise DatasetError(f"{root.uri}: {path} is not a file")
+        return path
     path = Path(root)
     names = (table, f"{PARTITION}={run_id}", DATA_FILE)
     for i, name in enumerate(names):
@@ -102,8 +153,22 @@ def data_file(root: Path, table: str, run_id: str) -> Path | None:
     return path
 
 
-def run_ids(root: Path) -> list[str]:
+def _info(root: Remote, path: str) -> pafs.FileInfo:
+    try:
+        return root.fs.get_file_info(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{root.uri}: {first_line(e)}") from None
+
+
+def run_ids(root: Location | str) -> list[str]:
     """The runs of a dataset (those whose `runs` file exists), sorted."""
+    root = where(root)
+    if isinstance(root, Remote) and isinstance(root.fs, pafs.LocalFileSystem):
+        root = Path(root.path)  # file://: the local rules
+    if isinstance(root, Remote):
+        if _info(root, root.join(RUNS_TABLE)).type != pafs.FileType.Directory:
+            raise DatasetError(f"{root}: not a memtrack dataset (no {RUNS_TABLE}/ directory)")
+        return sorted(_remote_files(root, RUNS_TABLE))
     runs = Path(root) / RUNS_TABLE
     if runs.is_symlink() or not runs.is_dir():
         raise DatasetError(f"{root}: not a memtrack dataset (no {RUNS_TABLE}/ directory)")
@@ -112,43 +177,80 @@ def run_ids(root: Path) -> list[str]:
     return sorted(i for i in ids if RUN_ID.fullmatch(i) and data_file(root, RUNS_TABLE, i))
 
 
-def _arrow(files: list[Path], partitioned: Path | None = None) -> ds.Dataset:
+def _remote_files(root: Remote, table: str) -> dict[str, str]:
+    """A table's files in a dataset on object storage, by run: one listing (not a
+    request per run)."""
+    try:
+        entries = root.fs.get_file_info(pafs.FileSelector(root.join(table), recursive=True,
+                                                          allow_not_found=True))
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{root}: {first_line(e)}") from None
+    out = {}
+    for e in entries:
+        parts = e.path.rsplit("/", 2)
+        if e.type == pafs.FileType.File and len(parts) == 3 and parts[2] == DATA_FILE \
+                and parts[1].startswith(f"{PARTITION}="):
+            run = parts[1][len(PARTITION) + 1:]
+            if RUN_ID.fullmatch(run):
+                out[run] = e.path
+    return out
+
+
+def _fs(root: Location) -> pafs.FileSystem | None:
+    return root.fs if isinstance(root, Remote) else None
+
+
+def _table_dir(root: Location, table: str) -> Path | str:
+    return root.join(table) if isinstance(root, Remote) else root / table
+
+
+def _arrow(files: list[Path | str], partitioned: Path | str | None = None,
+           fs: pafs.FileSystem | None = None) -> ds.Dataset:
     """The Parquet files of one table as one pyarrow dataset: DuckDB reads it through
     pyarrow, never a file itself. `partitioned`: the table's directory, whose hive
     partition `run` becomes a column; a file that lacks a column another has reads as
-    nulls there."""
+    nulls there. `fs`: the files' filesystem (a Remote dataset's)."""
     schemas = []
     for f in files:
         try:
-            schemas.append(pq.read_schema(f))
+            schemas.append(pq.read_schema(str(f), filesystem=fs))
         except (OSError, pa.ArrowException) as e:
             raise DatasetError(f"{f}: {first_line(e)}") from None
     try:
         schema = pa.unify_schemas(schemas)
         if partitioned is None:
-            return ds.dataset(list(map(str, files)), schema=schema, format="parquet")
+            return ds.dataset(list(map(str, files)), schema=schema, format="parquet",
+                              filesystem=fs)
         hive = ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive")
         return ds.dataset(list(map(str, files)), format="parquet", partitioning=hive,
-                          partition_base_dir=str(partitioned),
+                          partition_base_dir=str(partitioned), filesystem=fs,
                           schema=pa.unify_schemas([schema, hive.schema]))
     except (OSError, pa.ArrowException) as e:  # a column of two types in two runs
         raise DatasetError(f"{partitioned or files[0]}: {first_line(e)}") from None
 
 
-def open_dataset(root: Path, *, files: bool = False) -> duckdb.DuckDBPyConnection:
+def open_dataset(root: Location | str, *, files: bool = False,
+                 tables: tuple[str, ...] = (RUNS_TABLE, *EXPORT_TABLES),
+                 runs: list[str] | None = None) -> duckdb.DuckDBPyConnection:
     """A locked reading session (memtrack.schema.ddl: no file access unless `files`)
-    with a view per table across every run of the dataset, each with its `run` column
-    (VARCHAR), `runs` among them."""
-    root = Path(root)
+    with a view per table across every run of the dataset (or of `tables`, over `runs`
+    of it), each with its `run` column (VARCHAR), `runs` among them."""
+    root = where(root)
     ids = run_ids(root)
+    if runs is not None:
+        ids = sorted(set(ids) & set(runs))
     if not ids:
         raise DatasetError(f"{root}: the dataset holds no run yet")
     con = reading_session()
     try:
-        for name in (RUNS_TABLE, *EXPORT_TABLES):
-            found = [f for i in ids if (f := data_file(root, name, i)) is not None]
+        for name in tables:
+            if isinstance(root, Remote) and not isinstance(root.fs, pafs.LocalFileSystem):
+                listed = _remote_files(root, name)
+                found = [listed[i] for i in ids if i in listed]
+            else:
+                found = [f for i in ids if (f := data_file(root, name, i)) is not None]
             if found:
-                con.register(name, _arrow(found, root / name))
+                con.register(name, _arrow(found, _table_dir(root, name), _fs(root)))
         lock(con, files=files)
     except BaseException:
         con.close()
@@ -156,11 +258,11 @@ def open_dataset(root: Path, *, files: bool = False) -> duckdb.DuckDBPyConnectio
     return con
 
 
-def open_dataset_run(root: Path, run_id: str) -> duckdb.DuckDBPyConnection:
+def open_dataset_run(root: Location | str, run_id: str) -> duckdb.DuckDBPyConnection:
     """One run of the dataset as a run database: a locked reading session without file
     access, with its tables and the run database's views (memtrack.schema.ddl), for
     the run reader."""
-    root = Path(root)
+    root = where(root)
     if run_id not in run_ids(root):
         raise DatasetError(f"{root}: no run {run_id!r} in this dataset")
     con = reading_session()
@@ -168,16 +270,16 @@ def open_dataset_run(root: Path, run_id: str) -> duckdb.DuckDBPyConnection:
         for name in EXPORT_TABLES:
             f = data_file(root, name, run_id)
             if f is None:
-                raise DatasetError(f"{partition(root, name, run_id) / DATA_FILE}: missing "
+                raise DatasetError(f"{partition(root, name, run_id)}/{DATA_FILE}: missing "
                                    f"(the run's {name} table)")
             # rss_timeline orders a process's updates by (ts, rowid): rss is a table in
             # the file's order; the others are read where they lie
-            con.register(f"{name}_file" if name == "rss" else name, _arrow([f]))
+            con.register(f"{name}_file" if name == "rss" else name, _arrow([f], fs=_fs(root)))
             if name == "rss":
                 with _reading(f):
                     con.execute(f"CREATE TABLE {name} AS SELECT * FROM {name}_file")
                 con.unregister(f"{name}_file")
-        with _reading(partition(root, "meta", run_id) / DATA_FILE):
+        with _reading(f"{partition(root, 'meta', run_id)}/{DATA_FILE}"):
             version = con.execute(
                 "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if not version or version[0] != str(SCHEMA_VERSION):
@@ -195,9 +297,9 @@ def open_dataset_run(root: Path, run_id: str) -> duckdb.DuckDBPyConnection:
 
 
 @contextmanager
-def _reading(where: Path) -> Iterator[None]:
+def _reading(place: Location | str) -> Iterator[None]:
     """DuckDB's errors on the dataset's files (a damaged or foreign file) as one line."""
     try:
         yield
     except duckdb.Error as e:
-        raise DatasetError(f"{where}: {first_line(e)}") from None
+        raise DatasetError(f"{place}: {first_line(e)}") from None
