@@ -363,6 +363,20 @@ def diff(
 
 
 @app.command()
+def check(
+    run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
+    fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
+    pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
+) -> None:
+    """Hold each region to its limits (pytest: @pytest.mark.memtrack_limit(peak="24 MB",
+    leaked="0 B", allocated=..., calls=...)): print every limit exceeded with the
+    region's figure; exit status 1 when one was, 3 when the run lost data (no verdict)."""
+    from memtrack.commands import check as cmd
+
+    call(cmd.run, run, fmt, pid, sys.stdout)
+
+
+@app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
     fmt: Annotated[str, typer.Option("--format", help="folded, pprof or speedscope.")],

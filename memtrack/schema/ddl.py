@@ -22,7 +22,7 @@ from memtrack.schema.enums import (
     names,
 )
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class RunError(Exception):
@@ -89,6 +89,7 @@ CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
 CREATE TABLE regions (region_id UBIGINT, name VARCHAR, pid UINTEGER, tid UINTEGER,
     parent_id UBIGINT, depth UINTEGER, begin_event_id UBIGINT, end_event_id UBIGINT,
     begin_ts UBIGINT, end_ts UBIGINT, ended BOOLEAN);
+CREATE TABLE region_labels (region_id UBIGINT, key VARCHAR, value VARCHAR);
 CREATE TABLE region_allocations (region_id UBIGINT, alloc_id UBIGINT);
 CREATE TABLE region_frees (region_id UBIGINT, alloc_id UBIGINT);
 CREATE TABLE region_heap_timeline (region_id UBIGINT, event_id UBIGINT, ts UBIGINT,
@@ -362,7 +363,7 @@ LEFT JOIN rss_in i USING (region_id);
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
-    "stack_frames", "frames", "rss", "regions", "stops",
+    "stack_frames", "frames", "rss", "regions", "region_labels", "stops",
 )  # fmt: skip
 DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces", "region_allocations",
                  "region_frees", "region_heap_timeline", "region_peak")
