@@ -70,7 +70,7 @@ def check_limits(run: RunReader) -> Check:
         measured = int(dict(zip(LIMITS, figures, strict=True))[what])
         r = regions.setdefault(rid, {"region_id": rid, "name": name, "pid": pid, "tid": tid,
                                      "ended": ended, "limits": []})
-        r["limits"].append({"limit": what, "unit": LIMITS[what][1], "max": int(value),
+        r["limits"].append({"metric": what, "unit": LIMITS[what][1], "limit": int(value),
                             "measured": measured, "exceeded": measured > int(value)})
     problems = [f"the run lost data: {k} {v}" for k, v in run.losses.items()
                 if is_loss(k) and k != "probes_refused"]
@@ -95,9 +95,9 @@ def format_text(check: Check) -> str:
         never = " (never ended)" if not r["ended"] else ""
         for lim in r["limits"]:
             if lim["exceeded"]:
-                lines.append(f"{printable(r['name'])}: {lim['limit']} "
+                lines.append(f"{printable(r['name'])}: {lim['metric']} "
                              f"{_quantity(lim['measured'], lim['unit'])} exceeds its limit "
-                             f"{_quantity(lim['max'], lim['unit'])}{never}")
+                             f"{_quantity(lim['limit'], lim['unit'])}{never}")
     lines += [f"CANNOT JUDGE: {printable(p)}" for p in d["problems"]]
     if not d["checked"]:
         lines.append("no region has limits (the pytest plugin's memtrack_limit marker, or "
