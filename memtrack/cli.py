@@ -80,6 +80,11 @@ HOST_MODULES_HELP = ("Use host files (same build id) for modules the artifact la
                      "(default: on for a run captured on this machine in this boot, else off).")
 
 
+PYTHON_ONLY_HELP = ("Stacks in the Python view: a stack with Python frames keeps them and "
+                    "the native frames its innermost Python frame called; the interpreter's "
+                    "own frames around them are folded away (memray's default view).")
+
+
 def call(run: Callable[..., int], *args: object, **kwargs: object) -> None:
     """Run a command's `run` and exit with its status (2 and one line on CommandError)."""
     try:
@@ -299,11 +304,13 @@ def report(
                          "allocation sites.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the HTML page if it "
                                                         "exists.")] = False,
+    python_only: Annotated[bool, typer.Option("--python-only", help=PYTHON_ONLY_HELP)] = False,
 ) -> None:
     """The heaptrack-style report of a processed run."""
     from memtrack.commands import report as cmd
 
-    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region, force=force)
+    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region, force=force,
+         python_only=python_only)
 
 
 @app.command()
@@ -392,11 +399,13 @@ def export(
                                  "(pid)` (folded, speedscope), each pprof sample has a pid "
                                  "label. Off: by name, so that two runs' stacks match.")] = "off",
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    python_only: Annotated[bool, typer.Option("--python-only", help=PYTHON_ONLY_HELP)] = False,
 ) -> None:
     """Export a processed run as folded stacks, pprof or speedscope."""
     from memtrack.commands import export as cmd
 
-    call(cmd.run, run, fmt, output, metric, pid, pids=on("--pids", pids), force=force)
+    call(cmd.run, run, fmt, output, metric, pid, pids=on("--pids", pids), force=force,
+         python_only=python_only)
 
 
 @app.command()
