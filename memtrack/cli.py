@@ -226,8 +226,10 @@ app.command(epilog=(
     "Every option can also be set in the environment: " + ", ".join(envvars(capture)) +
     ". CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
     "(one line) to the first, read 'ok' from the second; 'begin TID NAME' / 'end TID' "
-    "mark a region of thread TID (helpers: python3 -m memtrack.control prints where "
-    "memtrack_control.h and .py are; pytest: each test a region)."))(capture)
+    "mark a region of thread TID, 'label TID KEY=VALUE' says something of it (limit.peak="
+    "BYTES: memtrack check) (helpers: python3 -m memtrack.control prints where "
+    "memtrack_control.h and .py are; pytest: each test a region, memtrack_limit markers "
+    "its limits)."))(capture)
 
 
 @app.command()
