@@ -18,11 +18,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, build
 from support import synth
 
 from memtrack.capture.control import ControlFifo, run_command
@@ -131,12 +133,10 @@ class Kernel:
         return True
 
 
-def test_plugin_sends_limits_as_labels(tmp_path: Path) -> None:
-    """Under a control FIFO (as under capture), each marked test's region gets its
-    limits as limit.* labels in bytes (the closest marker winning per keyword, None
-    taking one away), an unmarked test none, and a bad marker fails its test with one
-    line and no traceback."""
-    (tmp_path / "t_limits.py").write_text(SUITE)
+@contextmanager
+def serving(tmp_path: Path) -> Iterator[tuple[dict[str, str], Regions, ArtifactWriter]]:
+    """A control FIFO served by a thread, as capture serves it (the marks accepted, not
+    recorded): its environment, the regions and their artifact writer (closed after)."""
     fifo = ControlFifo(tmp_path, None, None)
     writer = ArtifactWriter(tmp_path / "a.memtrack")
     regs = Regions(Kernel.mark, writer, lambda pid: True)
@@ -150,16 +150,34 @@ def test_plugin_sends_limits_as_labels(tmp_path: Path) -> None:
     server = threading.Thread(target=serve)
     server.start()
     try:
-        r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-             "memtrack.pytest", "--strict-markers", "t_limits.py"], cwd=tmp_path,
-            env={**os.environ, **fifo.env()}, capture_output=True, text=True, timeout=300)
+        yield fifo.env(), regs, writer
     finally:
         done.set()
         server.join()
         fifo.close()
-    regs.flush()
-    writer.close()
+        regs.flush()
+        writer.close()
+
+
+def labels_by_region(art: Artifact) -> dict[str, dict[str, str]]:
+    named = {row["region_id"]: row["name"] for row in art.read("region_names").table.to_pylist()}
+    got: dict[str, dict[str, str]] = {}
+    for row in art.read("region_labels").table.to_pylist():
+        got.setdefault(named[row["region_id"]], {})[row["key"]] = row["value"]
+    return got
+
+
+def test_plugin_sends_limits_as_labels(tmp_path: Path) -> None:
+    """Under a control FIFO (as under capture), each marked test's region gets its
+    limits as limit.* labels in bytes (the closest marker winning per keyword, None
+    taking one away), an unmarked test none, and a bad marker fails its test with one
+    line and no traceback."""
+    (tmp_path / "t_limits.py").write_text(SUITE)
+    with serving(tmp_path) as (env, _, writer):
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+             "memtrack.pytest", "--strict-markers", "t_limits.py"], cwd=tmp_path,
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     out = r.stdout
     assert "4 failed, 3 passed" in out, out
     assert "Traceback" not in out and "memtrack: some tests" not in out
@@ -172,17 +190,41 @@ def test_plugin_sends_limits_as_labels(tmp_path: Path) -> None:
             "memtrack_limit: calls: expected a number of calls, got 'many'"]:
         assert line in out, (line, out)
     art = Artifact.open(writer.path)
-    named = {row["region_id"]: row["name"].split("::", 1)[1]
-             for row in art.read("region_names").table.to_pylist()}
     # the failing tests never began a region: the marker is read first
-    assert sorted(named.values()) == ["TestClass::test_closest_wins", "test_marked",
-                                      "test_plain"]
-    got: dict[str, dict[str, str]] = {}
-    for row in art.read("region_labels").table.to_pylist():
-        got.setdefault(named[row["region_id"]], {})[row["key"]] = row["value"]
-    assert got == {"test_marked": {"limit.peak": "1536", "limit.calls": "3"},
-                   "TestClass::test_closest_wins": {"limit.peak": "4096",
-                                                    "limit.leaked": "2048"}}
+    assert sorted(r["name"] for r in art.read("region_names").table.to_pylist()) == [
+        "t_limits.py::TestClass::test_closest_wins", "t_limits.py::test_marked",
+        "t_limits.py::test_plain"]
+    assert labels_by_region(art) == {
+        "t_limits.py::test_marked": {"limit.peak": "1536", "limit.calls": "3"},
+        "t_limits.py::TestClass::test_closest_wins": {"limit.peak": "4096",
+                                                      "limit.leaked": "2048"}}
+
+
+def test_c_header_labels(tmp_path: Path) -> None:
+    """memtrack_region_label from C: a label of the open region, 0; a bad key, no key or
+    no open region, -1."""
+    src = tmp_path / "c.c"
+    src.write_text(r"""
+#include <stdio.h>
+#include "memtrack_control.h"
+int main(void) {
+    int before = memtrack_region_label("limit.peak", "1");
+    memtrack_region_begin("bench one");
+    int ok = memtrack_region_label("limit.peak", "1048576")
+             | memtrack_region_label("note", "two words");
+    int bad = memtrack_region_label("a b", "1"), none = memtrack_region_label("", "1");
+    memtrack_region_end();
+    printf("%d %d %d %d\n", before, ok, bad, none);
+    return 0;
+}
+""")
+    exe = build([src])
+    with serving(tmp_path) as (env, _, writer):
+        p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **env})
+    assert (p.returncode, p.stdout) == (0, "-1 0 -1 -1\n")
+    assert labels_by_region(Artifact.open(writer.path)) == {
+        "bench one": {"limit.peak": "1048576", "note": "two words"}}
 
 
 def test_label_command(tmp_path: Path) -> None:
