@@ -463,10 +463,9 @@ SELECT f.stack_id,
            AS depth,
        f.address, f.module_id, f.method, f.lookup_vaddr, f.frame_id
 FROM f LEFT JOIN py USING (stack_id)
-WHERE py.innermost IS NULL OR f.depth < py.innermost OR f.method = 'python'
-ORDER BY f.stack_id, depth;
+WHERE py.innermost IS NULL OR f.depth < py.innermost OR f.method = 'python';
 
-CREATE VIEW stacks AS
+CREATE TABLE stacks AS
 SELECT s.* REPLACE (coalesce(n.depth, s.depth)::USMALLINT AS depth)
 FROM {run}.main.stacks s
 LEFT JOIN (SELECT stack_id, count(*) AS depth FROM stack_frames GROUP BY 1) n USING (stack_id);
