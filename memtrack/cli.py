@@ -80,6 +80,11 @@ HOST_MODULES_HELP = ("Use host files (same build id) for modules the artifact la
                      "(default: on for a run captured on this machine in this boot, else off).")
 
 
+PYTHON_ONLY_HELP = ("Stacks in the Python view: a stack with Python frames keeps them and "
+                    "the native frames its innermost Python frame called; the interpreter's "
+                    "own frames around them are folded away (memray's default view).")
+
+
 def call(run: Callable[..., int], *args: object, **kwargs: object) -> None:
     """Run a command's `run` and exit with its status (2 and one line on CommandError)."""
     try:
@@ -226,8 +231,10 @@ app.command(epilog=(
     "Every option can also be set in the environment: " + ", ".join(envvars(capture)) +
     ". CMD sees MEMTRACK_CONTROL / MEMTRACK_CONTROL_ACK: write 'enable' or 'disable' "
     "(one line) to the first, read 'ok' from the second; 'begin TID NAME' / 'end TID' "
-    "mark a region of thread TID (helpers: python3 -m memtrack.control prints where "
-    "memtrack_control.h and .py are; pytest: each test a region)."))(capture)
+    "mark a region of thread TID, 'label TID KEY=VALUE' says something of it (limit.peak="
+    "BYTES: memtrack check) (helpers: python3 -m memtrack.control prints where "
+    "memtrack_control.h and .py are; pytest: each test a region, memtrack_limit markers "
+    "its limits)."))(capture)
 
 
 @app.command()
@@ -306,11 +313,13 @@ def report(
                          "allocation sites.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the HTML page if it "
                                                         "exists.")] = False,
+    python_only: Annotated[bool, typer.Option("--python-only", help=PYTHON_ONLY_HELP)] = False,
 ) -> None:
     """The heaptrack-style report of a processed run."""
     from memtrack.commands import report as cmd
 
-    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region, force=force)
+    call(cmd.run, run, fmt, pid, top, html, sys.stdout, region, force=force,
+         python_only=python_only)
 
 
 @app.command()
@@ -407,6 +416,20 @@ def history(
 
 
 @app.command()
+def check(
+    run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
+    fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
+    pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
+) -> None:
+    """Hold each region to its limits (pytest: @pytest.mark.memtrack_limit(peak="24 MB",
+    leaked="0 B", allocated=..., calls=...)): print every limit exceeded with the
+    region's figure; exit status 1 when one was, 3 when the run lost data (no verdict)."""
+    from memtrack.commands import check as cmd
+
+    call(cmd.run, run, fmt, pid, sys.stdout)
+
+
+@app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
     fmt: Annotated[str, typer.Option("--format", help="folded, pprof or speedscope.")],
@@ -422,11 +445,13 @@ def export(
                                  "(pid)` (folded, speedscope), each pprof sample has a pid "
                                  "label. Off: by name, so that two runs' stacks match.")] = "off",
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    python_only: Annotated[bool, typer.Option("--python-only", help=PYTHON_ONLY_HELP)] = False,
 ) -> None:
     """Export a processed run as folded stacks, pprof or speedscope."""
     from memtrack.commands import export as cmd
 
-    call(cmd.run, run, fmt, output, metric, pid, pids=on("--pids", pids), force=force)
+    call(cmd.run, run, fmt, output, metric, pid, pids=on("--pids", pids), force=force,
+         python_only=python_only)
 
 
 @app.command()

@@ -13,6 +13,16 @@ A test function is marked where pytest calls it (pytest_pyfunc_call, this wrappe
 innermost); an item that is not called so (unittest, doctest, other plugins' items)
 around its whole call phase. Each test costs two round trips to memtrack (well under a
 millisecond).
+
+`@pytest.mark.memtrack_limit(peak="24 MB", leaked="0 B", allocated=..., calls=...)`
+gives the test's region limits, as labels (`limit.peak` = 25165824, ...: one more round
+trip each) that `memtrack check RUN.duckdb` compares with the region's figures after
+`process`: peak, the heap at its highest above where it stood when the body began;
+leaked, the bytes the body allocated and had not freed when it returned; allocated and
+calls, all it allocated. Sizes as memtrack.sizes reads them (KB, MB: powers of 1024, as
+pytest-memray's); a marker on a class or module applies to its tests, the closest
+marker's keyword winning. A bad marker fails its test with one line, under capture only
+(outside it the marker does nothing, like every part of the plugin).
 """
 
 from __future__ import annotations
@@ -23,6 +33,11 @@ from contextlib import contextmanager
 import pytest
 
 from memtrack.control import memtrack_control as control
+from memtrack.sizes import parse_size
+
+MARKER = "memtrack_limit"
+# the marker's keywords: what each limits (bytes, or a count of calls)
+LIMITS = {"peak": True, "leaked": True, "allocated": True, "calls": False}
 
 _problems: list[str] = []  # the first reason a test could not be marked
 _active = False  # under memtrack capture (pytest_configure)
@@ -31,13 +46,50 @@ _active = False  # under memtrack capture (pytest_configure)
 def pytest_configure(config: pytest.Config) -> None:
     global _active
     _active = control.active()
+    config.addinivalue_line(
+        "markers", f"{MARKER}(peak=, leaked=, allocated=, calls=): under memtrack capture, "
+        "limits that `memtrack check` holds the test's region to (sizes such as '24 MB', "
+        "powers of 1024; calls a count)")
+
+
+def limits(item: pytest.Item) -> dict[str, int]:
+    """The test's limits from its memtrack_limit markers (the closest wins per keyword);
+    a bad marker fails the test with one line."""
+    out: dict[str, int] = {}
+    for mark in reversed(list(item.iter_markers(MARKER))):
+        if mark.args:
+            pytest.fail(f"{MARKER}: takes keywords only ({', '.join(f'{k}=' for k in LIMITS)}), "
+                        f"got {mark.args!r}", pytrace=False)
+        for key, value in mark.kwargs.items():
+            if key not in LIMITS:
+                pytest.fail(f"{MARKER}: unknown limit {key!r} (expected "
+                            f"{', '.join(LIMITS)})", pytrace=False)
+            if value is None:
+                out.pop(key, None)
+                continue
+            try:
+                if LIMITS[key]:
+                    out[key] = parse_size(value)
+                elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                    out[key] = value
+                else:
+                    raise ValueError(f"expected a number of calls, got {value!r}")
+            except ValueError as e:
+                pytest.fail(f"{MARKER}: {key}: {e}", pytrace=False)
+    return out
 
 
 @contextmanager
-def _region(nodeid: str) -> Iterator[None]:
+def _region(item: pytest.Item) -> Iterator[None]:
+    nodeid = item.nodeid
+    limited = limits(item)
     began = control.begin(nodeid)
     if not began and not _problems:
         _problems.append(f"{nodeid}: {control.last_error}")
+    if began:
+        for key, value in limited.items():
+            if not control.label(f"limit.{key}", str(value)) and not _problems:
+                _problems.append(f"{nodeid}: limit.{key}: {control.last_error}")
     try:
         yield
     finally:
@@ -55,7 +107,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, None, Non
     if not _active or not _called_as_function(pyfuncitem):
         yield
         return
-    with _region(pyfuncitem.nodeid):
+    with _region(pyfuncitem):
         yield
 
 
@@ -64,7 +116,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     if not _active or _called_as_function(item):
         yield
         return
-    with _region(item.nodeid):
+    with _region(item):
         yield
 
 

@@ -8,6 +8,7 @@ answer, a line back, once the command is in effect in the kernel):
     disable [TAG] (or off, 0, stop)     ok [TAG]             recording off
     begin TID NAME                      ok TID | error TID WHY   thread TID enters NAME
     end TID [NAME]                      ok TID | error TID WHY   ... leaves its innermost
+    label TID KEY=VALUE                 ok TID | error TID WHY   said of its innermost
 
 A TAG (digits: the helpers send their thread id) comes back in the answer, so that
 threads sharing the answer FIFO can tell theirs apart; the helpers (memtrack/control/)
@@ -122,16 +123,20 @@ def run_command(text: str, enable: Callable[[bool], None], regions: Regions | No
             return f"error unknown command {text!r}"
         enable(verb in ON)
         return f"ok {tag}" if tag else "ok"
-    if verb not in ("begin", "end"):
+    usages = {"begin": "begin TID NAME", "end": "end TID [NAME]",
+              "label": "label TID KEY=VALUE"}
+    if verb not in usages:
         return f"error unknown command {text!r}"
     if not tag.isdigit():
-        usage = "begin TID NAME" if verb == "begin" else "end TID [NAME]"
+        usage = usages[verb]
         return f"error {verb} needs a thread id: {usage}"
     if regions is None:
         return f"error {tag} regions are not recorded by this session"
     try:
         if verb == "begin":
             regions.begin(int(tag), arg)
+        elif verb == "label":
+            regions.label(int(tag), arg)
         else:
             regions.end(int(tag), arg or None)
     except RegionError as e:

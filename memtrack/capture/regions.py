@@ -1,4 +1,4 @@
-"""Regions: the control FIFO's `begin TID NAME` / `end TID [NAME]`.
+"""Regions: the control FIFO's `begin TID NAME` / `end TID [NAME]` / `label TID KEY=VALUE`.
 
 A region is a named span of one thread's life (a benchmark, a test): every allocation
 that thread makes between its begin and its end belongs to it. Regions nest, per
@@ -13,11 +13,14 @@ thread with no per-allocation cost in the kernel. The names go to region_names.a
 one row per region, in batches (`flush`: the session's loop calls it every
 NAMES_FLUSH_S; a batch write costs ~0.3 ms, more than the rest of a boundary). A region
 never ended is closed by `process` at its thread's exit (flagged: `regions.ended` is
-false).
+false). `label` says KEY=VALUE of the thread's innermost open region (the pytest
+plugin's limits: memtrack check reads them); labels go to region_labels.arrow with the
+names' batches.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +31,9 @@ from memtrack.schema.artifact import ArtifactWriter
 MAX_NAME = 4000  # bytes: a command line stays within PIPE_BUF (4096), written at once
 RING_FULL_WAIT_S = 5.0  # how long a boundary waits for the drain to make room
 NAMES_FLUSH_S = 0.25  # region names wait at most this long for their batch
+# a label's key: a word of letters, digits and . _ - (limit.peak); the whole label one
+# line within MAX_NAME bytes
+LABEL_KEY = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 
 
 class RegionError(Exception):
@@ -55,6 +61,7 @@ class Regions:
         self.begun = 0  # region ids handed out so far (the last one)
         self._ids: list[int] = []  # names not written yet
         self._names: list[str] = []
+        self._labels: dict[str, list[object]] = {"region_id": [], "key": [], "value": []}
         self._flushed = time.monotonic()
 
     def begin(self, tid: int, name: str) -> None:
@@ -81,17 +88,36 @@ class Regions:
         self._emit(t.pid, tid, region_id, False)
         t.open.pop()
 
+    def label(self, tid: int, label: str) -> None:
+        """KEY=VALUE said of the innermost open region of thread `tid`."""
+        key, eq, value = label.partition("=")
+        if not eq or not LABEL_KEY.fullmatch(key):
+            raise RegionError("label needs KEY=VALUE, the key letters, digits and . _ - "
+                              "(at most 100)")
+        if "\n" in label or len(label.encode()) > MAX_NAME:
+            raise RegionError(f"a label is one line of at most {MAX_NAME} bytes")
+        t = self._thread(tid)
+        if not t.open:
+            raise RegionError(f"thread {tid} has no open region")
+        for column, v in (("region_id", t.open[-1][0]), ("key", key), ("value", value)):
+            self._labels[column].append(v)
+
     def open_regions(self) -> int:
         return sum(len(t.open) for t in self._threads.values())
 
     def flush(self, force: bool = True) -> None:
-        """Write the names not written yet (unless not `force`d and the batch is younger
-        than NAMES_FLUSH_S)."""
+        """Write the names and labels not written yet (unless not `force`d and the batch
+        is younger than NAMES_FLUSH_S)."""
         now = time.monotonic()
-        if not self._ids or (not force and now - self._flushed < NAMES_FLUSH_S):
+        labels = self._labels["key"]
+        if not (self._ids or labels) or (not force and now - self._flushed < NAMES_FLUSH_S):
             return
-        self._writer.write("region_names", {"region_id": self._ids, "name": self._names})
+        if self._ids:
+            self._writer.write("region_names", {"region_id": self._ids, "name": self._names})
+        if labels:
+            self._writer.write("region_labels", self._labels)
         self._ids, self._names, self._flushed = [], [], now
+        self._labels = {k: [] for k in self._labels}
 
     def _thread(self, tid: int) -> _Thread:
         t = self._threads.get(tid)

@@ -48,10 +48,11 @@ def check_output(path: Path, force: bool) -> None:
         raise CommandError(f"{path}: already exists (use --force to replace it)")
 
 
-def open_run_db(path: Path, *, files: bool = False) -> duckdb.DuckDBPyConnection:
+def open_run_db(path: Path, *, files: bool = False,
+                python_only: bool = False) -> duckdb.DuckDBPyConnection:
     """A run database opened for reading (memtrack.schema.ddl.open_run: no file access
-    unless `files`), or CommandError (an artifact given instead says to process it
-    first)."""
+    unless `files`; `python_only`: its stacks in the Python view), or CommandError (an
+    artifact given instead says to process it first)."""
     from memtrack.schema.ddl import RunError, open_run
 
     try:
@@ -62,7 +63,7 @@ def open_run_db(path: Path, *, files: bool = False) -> duckdb.DuckDBPyConnection
         raise CommandError(f"{path} is a capture artifact, not a run database: run "
                            f"`memtrack process {path} -o {path.with_suffix('.duckdb')}` first")
     try:
-        return open_run(path, files=files)
+        return open_run(path, files=files, python_only=python_only)
     except RunError as e:
         raise CommandError(str(e)) from None
 

@@ -1,5 +1,6 @@
 """`memtrack export RUN.duckdb --format folded|pprof|speedscope -o FILE`: a run for the
-tools that read those formats (memtrack.report.EXPORTS)."""
+tools that read those formats (memtrack.report.EXPORTS); with --python-only, the stacks
+in the Python view (memtrack.schema.ddl.PYTHON_ONLY)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from memtrack.commands import (
 
 
 def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None, *,
-        pids: bool = False, force: bool = False) -> int:
+        pids: bool = False, force: bool = False, python_only: bool = False) -> int:
     from memtrack.report import EXPORT_METRICS, EXPORTS
     from memtrack.report.reader import RunReader
 
@@ -28,7 +29,7 @@ def run(run_db: Path, fmt: str, output: Path, metric: str, pid: int | None, *,
     if pid is not None:
         bounded("--pid", pid, 0, MAX_PID)
     check_output(output, force)
-    data = EXPORTS[fmt](RunReader(open_run_db(run_db), pid), metric, pids)
+    data = EXPORTS[fmt](RunReader(open_run_db(run_db, python_only=python_only), pid), metric, pids)
     try:
         output.write_bytes(data)
     except OSError as e:

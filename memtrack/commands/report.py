@@ -1,6 +1,7 @@
 """`memtrack report RUN.duckdb`: the heaptrack-style report (memtrack.report.text), as
 text or JSON, and with --html a self-contained page (memtrack.report.html); with
---region NAME, that region's figures and allocation sites (memtrack.report.regions)."""
+--region NAME, that region's figures and allocation sites (memtrack.report.regions);
+with --python-only, the stacks in the Python view (memtrack.schema.ddl.PYTHON_ONLY)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from memtrack.commands import (
 
 
 def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
-        out: TextIO, region: str | None = None, *, force: bool = False) -> int:
+        out: TextIO, region: str | None = None, *, force: bool = False,
+        python_only: bool = False) -> int:
     from memtrack.report.reader import RunReader
     from memtrack.report.text import ReportOptions, format_text, report_data, report_json
 
@@ -31,10 +33,10 @@ def run(run_db: Path, fmt: str, pid: int | None, top: int, html: Path | None,
 
     if html is not None:
         check_output(html, force)
-    con = open_run_db(run_db)
+    con = open_run_db(run_db, python_only=python_only)
     if pid is not None and not RunReader(con, pid).has_process():
         raise CommandError(f"{run_db}: no process {pid} in this run")
-    opts = ReportOptions(pid=pid, top=top)
+    opts = ReportOptions(pid=pid, top=top, python_only=python_only)
     if region is not None:
         return _region(con, run_db, region, fmt, opts, out)
     data = report_data(con, opts)

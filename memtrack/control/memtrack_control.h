@@ -12,6 +12,8 @@
  *   memtrack_enable() / memtrack_disable()   recording on / off, whole traced tree
  *   memtrack_region_begin(name)              the calling thread enters region `name`
  *   memtrack_region_end()                    ... and leaves its innermost region
+ *   memtrack_region_label(key, value)        says key=value of its innermost region
+ *                                            (limit.peak, ...: `memtrack check`)
  *
  * Every allocation the calling thread makes after memtrack_region_begin() returns and
  * before memtrack_region_end() is called belongs to the region; regions nest per
@@ -127,5 +129,15 @@ static inline int memtrack_region_begin(const char *name) {
     return name && *name ? memtrack__request("begin", name) : -1;
 }
 static inline int memtrack_region_end(void) { return memtrack__request("end", NULL); }
+static inline int memtrack_region_label(const char *key, const char *value) {
+    char text[MEMTRACK_MAX_NAME + 1];
+    size_t klen = key ? strlen(key) : 0, vlen = value ? strlen(value) : 0;
+    if (!klen || !value || klen + 1 + vlen > MEMTRACK_MAX_NAME)
+        return -1;
+    memcpy(text, key, klen);
+    text[klen] = '=';
+    memcpy(text + klen + 1, value, vlen + 1);
+    return memtrack__request("label", text);
+}
 
 #endif

@@ -13,7 +13,9 @@ once the command is in effect in the kernel:
   benchmark, a test). Every allocation the thread makes after `begin` returns and
   before `end` is called belongs to the region; regions nest per thread (`end` leaves
   the innermost); other threads are not in it. `region(name)` is both a context
-  manager and a decorator.
+  manager and a decorator;
+- `label(key, value)`: KEY=VALUE said of the calling thread's innermost region (the
+  pytest plugin's limits: `limit.peak`, ...; `memtrack check` reads them).
 
 Each returns True once memtrack answered "ok", and False outside memtrack (nothing is
 sent) or when memtrack refused (`last_error` says why). The calls are thread-safe:
@@ -125,6 +127,15 @@ def end(name: str | None = None) -> bool:
     """The calling thread leaves its innermost region (refused unless it is `name`,
     when given)."""
     return _request("end", name or "")
+
+
+def label(key: str, value: str) -> bool:
+    """Say `key`=`value` of the calling thread's innermost open region (the key letters,
+    digits and . _ -; the label one line of at most MAX_NAME bytes)."""
+    text = f"{key}={value}"
+    if "\n" in text or len(text.encode()) > MAX_NAME:
+        raise ValueError(f"a label is one line of at most {MAX_NAME} bytes")
+    return _request("label", text)
 
 
 @contextlib.contextmanager

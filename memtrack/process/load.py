@@ -41,7 +41,7 @@ from memtrack.schema.ddl import (
     derive,
 )
 from memtrack.schema.enums import ALLOC_KINDS, EventKind
-from memtrack.schema.stages import REGIONS, SYMBOLIZED_FRAMES
+from memtrack.schema.stages import REGION_LABELS, REGIONS, SYMBOLIZED_FRAMES
 
 
 @dataclass
@@ -58,6 +58,7 @@ class StageTables:
     stacks: pa.Table  # UNWOUND_STACKS, one row per stack hash
     stack_frames: pa.Table  # UNWOUND_STACK_FRAMES
     regions: pa.Table = field(default_factory=REGIONS.empty_table)  # REGIONS
+    region_labels: pa.Table = field(default_factory=REGION_LABELS.empty_table)
     python_locations: pa.Table | None = None  # process.pyframes.PYTHON_LOCATIONS
 
 
@@ -167,6 +168,7 @@ INSERTS = {
         INSERT INTO rss SELECT ts, pid, {MEMBER_SQL}, bytes, {CAUSE_SQL} FROM src_rss""",
     "processes": "INSERT INTO processes SELECT * FROM src_processes",
     "regions": "INSERT INTO regions SELECT * FROM src_regions",
+    "region_labels": "INSERT INTO region_labels SELECT * FROM src_region_labels",
     "stops": f"""
         INSERT INTO stops SELECT pid, {STOP_SQL}, begin_ts, end_ts FROM src_stops
         ORDER BY begin_ts, pid""",
@@ -289,7 +291,7 @@ class RunDatabase:
                                 "AND stack_id IS NULL").fetchone()[0]  # type: ignore[index]
 
     def table(self, name: str, tbl: pa.Table) -> None:
-        """Load mappings, rss, regions or stops."""
+        """Load mappings, rss, regions, region_labels or stops."""
         self.con.register(f"src_{name}", tbl)
         self.con.execute(INSERTS[name])
         self.con.unregister(f"src_{name}")
@@ -364,6 +366,7 @@ def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, s
             db.table("mappings", tables.mappings)
             db.table("rss", tables.rss)
             db.table("regions", tables.regions)
+            db.table("region_labels", tables.region_labels)
             db.meta(meta(out))
             out.rows = db.finish(parquet_dir)
     except BaseException:

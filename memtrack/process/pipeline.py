@@ -244,7 +244,8 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.events = spill.n
     end_ns = m.end_ns or spill.last_ts
     res = st.run("rss", lambda: resident(tables, m, first_seen=spill.first_seen))
-    spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns))
+    spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns,
+                                              tables.region_labels))
     summary.add(spans.counters)
 
     store = ModuleStore(artifact_path, host_modules=host_modules)
@@ -292,6 +293,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)
         db.table("regions", spans.regions)
+        db.table("region_labels", spans.labels)
         db.table("stops", tables.stops)
         summary.counters["events_stack_missing"] = db.missing_stacks()
         summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows

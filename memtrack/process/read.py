@@ -31,6 +31,7 @@ MAX_FP_CHAIN = 1024  # the kernel's frame-pointer walk: 127 entries
 MAX_RET_FIXUPS = MAX_BUDGET // 8
 MAX_PY_DEPTH = 128  # Python frames per record (bpf/pyframes.h MT_PY_DEPTH)
 MAX_PY_TEXT = 1 << 16  # bytes of a code object's name, file name or line table
+MAX_REGION_TEXT = 4096  # bytes of a region label's value (capture takes 4000 a line)
 SLICE_ROWS = 1 << 18  # events checked and spilled at a time
 
 
@@ -45,6 +46,7 @@ class ArtifactTables:
     faults: pa.Table
     stacks: StackRecords  # the stack records, in file order (read again a piece at a time)
     region_names: pa.Table  # region_id, name
+    region_labels: pa.Table  # region_id, key, value (format 2.5; empty before)
     py_stacks: pa.Table  # the Python stack records (format 2.2; empty before)
     py_codes: pa.Table
     stops: pa.Table  # capture's stops of traced processes (format 2.3; empty before)
@@ -131,6 +133,14 @@ def _stops_ok(t: pa.Table) -> pa.ChunkedArray:
                    pc.less_equal(t.column("begin_ts"), t.column("end_ts")))
 
 
+def _region_labels_ok(t: pa.Table) -> pa.ChunkedArray:
+    """A label as capture takes it (capture.regions.label): a key of letters, digits and
+    . _ -, the whole label within a region name's bytes."""
+    ok = pc.and_(_all_valid(t), pc.is_valid(t.column("key")))
+    ok = pc.and_(ok, pc.match_substring_regex(t.column("key"), r"^[A-Za-z0-9_.-]{1,100}$"))
+    return pc.and_(ok, pc.less_equal(pc.binary_length(t.column("value")), MAX_REGION_TEXT))
+
+
 def _all_valid(t: pa.Table) -> pa.ChunkedArray:
     return _no_nulls(t, *(f.name for f in t.schema if pa.types.is_integer(f.type)
                           or pa.types.is_boolean(f.type)))
@@ -140,6 +150,7 @@ def _all_valid(t: pa.Table) -> pa.ChunkedArray:
 ROW_RULES: dict[str, Callable[[pa.Table], pa.ChunkedArray]] = {
     "events": _events_ok, "stacks": _stacks_ok, "rss": _rss_ok, "mappings": _mappings_ok,
     "processes": _all_valid, "faults": _all_valid, "region_names": _all_valid,
+    "region_labels": _region_labels_ok,
     "py_stacks": _py_stacks_ok, "py_codes": _py_codes_ok, "stops": _stops_ok,
 }
 
@@ -201,7 +212,8 @@ def read_artifact(art: Artifact, spill: EventSink | None = None,
     return ArtifactTables(
         events=events, mappings=out["mappings"], processes=out["processes"],
         rss=out["rss"], faults=out["faults"], stacks=stacks,
-        region_names=out["region_names"], py_stacks=out["py_stacks"], py_codes=out["py_codes"],
+        region_names=out["region_names"], region_labels=out["region_labels"],
+        py_stacks=out["py_stacks"], py_codes=out["py_codes"],
         stops=out["stops"],
         events_bad_kind=bad, bad_rows={k: v for k, v in bad_rows.items() if v},
     )

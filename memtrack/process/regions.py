@@ -1,5 +1,6 @@
 """The regions stage: each region's thread, nesting and span, from the REGION events
-(capture/regions.py writes them; region_names.arrow names them).
+(capture/regions.py writes them; region_names.arrow names them), and their labels
+(region_labels.arrow: the last of each key, for the regions kept).
 
 A region opens at its begin and closes at its end. One never ended is closed at its
 thread's exit, or at its process's exec or exit, by that event (`ended` false), else
@@ -23,18 +24,21 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.schema.enums import EXIT_PROCESS, REGION_BEGIN, EventKind
-from memtrack.schema.stages import REGIONS
+from memtrack.schema.stages import REGION_LABELS, REGIONS
 
 
 @dataclass
 class RegionSpans:
     regions: pa.Table  # REGIONS
+    labels: pa.Table = field(default_factory=REGION_LABELS.empty_table)
     counters: dict[str, int] = field(default_factory=dict)
 
 
-def regions(events: pa.Table, names: pa.Table, end_ts: int) -> RegionSpans:
+def regions(events: pa.Table, names: pa.Table, end_ts: int,
+            labels: pa.Table | None = None) -> RegionSpans:
     """The regions of time-ordered `events` (with event_id), named by `names`
-    (region_id, name); `end_ts` closes what is still open at the capture's end."""
+    (region_id, name) and labelled by `labels` (region_id, key, value); `end_ts` closes
+    what is still open at the capture's end."""
     kind = events.column("kind").to_numpy()
     is_region = kind == EventKind.REGION
     if not is_region.any():
@@ -94,7 +98,20 @@ def regions(events: pa.Table, names: pa.Table, end_ts: int) -> RegionSpans:
     for stack in stacks.values():
         close(stack, 0, None)
     table = pa.Table.from_pylist([out[k] for k in sorted(out)], schema=REGIONS)
-    return RegionSpans(table, counters)
+    return RegionSpans(table, _labels(labels, out), counters)
+
+
+def _labels(labels: pa.Table | None, kept: dict[int, Any]) -> pa.Table:
+    """The last label of each (region, key), for the regions `kept`, by region and key."""
+    last: dict[tuple[int, str], str] = {}
+    if labels is not None:
+        for rid, key, value in zip(*(labels.column(c).to_pylist()
+                                     for c in ("region_id", "key", "value")), strict=True):
+            if rid in kept and key is not None and value is not None:
+                last[(rid, key)] = value
+    rows = sorted(last.items())
+    return pa.table({"region_id": [k[0] for k, _ in rows], "key": [k[1] for k, _ in rows],
+                     "value": [v for _, v in rows]}, schema=REGION_LABELS)
 
 
 def _names(names: pa.Table) -> dict[int, str]:

@@ -22,14 +22,16 @@ EXPORTS: dict[str, Callable[[RunReader, str, bool], bytes]] = {
 EXPORT_METRICS = tuple(METRICS)
 
 
-def open_run(path: Path | str, pid: int | None = None) -> RunReader:
+def open_run(path: Path | str, pid: int | None = None, *,
+             python_only: bool = False) -> RunReader:
     """A run database for reading as `report` reads it (read-only, no file access from
     SQL): `.totals()`, `.processes()`, `.hotspots(n)`, `.timelines(points)`, and `.con`
-    for any SQL; `pid`: that process only. The Python API's `memtrack.open_run`.
+    for any SQL; `pid`: that process only; `python_only`: the stacks in the Python view
+    (`report --python-only`). The Python API's `memtrack.open_run`.
 
         run = memtrack.open_run("run.duckdb")
         run.totals()["peak_heap_bytes"], run.con.sql("SELECT count(*) FROM allocations")
     """
     from memtrack.schema.ddl import open_run as open_db
 
-    return RunReader(open_db(path), pid)
+    return RunReader(open_db(path, python_only=python_only), pid)

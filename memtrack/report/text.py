@@ -26,6 +26,7 @@ class ReportOptions:
     pid: int | None = None
     top: int = 10  # locations per section, regions
     backtraces: int = 3  # backtraces per location
+    python_only: bool = False  # the stacks in the Python view (ddl.PYTHON_ONLY)
 
 
 MAX_PROCESSES = 20  # in the text report, the processes with the most calls
@@ -88,6 +89,7 @@ def report_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions | None = Non
         "attached": run.attached,
         "artifact": run.meta.get("artifact"),
         "pid": opts.pid,
+        "python_only": opts.python_only,
         "totals": run.totals(),
         "processes": run.processes(),
         "sections": {s.key: s.data(run, opts) for s in SECTIONS},
@@ -159,6 +161,9 @@ def format_text(data: dict) -> str:
     if data["command"]:
         lines.append("command: " + " ".join(data["command"]))
     lines += data["attached"]
+    if data.get("python_only"):
+        lines.append("stacks: Python view (--python-only): Python frames, and the native "
+                     "ones their innermost called")
 
     def ts(at: float | None) -> str:
         return f" at {at:.3f}s" if at is not None else ""

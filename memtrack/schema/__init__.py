@@ -212,6 +212,18 @@ REGION_NAMES = pa.schema(
     ]
 )
 
+# Labels said of a region (format 2.5): `label TID KEY=VALUE` on the control FIFO gives the
+# thread's innermost open region one, a row each (a later row of a key replaces it).
+# The pytest plugin's limits are labels `limit.peak`, `limit.leaked`, `limit.allocated`
+# (bytes) and `limit.calls`, as decimal digits (memtrack check reads them).
+REGION_LABELS = pa.schema(
+    [
+        ("region_id", pa.uint64()),
+        ("key", pa.string()),
+        ("value", pa.string()),
+    ]
+)
+
 # Python frames (capture --python-frames, default on with stacks; format 2.2). A Python
 # stack record per distinct chain of interpreter frames at an allocation: `hash` is what
 # events.stack_hash refers to (the native stack's hash folded with the chain),
@@ -274,6 +286,7 @@ TABLES: dict[str, pa.Schema] = {
     "processes": PROCESSES,
     "faults": FAULTS,
     "region_names": REGION_NAMES,
+    "region_labels": REGION_LABELS,
     "py_stacks": PY_STACKS,
     "py_codes": PY_CODES,
     "stops": STOPS,

@@ -279,14 +279,16 @@ def open_dataset_run(root: Location | str, run_id: str) -> duckdb.DuckDBPyConnec
                 with _reading(f):
                     con.execute(f"CREATE TABLE {name} AS SELECT * FROM {name}_file")
                 con.unregister(f"{name}_file")
-        with _reading(f"{partition(root, 'meta', run_id)}/{DATA_FILE}"):
-            version = con.execute(
-                "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if not version or version[0] != str(SCHEMA_VERSION):
-            raise DatasetError(
-                f"{root}: run {run_id!r} is in run database format "
-                f"{version[0] if version else '?'}, this memtrack reads {SCHEMA_VERSION}; "
-                "re-run `memtrack process --dataset` on its artifact")
+            if name == "meta":  # first: a run of another format may lack a table
+                with _reading(f):
+                    version = con.execute(
+                        "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                if not version or version[0] != str(SCHEMA_VERSION):
+                    raise DatasetError(
+                        f"{root}: run {run_id!r} is in run database format "
+                        f"{version[0] if version else '?'}, this memtrack reads "
+                        f"{SCHEMA_VERSION}; re-run `memtrack process --dataset` on its "
+                        "artifact")
         with _reading(root):
             con.execute(VIEWS)
         lock(con)

@@ -22,7 +22,7 @@ from memtrack.schema.enums import (
     names,
 )
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class RunError(Exception):
@@ -89,6 +89,7 @@ CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
 CREATE TABLE regions (region_id UBIGINT, name VARCHAR, pid UINTEGER, tid UINTEGER,
     parent_id UBIGINT, depth UINTEGER, begin_event_id UBIGINT, end_event_id UBIGINT,
     begin_ts UBIGINT, end_ts UBIGINT, ended BOOLEAN);
+CREATE TABLE region_labels (region_id UBIGINT, key VARCHAR, value VARCHAR);
 CREATE TABLE region_allocations (region_id UBIGINT, alloc_id UBIGINT);
 CREATE TABLE region_frees (region_id UBIGINT, alloc_id UBIGINT);
 CREATE TABLE region_heap_timeline (region_id UBIGINT, event_id UBIGINT, ts UBIGINT,
@@ -365,7 +366,7 @@ LEFT JOIN rss_in i USING (region_id);
 
 TABLE_NAMES = (
     "processes", "threads", "modules", "mappings", "events", "allocations", "stacks",
-    "stack_frames", "frames", "rss", "regions", "stops",
+    "stack_frames", "frames", "rss", "regions", "region_labels", "stops",
 )  # fmt: skip
 DERIVED_NAMES = ("heap_timeline", "heap_peak", "backtraces", "region_allocations",
                  "region_frees", "region_heap_timeline", "region_peak")
@@ -447,16 +448,49 @@ def _columns(con: duckdb.DuckDBPyConnection, catalog: str) -> dict[str, list[tup
     return out
 
 
-def open_run(path: Path | str, *, files: bool = False) -> duckdb.DuckDBPyConnection:
+# The Python view (`report --python-only`, `export --python-only`): a stack with Python
+# frames keeps them and the native frames inside its innermost one (what that Python
+# line called, down to the allocator function); the native frames outside it (the
+# interpreter's start, its evaluation loop and calls between Python frames, a thread's
+# start) are folded away, as memray's default view shows a Python program. A stack with
+# no Python frame stays whole. Depths are renumbered from 0, so that the site, the
+# backtraces and every view over stack_frames read the folded stacks; the allocations
+# and their stacks' ids are the same as in the native view.
+PYTHON_ONLY = """
+CREATE TABLE stack_frames AS
+WITH f AS (SELECT * FROM {run}.main.stack_frames),
+py AS (SELECT stack_id, min(depth) AS innermost FROM f WHERE method = 'python'
+       GROUP BY stack_id)
+SELECT f.stack_id,
+       (row_number() OVER (PARTITION BY f.stack_id ORDER BY f.depth) - 1)::USMALLINT
+           AS depth,
+       f.address, f.module_id, f.method, f.lookup_vaddr, f.frame_id
+FROM f LEFT JOIN py USING (stack_id)
+WHERE py.innermost IS NULL OR f.depth < py.innermost OR f.method = 'python';
+
+CREATE TABLE stacks AS
+SELECT s.* REPLACE (coalesce(n.depth, s.depth)::USMALLINT AS depth)
+FROM {run}.main.stacks s
+LEFT JOIN (SELECT stack_id, count(*) AS depth FROM stack_frames GROUP BY 1) n USING (stack_id);
+
+CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
+""".replace("{run}", RUN_CATALOG)
+
+
+def open_run(path: Path | str, *, files: bool = False,
+             python_only: bool = False) -> duckdb.DuckDBPyConnection:
     """Open a run database for reading, refusing (RunError, one line) anything but this
     format. The file is attached read-only to a `reading_session` and only its tables
     are read, by name, once each has the columns TABLES gives it: a view or macro
     stored in the file is never run, and the session has memtrack's own views (VIEWS)
-    over those tables. Locked (`lock`): no file access unless `files`."""
+    over those tables. `python_only`: the stacks as PYTHON_ONLY folds them (and their
+    backtraces made again from those). Locked (`lock`): no file access unless
+    `files`."""
     path = Path(path)
     if not path.is_file():
         raise RunError(f"{path}: no such run database")
     con = reading_session()
+    folded = ("stack_frames", "stacks", "backtraces") if python_only else ()
     try:
         try:
             con.execute(f"ATTACH {sql_literal(path)} AS {RUN_CATALOG} (READ_ONLY)")
@@ -464,11 +498,17 @@ def open_run(path: Path | str, *, files: bool = False) -> duckdb.DuckDBPyConnect
             raise RunError(f"{path}: not a DuckDB database ({first_line(e)})") from None
         _check_run(con, path)
         for name in table_columns():
+            if name in folded:
+                continue
             # rss_timeline orders a process's updates by (ts, rowid): rss is copied in
             # the file's order; the other tables are read where they lie
             kind = "TABLE" if name == "rss" else "VIEW"
             con.execute(f"CREATE {kind} {name} AS SELECT * FROM {RUN_CATALOG}.main.{name}")
+        if python_only:
+            con.execute(PYTHON_ONLY)
         con.execute(VIEWS)
+        if python_only:
+            derive(con, "backtraces")
         lock(con, files=files)
     except BaseException:
         con.close()

@@ -82,6 +82,14 @@ REGIONS = pa.schema([
     ("ended", pa.bool_()),  # its end arrived (false: closed at exit, exec or the end)
 ])
 
+# region_labels: the labels of the regions the stage kept, one row per (region, key),
+# the last label of a key (-> `region_labels`)
+REGION_LABELS = pa.schema([
+    ("region_id", pa.uint64()),
+    ("key", pa.string()),
+    ("value", pa.string()),
+])
+
 # rss (memtrack.process.rss): each process's resident bytes per member over time as the
 # stage makes them effective, ts-ordered (-> `rss`).
 EFFECTIVE_RSS = pa.schema([
