@@ -116,7 +116,8 @@ def test_polars_reads_every_table(ds: Path, counts: dict[str, list[tuple[str, in
 
 
 # docs/dataset.md's queries, as each engine writes them
-PER_RUN = "SELECT run, count(*) AS calls, sum(size) AS bytes FROM allocations GROUP BY run ORDER BY run"
+PER_RUN = ("SELECT run, count(*) AS calls, sum(size) AS bytes FROM allocations "
+           "GROUP BY run ORDER BY run")
 
 
 def test_the_same_queries_in_every_engine(ds: Path) -> None:
