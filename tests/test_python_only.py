@@ -35,11 +35,12 @@ def memtrack(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """frames.py run by the venv's CPython 3.11 (built from source: its functions are
-    named), captured and processed."""
+    named), captured with the whole native stacks (--python-stacks mixed; the default
+    Python cut records no frame outside the innermost Python one) and processed."""
     tmp = tmp_path_factory.mktemp("python_only")
     art, db = tmp / "run.memtrack", tmp / "run.duckdb"
-    memtrack("capture", "-o", str(art), "--rss", "off", "--modules", "off", "--",
-             sys.executable, str(SCRIPT))
+    memtrack("capture", "-o", str(art), "--rss", "off", "--modules", "off",
+             "--python-stacks", "mixed", "--", sys.executable, str(SCRIPT))
     memtrack("process", "-q", str(art), "-o", str(db))
     return db
 

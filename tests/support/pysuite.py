@@ -24,15 +24,16 @@ PYTHON = sys.executable
 SUITE_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 # per stack of an allocation, its Python frames (method 'python') and all its frames,
-# as frame ids from the leaf outward; counted distinct over those stacks (not joined
-# per allocation: millions of rows of long strings)
+# as the hash of their frame ids from the leaf outward; counted distinct over those
+# stacks (not joined per allocation, not as strings: the PYTHONMALLOC=malloc suite has
+# millions of allocations and tens of millions of frames)
 PATHS = """
 WITH used AS (SELECT DISTINCT stack_id FROM allocations),
 s AS (
   SELECT stack_id,
-         string_agg(frame_id::VARCHAR, ',' ORDER BY depth)
-           FILTER (WHERE method = 'python') AS python_path,
-         string_agg(frame_id::VARCHAR, ',' ORDER BY depth) AS path
+         CASE WHEN bool_or(method = 'python') THEN hash(list(frame_id ORDER BY depth)
+           FILTER (WHERE method = 'python')) END AS python_path,
+         hash(list(frame_id ORDER BY depth)) AS path
   FROM stack_frames SEMI JOIN used USING (stack_id) GROUP BY stack_id)
 SELECT (SELECT count(*) FROM allocations) AS allocations,
        count(DISTINCT python_path) AS python_paths,
