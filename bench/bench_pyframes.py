@@ -1,11 +1,12 @@
 """Python frames: what they cost, on against off, in the same run.
 
 1. BPF run time per allocator entry (kernel.bpf_stats_enabled, the mt_alloc program)
-   with stacks on and Python frames off / on, on Debian's python3 (or --python, e.g.
-   pyenv's 3.13) running a flat loop and the same loop 30 Python calls deep
-   (PYTHONMALLOC=malloc: every object is a malloc).
+   with stacks on and Python frames off / on (a Python cut: --python-stacks python, the
+   default) / on with the whole native stacks (--python-stacks mixed), on Debian's
+   python3 (or --python, e.g. pyenv's 3.13) running a flat loop and the same loop 30
+   Python calls deep (PYTHONMALLOC=malloc: every object is a malloc).
 2. End to end through the command line: `memtrack capture` and `memtrack process`
-   wall time with --python-frames off / on, and the records each wrote.
+   wall time with the same three, and the records each wrote.
 
 Run as root: .venv/bin/python bench/bench_pyframes.py [--quick] [--python PATH]
 """
@@ -55,7 +56,8 @@ def bpf_cost(workloads: dict[str, list[str]], tmp: Path) -> dict[str, dict[str, 
 
     out: dict[str, dict[str, float]] = {}
     configs = (("base", CaptureOptions(stacks=False)), ("off", CaptureOptions(python_frames=False)),
-               ("on", CaptureOptions(python_frames=True)))
+               ("on", CaptureOptions(python_frames=True)),
+               ("mixed", CaptureOptions(python_stacks="mixed")))
     for label, opts in configs:
         with Tracker(opts) as tracker:
             for wname, cmd in workloads.items():
@@ -89,11 +91,12 @@ def end_to_end(cmd: list[str], tmp: Path, repeat: int) -> dict[str, dict[str, An
     """The best of `repeat` alternating runs (the first also warms the program and
     symbol caches)."""
     out: dict[str, dict[str, Any]] = {}
+    options = {"off": ["--python-frames", "off"], "on": [],
+               "mixed": ["--python-stacks", "mixed"]}
     for _ in range(repeat):
-        for label in ("off", "on"):
+        for label, opts in options.items():
             art, db = tmp / f"cli-{label}.memtrack", tmp / f"cli-{label}.duckdb"
-            cap = cli(["capture", "-o", str(art), "--force", "--python-frames", label, "--",
-                       *cmd])
+            cap = cli(["capture", "-o", str(art), "--force", *opts, "--", *cmd])
             proc = cli(["process", str(art), "-o", str(db), "--force"])
             a = Artifact.open(art)
             r = out.setdefault(label, {"capture_s": cap, "process_s": proc})
@@ -125,17 +128,21 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"{args.python}: BPF run time of mt_alloc per tracked allocator entry "
-          "(PYTHONMALLOC=malloc), stacks off / stacks on, Python frames off / on:")
+          "(PYTHONMALLOC=malloc), stacks off / stacks on, Python frames off / on (a Python "
+          "cut) / on, mixed:")
     for wname, r in cost.items():
-        print(f"  {wname:<7} {r['base']:5.0f} ns / {r['off']:5.0f} ns / {r['on']:5.0f} ns  "
-              f"(frames on: {r['on'] / r['off']:.2f}x, +{r['on'] - r['off']:.0f} ns; "
-              f"{r['tracked']:,} entries)")
-    print("\nend to end through the CLI, deep30 (pymalloc), --python-frames off / on:")
-    off, on = e2e["off"], e2e["on"]
+        print(f"  {wname:<7} {r['base']:5.0f} ns / {r['off']:5.0f} ns / {r['on']:5.0f} ns / "
+              f"{r['mixed']:5.0f} ns  (a Python cut {r['on'] / r['off']:.2f}x frames off, "
+              f"{r['on'] / r['mixed']:.2f}x mixed; {r['tracked']:,} entries)")
+    print("\nend to end through the CLI, deep30 (pymalloc), --python-frames off / on / "
+          "on with --python-stacks mixed:")
+    off, on, mixed = e2e["off"], e2e["on"], e2e["mixed"]
     for k in ("capture_s", "process_s"):
-        print(f"  {k:<10} {off[k]:6.2f} s / {on[k]:6.2f} s  ({on[k] / off[k]:.2f}x)")
-    print(f"  records: stack {off['stack_records']:,} / {on['stack_records']:,}; python stacks "
-          f"{on['py_stacks']:,}, code objects {on['py_codes']:,}")
+        print(f"  {k:<10} {off[k]:6.2f} s / {on[k]:6.2f} s / {mixed[k]:6.2f} s  "
+              f"(on {on[k] / off[k]:.2f}x off, {on[k] / mixed[k]:.2f}x mixed)")
+    for label, r in e2e.items():
+        print(f"  records, {label:<5}: stack {r['stack_records']:,}, python stacks "
+              f"{r['py_stacks']:,}, code objects {r['py_codes']:,}")
 
 
 if __name__ == "__main__":
