@@ -79,11 +79,50 @@ def wait_stopped(pid: int, timeout: float = 5.0) -> bool:
         delay = min(0.002, delay + 0.0002)
 
 
-def read_identity(pid: int) -> tuple[int, str, str, list[str]] | None:
-    """(ppid, comm, exe, cmdline) of a live process, None when it is gone."""
+@dataclass(frozen=True)
+class Identity:
+    """Who a live process is (a processes.arrow row): `ns_pid` is its pid in its own pid
+    namespace (a container's; the pid itself outside one), None where unknown."""
+
+    ppid: int
+    comm: str
+    exe: str
+    cmdline: list[str]
+    ns_pid: int | None
+
+
+def _status_field(status: str, name: str) -> list[str]:
+    """The values of one line of /proc/PID/status ([] when it has none)."""
+    head = f"\n{name}:"
+    at = status.find(head)
+    return status[at + len(head):].split("\n", 1)[0].split() if at >= 0 else []
+
+
+def ns_pid_of(status: str) -> int | None:
+    """The pid a process has in its own (innermost) pid namespace, from its
+    /proc/PID/status text: NSpid's last value (Linux 4.1+), None without one."""
+    values = _status_field(status, "NSpid")
+    return int(values[-1]) if values and values[-1].isdigit() else None
+
+
+def read_ns_pid(pid: int, ppid: int | None = None) -> int | None:
+    """`pid`'s pid in its own pid namespace; None when it is gone (or, with `ppid`, is
+    no longer that parent's child: the pid may be another process's by now)."""
+    try:
+        status = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    if ppid is not None and _status_field(status, "PPid") != [str(ppid)]:
+        return None
+    return ns_pid_of(status)
+
+
+def read_identity(pid: int) -> Identity | None:
+    """Who a live process is, None when it is gone."""
     base = PROC / str(pid)
     try:
         stat = (base / "stat").read_text()
+        status = (base / "status").read_text()
         comm = (base / "comm").read_text().rstrip("\n")
         raw = (base / "cmdline").read_bytes()
     except OSError:
@@ -94,7 +133,30 @@ def read_identity(pid: int) -> tuple[int, str, str, list[str]] | None:
         exe = ""
     ppid = int(stat[stat.rfind(")") + 2:].split()[1])
     cmdline = [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]] if raw else []
-    return ppid, comm, exe, cmdline
+    return Identity(ppid, comm, exe, cmdline, ns_pid_of(status))
+
+
+def process_root(pid: int) -> Path | None:
+    """Where memtrack finds the files `pid` names by path: None when `pid` sees them
+    where memtrack does (its mount namespace and root are memtrack's), else its
+    /proc/PID/root (a container's, an `unshare --mount`'s, a chroot's: its path names
+    another file, or none, on this host). A process gone gives its /proc/PID/root too:
+    never the host's file of that path."""
+    base = PROC / str(pid)
+    try:
+        same_ns = os.readlink(base / "ns" / "mnt") == os.readlink(PROC / "self" / "ns" / "mnt")
+        theirs, ours = os.stat(base / "root"), os.stat("/")
+    except OSError:
+        return base / "root"
+    if same_ns and (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+        return None
+    return base / "root"
+
+
+def in_root(root: Path | None, path: str) -> str:
+    """The path memtrack opens for the file a process names `path` (absolute), given its
+    process_root."""
+    return path if root is None else str(root / path.lstrip("/"))
 
 
 def thread_start(pid: int, tid: int) -> int | None:

@@ -57,6 +57,7 @@ from memtrack.capture.procfs import (
     map_file,
     read_identity,
     read_maps,
+    read_ns_pid,
     read_rss,
     wait_stopped,
 )
@@ -324,6 +325,9 @@ class Session:
                 {"pid": pid, "ts": ts, "rss": {RssMember(k).name.lower(): v
                                                for k, v in rss.items()}})
             self._epoll.register(self.attached[pid], select.EPOLLIN)
+            # its modules while it runs (and maps them: a container's files are read
+            # through it, /proc/PID/map_files or /proc/PID/root)
+            self.modules.copy_pending()
         return pids[0]
 
     def _untrack(self) -> None:
@@ -484,13 +488,17 @@ class Session:
                                      forks["addr"].tolist(), strict=True):
             comm, exe, cmdline = self._identity.get(parent, ("", "", []))
             self._identity.setdefault(child, (comm, exe, cmdline))
-            self._write_process(ts, child, parent, comm, exe, cmdline)
+            # the child's pid in its namespace: it may be its parent's or a new one's
+            # (clone(CLONE_NEWPID), `unshare --pid --fork`); read while the child lives
+            # (at its fork's attach stop, usually), None once it is gone
+            self._write_process(ts, child, parent, comm, exe, cmdline,
+                                read_ns_pid(child, parent))
 
     def _write_process(self, ts: int, pid: int, ppid: int, comm: str, exe: str,
-                       cmdline: list[str]) -> None:
+                       cmdline: list[str], ns_pid: int | None) -> None:
         self.writer.write("processes", pa.RecordBatch.from_pydict({
             "ts": [ts], "pid": [pid], "ppid": [ppid], "comm": [comm], "exe": [exe],
-            "cmdline": [cmdline]}, schema=PROCESSES))
+            "cmdline": [cmdline], "ns_pid": [ns_pid]}, schema=PROCESSES))
 
     @property
     def events(self) -> int:
@@ -577,9 +585,9 @@ class Session:
         ident = read_identity(pid)
         if ident is None:
             return
-        ppid, comm, exe, cmdline = ident
-        self._identity[pid] = (comm, exe, cmdline)
-        self._write_process(ts, pid, ppid, comm, exe, cmdline)
+        self._identity[pid] = (ident.comm, ident.exe, ident.cmdline)
+        self._write_process(ts, pid, ident.ppid, ident.comm, ident.exe, ident.cmdline,
+                            ident.ns_pid)
 
     # -- counters, status line, manifest --------------------------------------------
 

@@ -18,7 +18,7 @@ from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember
 # the codes of the artifact's columns, re-exported: the contract is read from here
 __all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember"]
 
-FORMAT_VERSION = "2.4"
+FORMAT_VERSION = "2.5"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
@@ -187,7 +187,10 @@ MAPPINGS = pa.schema(
     ]
 )
 
-# One row each time capture learns who a process is: at start, after each exec.
+# One row each time capture learns who a process is: at start, after each exec. `pid`
+# and `ppid` are as the host sees them; `ns_pid` (format 2.5) is the pid the process
+# has in its own pid namespace (a container's: NSpid's last value in /proc/PID/status;
+# `pid` itself outside one), null where unknown (a child gone before capture read it).
 PROCESSES = pa.schema(
     [
         ("ts", pa.uint64()),
@@ -196,6 +199,7 @@ PROCESSES = pa.schema(
         ("comm", pa.string()),
         ("exe", pa.string()),
         ("cmdline", pa.list_(pa.string())),
+        ("ns_pid", pa.uint32()),
     ]
 )
 
@@ -273,6 +277,12 @@ TABLES: dict[str, pa.Schema] = {
     "py_codes": PY_CODES,
     "stops": STOPS,
 
+}
+
+# Columns a minor format added to a table, by the version that added them: a file of an
+# older format lacks them and reads with nulls there.
+ADDED_COLUMNS: dict[str, dict[str, str]] = {
+    "processes": {"ns_pid": "2.5"},
 }
 
 # Loss counters the manifest always carries (0 when nothing was lost). Stages may add

@@ -19,7 +19,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from memtrack.schema import (
+    ADDED_COLUMNS,
     MANIFEST,
     MODULE_INFO,
     MODULES_DIR,
@@ -377,8 +378,9 @@ class Artifact:
                                         ) from None
                 raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})"
                                     ) from None
+            absent = self._absent_columns(name, reader.schema)
             try:
-                diff = _schema_diff(reader.schema, schema)
+                diff = _schema_diff(reader.schema, schema, absent)
             except UnicodeDecodeError:  # pyarrow decodes a field's name as it is asked
                 diff = "a field name that is not UTF-8"
             if diff:
@@ -397,7 +399,8 @@ class Artifact:
                     break
                 if not batch.schema.equals(schema):
                     batch = pa.RecordBatch.from_arrays(
-                        [batch.column(n) for n in schema.names], schema=schema)
+                        [pa.nulls(batch.num_rows, f.type) if f.name in absent
+                         else batch.column(f.name) for f in schema], schema=schema)
                 rows += batch.num_rows
                 into.position = f.tell()
                 yield batch
@@ -413,6 +416,17 @@ class Artifact:
         if into.truncated:
             self.truncated.add(name)
             self.warn(f"{shown}: {into.problem}; reading the whole batches before it")
+
+    def _absent_columns(self, name: str, got: pa.Schema) -> set[str]:
+        """The columns of table `name` that a later minor format added and this file,
+        of an older format, lacks (schema.ADDED_COLUMNS): read as nulls."""
+        try:
+            have = tuple(int(x) for x in self.manifest.format_version.split(".")[:2])
+        except ValueError:
+            return set()
+        return {col for col, since in ADDED_COLUMNS.get(name, {}).items()
+                if col not in got.names
+                and have < tuple(int(x) for x in since.split("."))}
 
     def warn(self, text: str) -> None:
         """A warning, once (a table read again warns again)."""
@@ -435,10 +449,12 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def _schema_diff(got: pa.Schema, want: pa.Schema) -> str:
+def _schema_diff(got: pa.Schema, want: pa.Schema, absent: Collection[str] = ()) -> str:
+    """What is wrong with a table file's schema ("" when nothing): `absent` are columns
+    its format may lack."""
     gn = {f.name: f.type for f in got}
     wn = {f.name: f.type for f in want}
-    missing = [n for n in wn if n not in gn]
+    missing = [n for n in wn if n not in gn and n not in absent]
     typed = [f"{n} is {gn[n]}, expected {wn[n]}" for n in wn if n in gn and gn[n] != wn[n]]
     dup = sorted({n for n in got.names if got.names.count(n) > 1} & set(wn))
     parts = []
