@@ -24,8 +24,10 @@ import pyarrow as pa
 
 from memtrack.capture.procfs import (
     MapLine,
+    identity,
     in_root,
     map_file,
+    own_vdso,
     process_root,
     read_maps,
     read_memory,
@@ -45,21 +47,12 @@ class _Copy:
     root: Path | None = None  # the process's root where it is not memtrack's
 
 
-def _identity(m: MapLine) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of a mapping's file, from its "major:minor" and inode."""
-    major, _, minor = m.dev.partition(":")
-    try:
-        return os.makedev(int(major, 16), int(minor, 16)), m.inode
-    except ValueError:
-        return None
-
-
-def _is_file(path: str, identity: tuple[int, int] | None) -> bool:
+def _is_file(path: str, mapped: tuple[int, int] | None) -> bool:
     try:
         st = os.stat(path)
     except OSError:
         return False
-    return identity is not None and (st.st_dev, st.st_ino) == identity
+    return mapped is not None and (st.st_dev, st.st_ino) == mapped
 
 
 class ModuleRecorder:
@@ -94,13 +87,18 @@ class ModuleRecorder:
         missing copies, by path and build id)."""
         if self.copy_modules:
             return True
-        if root is None or _is_file(m.path, _identity(m)):
+        if root is None or _is_file(m.path, identity(m)):
             return False
         return not os.path.isfile(m.path) or read_build_id(m.path) != bid
 
     def _vdso_build_id(self, pid: int, m: MapLine) -> str | None:
         if self._vdso is None:
             data = read_memory(pid, m.start, m.end - m.start)
+            if data is None:
+                # another process's memory is closed to us (kernel.yama.ptrace_scope 3
+                # refuses even root): the kernel maps one vDSO image per ABI into every
+                # process, memtrack's own is it where the sizes agree
+                data = own_vdso(m.end - m.start)
             if data is None:
                 return None
             self._vdso = (data, build_id_of_bytes(data))
@@ -129,7 +127,7 @@ class ModuleRecorder:
                     # by path first (it outlives the process: the copy is made after the
                     # stop), then the mapped file itself
                     sources = [in_root(root, m.path), str(map_file(pid, m))]
-                    self._pending.append(_Copy(bid, m.path, sources, mapped=_identity(m),
+                    self._pending.append(_Copy(bid, m.path, sources, mapped=identity(m),
                                                root=root))
             build_ids.append(bid)
         n = len(maps)

@@ -39,6 +39,36 @@ def map_file(pid: int, m: MapLine) -> Path:
     return PROC / str(pid) / "map_files" / f"{m.start:x}-{m.end:x}"
 
 
+def identity(m: MapLine) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a mapping's file, from its "major:minor" and inode."""
+    major, _, minor = m.dev.partition(":")
+    try:
+        return os.makedev(int(major, 16), int(minor, 16)), m.inode
+    except ValueError:
+        return None
+
+
+def is_mapped_file(path: str, m: MapLine) -> bool:
+    """Whether `path` is the file mapped by `m` (its device and inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == identity(m)
+
+
+def mapped_file(pid: int, m: MapLine) -> str | None:
+    """The path to open the file of `pid`'s mapping `m` by: its map_files entry (the
+    mapped file, even deleted or replaced since), or where that cannot be followed
+    (without CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE) its path as `pid` sees it while
+    that is still the mapped file; None when neither."""
+    src = str(map_file(pid, m))
+    if os.path.exists(src):
+        return src
+    path = in_root(process_root(pid), m.path)
+    return path if is_mapped_file(path, m) else None
+
+
 def read_maps(pid: int) -> list[MapLine] | None:
     try:
         return parse_maps((PROC / str(pid) / "maps").read_text())
@@ -201,6 +231,15 @@ def read_memory(pid: int, start: int, length: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+def own_vdso(size: int) -> bytes | None:
+    """memtrack's own vDSO image if it is `size` bytes (the kernel maps the same image
+    into every process of an ABI; reading one's own memory needs no ptrace access)."""
+    for m in read_maps(os.getpid()) or ():
+        if m.path == "[vdso]" and m.end - m.start == size:
+            return read_memory(os.getpid(), m.start, size)
+    return None
 
 
 PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.capture.parts import RING_PYFRAMES, CaptureOptions, Ring
-from memtrack.capture.procfs import MapLine, map_file
+from memtrack.capture.procfs import MapLine, mapped_file
 from memtrack.capture.tables import percpu_counts
 from memtrack.schema import PY_CODES, PY_STACKS
 from memtrack.schema.artifact import ArtifactWriter
@@ -258,8 +258,11 @@ class PyFramesPart:
 
     def _interpreter(self, pid: int, m: MapLine) -> Interpreter | None:
         """The interpreter `pid` maps with `m`, read through /proc/PID/map_files (the
-        mapped file itself: a container's python is not the host's file of its path)."""
-        src = str(map_file(pid, m))
+        mapped file itself: a container's python is not the host's file of its path;
+        procfs.mapped_file)."""
+        src = mapped_file(pid, m)
+        if src is None:
+            return None
         key = (m.dev, m.inode, _mtime(src))
         if key not in self.interpreters:
             found = find_interpreter(src)

@@ -54,7 +54,7 @@ from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
 from memtrack.capture.procfs import (
     MapLine,
     attach_refusal,
-    map_file,
+    mapped_file,
     read_identity,
     read_maps,
     read_ns_pid,
@@ -565,9 +565,18 @@ class Session:
 
     @staticmethod
     def _files(pid: int, maps: list[MapLine] | None) -> list[tuple[MapLine, str]]:
-        """The executable file mappings of `pid`, each with the path to open it by."""
-        return [(m, str(map_file(pid, m))) for m in maps or ()
-                if "x" in m.perms and m.path.startswith("/") and m.inode]
+        """The executable file mappings of `pid`, each with the path to open it by: its
+        /proc/PID/map_files entry (the mapped file, even deleted or replaced since), or
+        where that cannot be followed (without CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE)
+        its path as `pid` sees it while that is still the mapped file
+        (procfs.mapped_file)."""
+        out = []
+        for m in maps or ():
+            if "x" in m.perms and m.path.startswith("/") and m.inode:
+                src = mapped_file(pid, m)
+                if src is not None:
+                    out.append((m, src))
+        return out
 
     def _release_links(self) -> None:
         """Release the links of traced processes that are gone (BPF forgets a process
