@@ -335,8 +335,11 @@ def test_processes_of_an_older_format_read_ns_pid_as_null(tmp_path: Path) -> Non
     import duckdb
 
     with duckdb.connect(str(db), read_only=True) as con:
-        assert con.execute("SELECT pid, ns_pid FROM processes ORDER BY pid").fetchall() == [
-            (100, None), (200, None)]
+        assert con.execute("SELECT pid, name, ns_pid FROM processes ORDER BY pid"
+                           ).fetchall() == [(100, "parent", None), (200, "child2", None)]
+        counters = json.loads(con.execute(
+            "SELECT value FROM meta WHERE key = 'counters'").fetchone()[0])
+        assert counters.get("processes_bad_rows", 0) == 0, counters
     _older_processes(art, "2.5")
     r = run_info(art)
     assert r.returncode == 2 and "wrong schema for 'processes': missing ns_pid" in r.stderr
