@@ -119,6 +119,14 @@ def test_spawned_under_unshare(tmp_path: Path, files: dict[str, Path]) -> None:
     assert con.execute("SELECT pid, ns_pid FROM processes ORDER BY start_ts").fetchall() == [
         (root, root), (prog, 1), (mount, 2)]
     check_container_library(con, files, prog, 30)
+    report = subprocess.run([*MEMTRACK, "report", str(art.with_suffix(".duckdb"))],
+                            capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr
+    lines = {line.split()[0]: line for line in report.stdout.splitlines()
+             if line.strip().split(" ")[0].isdigit()}
+    assert f"parent {root} (pid 1 in its namespace), exit 0" in lines[str(prog)]
+    assert f"parent {prog} (pid 2 in its namespace), exit 0" in lines[str(mount)]
+    assert "namespace" not in lines[str(root)]
 
 
 @contextlib.contextmanager
