@@ -101,10 +101,19 @@ def test_spawned_under_unshare(tmp_path: Path, files: dict[str, Path]) -> None:
     (prog,) = {row["pid"] for row in rows if row["exe"] == str(files["prog"])}
     (mount,) = {row["pid"] for row in rows if row["exe"].endswith("/mount")}
     root = a.manifest.root_pid
-    # the host pid and the one inside, at every row that was read from the process
-    assert {row["ns_pid"] for row in rows if row["pid"] == root} == {root}
-    assert {row["ns_pid"] for row in rows if row["pid"] == prog} == {1}
-    assert {row["ns_pid"] for row in rows if row["pid"] == mount} == {2}
+    # unshare's child: a copy of unshare, then sh, then nsprog; sh forked mount before
+    # its exec, so mount's first row (its fork) is sh as it was then, never nsprog
+    history = {pid: [row["exe"] for row in sorted(rows, key=lambda r: r["ts"])
+                     if row["pid"] == pid] for pid in (prog, mount)}
+    assert history[prog][1:] == [history[mount][0], str(files["prog"])], history
+    assert history[mount][-1].endswith("/mount"), history
+    # the host pid and the one inside, at every row that was read from the process (a
+    # fork's row is written when the writer sees the fork: null if the child is gone)
+    ns = {pid: [row["ns_pid"] for row in sorted(rows, key=lambda r: r["ts"])
+                if row["pid"] == pid] for pid in (root, prog, mount)}
+    assert ns[root] == [root], ns
+    assert set(ns[prog]) - {None} == {1} and ns[prog][-1] == 1, ns  # at its exec
+    assert set(ns[mount]) - {None} == {2} and ns[mount][-1] == 2, ns
     assert len({root, prog, mount}) == 3
     # the container's file was copied, not the host's
     copied = {m["build_id"] for m in a.modules() if m["path"] == str(files["host"])}

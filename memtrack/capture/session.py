@@ -154,7 +154,8 @@ class Session:
         self.interrupted: int | None = None
         self.result: CaptureResult | None = None
         self._status: int | None = None
-        self._identity: dict[int, tuple[str, str, list[str]]] = {}
+        # pid -> (from when, (comm, exe, cmdline)), in time order: who it was when
+        self._identity: dict[int, list[tuple[int, tuple[str, str, list[str]]]]] = {}
         self._interrupts = 0
         self._last_status = 0.0
         self._last_manifest = 0.0
@@ -234,7 +235,7 @@ class Session:
         self.drain.start()
         m.root_pid = self.pid
         if pids:
-            m.command = self._identity.get(self.pid, ("", "", []))[2]
+            m.command = self._identity_at(self.pid)[2]
         self.writer.write_manifest()
 
     # -- setup ----------------------------------------------------------------------
@@ -486,13 +487,21 @@ class Session:
         forks = rec[(rec["kind"] == EventKind.FORK) & ((rec["flags"] & CLONE_THREAD) == 0)]
         for ts, parent, child in zip(forks["ts"].tolist(), forks["pid"].tolist(),
                                      forks["addr"].tolist(), strict=True):
-            comm, exe, cmdline = self._identity.get(parent, ("", "", []))
-            self._identity.setdefault(child, (comm, exe, cmdline))
+            # the parent as it was at the fork: the writer may see the fork after the
+            # parent's exec was recorded (sh -c 'cmd1; exec cmd2' forks then execs)
+            comm, exe, cmdline = self._identity_at(parent, ts)
+            self._identity.setdefault(child, [(ts, (comm, exe, cmdline))])
             # the child's pid in its namespace: it may be its parent's or a new one's
             # (clone(CLONE_NEWPID), `unshare --pid --fork`); read while the child lives
             # (at its fork's attach stop, usually), None once it is gone
             self._write_process(ts, child, parent, comm, exe, cmdline,
                                 read_ns_pid(child, parent))
+
+    def _identity_at(self, pid: int, ts: int | None = None) -> tuple[str, str, list[str]]:
+        """(comm, exe, cmdline) of `pid` at `ts` (None: now), as far as known."""
+        history = self._identity.get(pid, [])
+        before = [ident for since, ident in history if ts is None or since <= ts]
+        return before[-1] if before else history[0][1] if history else ("", "", [])
 
     def _write_process(self, ts: int, pid: int, ppid: int, comm: str, exe: str,
                        cmdline: list[str], ns_pid: int | None) -> None:
@@ -594,7 +603,9 @@ class Session:
         ident = read_identity(pid)
         if ident is None:
             return
-        self._identity[pid] = (ident.comm, ident.exe, ident.cmdline)
+        history = self._identity.setdefault(pid, [])
+        history.append((ts, (ident.comm, ident.exe, ident.cmdline)))
+        history.sort(key=lambda h: h[0])
         self._write_process(ts, pid, ident.ppid, ident.comm, ident.exe, ident.cmdline,
                             ident.ns_pid)
 
