@@ -24,8 +24,8 @@ import pyarrow as pa
 
 from memtrack.capture.procfs import (
     MapLine,
-    identity,
     in_root,
+    is_mapped_file,
     map_file,
     own_vdso,
     process_root,
@@ -43,16 +43,8 @@ class _Copy:
     path: str  # where it was mapped (the process's own path)
     sources: list[str]  # files to copy from, first readable wins
     data: bytes | None = None  # the vDSO image
-    mapped: tuple[int, int] | None = None  # (st_dev, st_ino) of the file whose id was read
+    mapped: MapLine | None = None  # the mapping whose file's build id was read
     root: Path | None = None  # the process's root where it is not memtrack's
-
-
-def _is_file(path: str, mapped: tuple[int, int] | None) -> bool:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return mapped is not None and (st.st_dev, st.st_ino) == mapped
 
 
 class ModuleRecorder:
@@ -68,8 +60,8 @@ class ModuleRecorder:
 
     def build_id_of(self, pid: int, m: MapLine, root: Path | None = None) -> str | None:
         """The build id of `pid`'s mapped file: through map_files, else (unreadable
-        there) the file at its path as `pid` sees it (`root`: its process_root, looked
-        up when not given), if that is the mapped file."""
+        there) of the file at its path as `pid` sees it (`root`: its process_root,
+        looked up when not given)."""
         key = (m.dev, m.inode)
         if key not in self._build_ids:
             bid = read_build_id(map_file(pid, m))
@@ -87,7 +79,7 @@ class ModuleRecorder:
         missing copies, by path and build id)."""
         if self.copy_modules:
             return True
-        if root is None or _is_file(m.path, identity(m)):
+        if root is None or is_mapped_file(m.path, m):
             return False
         return not os.path.isfile(m.path) or read_build_id(m.path) != bid
 
@@ -127,7 +119,7 @@ class ModuleRecorder:
                     # by path first (it outlives the process: the copy is made after the
                     # stop), then the mapped file itself
                     sources = [in_root(root, m.path), str(map_file(pid, m))]
-                    self._pending.append(_Copy(bid, m.path, sources, mapped=identity(m),
+                    self._pending.append(_Copy(bid, m.path, sources, mapped=m,
                                                root=root))
             build_ids.append(bid)
         n = len(maps)
@@ -157,7 +149,8 @@ class ModuleRecorder:
                 continue
             for src in c.sources:
                 # the mapped file itself needs no second look at its build id
-                if not _is_file(src, c.mapped) and read_build_id(src) != c.build_id:
+                if not (c.mapped and is_mapped_file(src, c.mapped)) \
+                        and read_build_id(src) != c.build_id:
                     continue
                 try:
                     self.writer.add_module(c.build_id, c.path, Path(src),
