@@ -1,13 +1,13 @@
 """Python frames: what they cost, on against off, in the same run.
 
 1. BPF run time per allocator entry (kernel.bpf_stats_enabled, the mt_alloc program)
-   with stacks on and Python frames off / on, on Debian's python3 running a flat loop
-   and the same loop 30 Python calls deep (PYTHONMALLOC=malloc: every object is a
-   malloc).
+   with stacks on and Python frames off / on, on Debian's python3 (or --python, e.g.
+   pyenv's 3.13) running a flat loop and the same loop 30 Python calls deep
+   (PYTHONMALLOC=malloc: every object is a malloc).
 2. End to end through the command line: `memtrack capture` and `memtrack process`
    wall time with --python-frames off / on, and the records each wrote.
 
-Run as root: .venv/bin/python bench/bench_pyframes.py [--quick]
+Run as root: .venv/bin/python bench/bench_pyframes.py [--quick] [--python PATH]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def end_to_end(cmd: list[str], tmp: Path, repeat: int) -> dict[str, dict[str, An
             art, db = tmp / f"cli-{label}.memtrack", tmp / f"cli-{label}.duckdb"
             cap = cli(["capture", "-o", str(art), "--force", "--python-frames", label, "--",
                        *cmd])
-            proc = cli(["process", str(art), "-o", str(db)])
+            proc = cli(["process", str(art), "-o", str(db), "--force"])
             a = Artifact.open(art)
             r = out.setdefault(label, {"capture_s": cap, "process_s": proc})
             r["capture_s"] = min(r["capture_s"], cap)
@@ -108,13 +108,14 @@ def end_to_end(cmd: list[str], tmp: Path, repeat: int) -> dict[str, dict[str, An
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller workloads")
+    ap.add_argument("--python", default=PYTHON, help="the interpreter (default: %(default)s)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_pyframes: needs root (bcc)")
     n = 20000 if args.quick else 100000
     workloads = {
-        "flat": [PYTHON, "-c", LOOP.format(depth=0, n=n)],
-        "deep30": [PYTHON, "-c", LOOP.format(depth=30, n=n)],
+        "flat": [args.python, "-c", LOOP.format(depth=0, n=n)],
+        "deep30": [args.python, "-c", LOOP.format(depth=30, n=n)],
     }
     tmp = Path(tempfile.mkdtemp(prefix="bench-pyframes-"))
     with bpf_stats():
@@ -123,8 +124,8 @@ def main() -> None:
         e2e = end_to_end(workloads["deep30"], tmp, 2 if args.quick else 3)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("BPF run time of mt_alloc per tracked allocator entry (PYTHONMALLOC=malloc), "
-          "stacks off / stacks on, Python frames off / on:")
+    print(f"{args.python}: BPF run time of mt_alloc per tracked allocator entry "
+          "(PYTHONMALLOC=malloc), stacks off / stacks on, Python frames off / on:")
     for wname, r in cost.items():
         print(f"  {wname:<7} {r['base']:5.0f} ns / {r['off']:5.0f} ns / {r['on']:5.0f} ns  "
               f"(frames on: {r['on'] / r['off']:.2f}x, +{r['on'] - r['off']:.0f} ns; "

@@ -195,6 +195,7 @@ def stack_records(mods: list[Mod], start_ra: int, n: int, threads: int, depth: i
         "payload": pa.array(payload, pa.binary()),
         "fp_chain": pa.nulls(n, pa.list_(pa.uint64())),
         "ret_fixups": pa.array([[]] * n, STACKS.field("ret_fixups").type),
+        "python_cut": np.zeros(n, bool),
     }, schema=STACKS)
 
 

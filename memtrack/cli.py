@@ -132,8 +132,13 @@ def capture(
              "the proof that each stack record unwinds as its allocations would.")] = "off",
     python_frames: Annotated[str, typer.Option(
         "--python-frames", envvar="MEMTRACK_PYTHON_FRAMES", **SWITCH,
-        help="Python frames in the stacks of CPython 3.11 and 3.12 programs (with "
+        help="Python frames in the stacks of CPython 3.11, 3.12 and 3.13 programs (with "
              "--stacks on).")] = "on",
+    python_stacks: Annotated[str, typer.Option(
+        "--python-stacks", envvar="MEMTRACK_PYTHON_STACKS",
+        help="Stacks of Python code: python (the allocator, its caller, the Python "
+             "frames) or mixed (every native frame, Python frames merged in).")
+    ] = "python",
     rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", **SWITCH,
                                      help="Record resident memory (kmem:rss_stat).")] = "on",
     track_faults: Annotated[str, typer.Option(
@@ -198,7 +203,7 @@ def capture(
     call(cmd_.run, cmd or [], output, pids=pid or [], duration=duration, force=force,
          stacks=on("--stacks", stacks),
          stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
-         python_frames=on("--python-frames", python_frames),
+         python_frames=on("--python-frames", python_frames), python_stacks=python_stacks,
          rss=on("--rss", rss), track_faults=on("--track-faults", track_faults),
          modules=on("--modules", modules), start_disabled=start_disabled, control_fifo=control_fifo,
          probe_placement=probe_placement, probe_scope=probe_scope,

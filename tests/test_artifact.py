@@ -20,7 +20,7 @@ from memtrack.schema import (
     EventKind,
     table_file,
 )
-from memtrack.schema.artifact import Artifact, ArtifactError, ArtifactWriter
+from memtrack.schema.artifact import Artifact, ArtifactError, ArtifactWriter, file_checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -343,3 +343,29 @@ def test_processes_of_an_older_format_read_ns_pid_as_null(tmp_path: Path) -> Non
     _older_processes(art, "2.5")
     r = run_info(art)
     assert r.returncode == 2 and "wrong schema for 'processes': missing ns_pid" in r.stderr
+
+
+@pytest.mark.parametrize("version", ["2.4", "2.5"])
+def test_column_a_minor_format_added(tmp_path: Path, version: str) -> None:
+    """stacks.arrow of a format before python_cut (2.5) reads as no Python cut; the
+    same file in a 2.5 artifact lacks a column it must have."""
+    path = tmp_path / "run.memtrack"
+    written = make_artifact(path)
+    f = path / table_file("stacks")
+    old = written["stacks"].drop_columns(["python_cut"])
+    with pa.ipc.new_stream(str(f), old.schema,
+                           options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(old)
+    m = json.loads((path / MANIFEST).read_text())
+    m["format_version"] = version
+    m["checksums"][table_file("stacks")] = file_checksum(f)
+    (path / MANIFEST).write_text(json.dumps(m))
+    art = Artifact.open(path)
+    if version == "2.5":
+        with pytest.raises(ArtifactError, match="wrong schema for 'stacks': missing python_cut"):
+            art.read("stacks")
+        return
+    got = art.read("stacks").table
+    assert got.schema.equals(TABLES["stacks"])
+    assert got.column("python_cut").to_pylist() == [False] * old.num_rows
+    assert got.drop_columns(["python_cut"]).equals(old)

@@ -22,6 +22,7 @@ ENV_VARS = ("MEMTRACK_OUTPUT", "MEMTRACK_FORCE", "MEMTRACK_STACKS", "MEMTRACK_ST
             "MEMTRACK_EVENTS_RING_PAGES",
             "MEMTRACK_STACKS_RING_PAGES", "MEMTRACK_ON_RING_FULL", "MEMTRACK_FAIL_ON_LOSS",
             "MEMTRACK_TIMEOUT", "MEMTRACK_PROGRAM_CACHE", "MEMTRACK_PYTHON_FRAMES",
+            "MEMTRACK_PYTHON_STACKS",
             "MEMTRACK_PID", "MEMTRACK_DURATION")
 
 
@@ -69,6 +70,9 @@ def test_bad_options_fail_in_one_line(tmp_path: Path) -> None:
     r = capture(["-o", str(tmp_path / "x"), "--on-ring-full", "block", "--", "true"])
     assert r.returncode == 2
     assert r.stderr.strip() == "memtrack: --on-ring-full block: expected pause or drop"
+    r = capture(["-o", str(tmp_path / "x"), "--python-stacks", "native", "--", "true"])
+    assert r.returncode == 2
+    assert r.stderr.strip() == "memtrack: --python-stacks native: expected python or mixed"
     # every number bounded, each in one line and before anything runs
     for args, said in ((["--events-ring-pages", str(1 << 40)], "at most 1048576"),
                        (["--stack-budget", str(10**22)], "got 10000000000000000000000"),

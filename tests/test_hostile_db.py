@@ -233,7 +233,7 @@ def test_unwind_skips_rows_process_would(tmp_path: Path) -> None:
     w.write("stacks", pa.table({
         "hash": [5], "ts": [1], "pid": [1], "tid": [1], "sp": [0x7000], "copy_len": [0xFFFFFFFF],
         "truncated": [False], "regs": [[0] * 17], "payload": [b"\0" * 16], "fp_chain": [[]],
-        "ret_fixups": [[]]}, schema=STACKS))
+        "ret_fixups": [[]], "python_cut": [False]}, schema=STACKS))
     w.close()
     (s,) = run_cli(tmp_path, ["unwind", str(art), "--record", "5"], read=[art], write=[])
     assert "no stack record with hash 0x5" in s, s

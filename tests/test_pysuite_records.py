@@ -3,12 +3,11 @@ pytest suite (fixtures/pysuite) captured with the memtrack.pytest plugin, proces
 reported and exported; and stack records that do not grow with a Python loop's
 allocations (PYTHONMALLOC=malloc).
 
-One file of the suite runs, with the default pymalloc and pytest's --assert=plain: most
-of the records of a pytest run are pytest's assertion rewriting (it compiles every test
-module and plugin: C recursions over the syntax tree whose native call paths are as many
-as its nodes; docs/DESIGN.md, Stack identity), and they would make this test minutes
-long; with PYTHONMALLOC=malloc even one file is ~700 k records. bench/
-bench_stack_records.py measures the whole suite as a user runs it, both ways."""
+One file of the suite runs, with the default pymalloc, as a user runs it (pytest's
+assertion rewriting compiles every test module and plugin: C recursions over the syntax
+tree whose native call paths are as many as its nodes, which only the default
+--python-stacks python folds into their Python call paths; docs/DESIGN.md, Stack
+identity). bench/bench_stack_records.py measures the whole suite, both allocators."""
 
 from __future__ import annotations
 
@@ -34,19 +33,26 @@ def ok(r: subprocess.CompletedProcess[str]) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def artifact_records(art: Path) -> int:
+    """Stack records (native and Python) of an artifact."""
+    a = Artifact.open(art)
+    return a.read("stacks").table.num_rows + a.read("py_stacks").table.num_rows
+
+
 @pytest.fixture(scope="module")
-def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Paths]:
+def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Paths]:
     tmp = tmp_path_factory.mktemp("pysuite")
     art, db = tmp / "r.memtrack", tmp / "r.duckdb"
-    r = capture_suite(art, *SELECT, options=("--assert=plain",))
+    r = capture_suite(art, *SELECT)
     ok(r)
     assert f"{TESTS} passed" in r.stdout, r.stdout
     ok(memtrack("process", str(art), "-o", str(db), "-q"))
-    return db, call_paths(db)
+    return art, db, call_paths(db)
 
 
-def test_suite_reports_and_exports(suite_run: tuple[Path, Paths], tmp_path: Path) -> None:
-    db, paths = suite_run
+def test_suite_reports_and_exports(suite_run: tuple[Path, Path, Paths],
+                                   tmp_path: Path) -> None:
+    _, db, paths = suite_run
     assert paths.allocations > 0 and paths.python_paths > 0
     regions = json.loads(memtrack("query", str(db), "SELECT count(*) AS n FROM regions",
                                   "--format", "json").stdout)
@@ -59,12 +65,15 @@ def test_suite_reports_and_exports(suite_run: tuple[Path, Paths], tmp_path: Path
         assert (tmp_path / f"r.{fmt}").stat().st_size > 0
 
 
-def test_records_against_call_paths(suite_run: tuple[Path, Paths]) -> None:
-    """What holds: a record's frames are a call path of its own, so there are at least
-    as many records as distinct call paths; the stale slots of live frames (docs/
-    DESIGN.md, "Stack identity") add at most as many again."""
-    _, p = suite_run
-    assert p.paths <= p.records <= 3 * p.paths, p
+def test_records_against_call_paths(suite_run: tuple[Path, Path, Paths],
+                                    tmp_path: Path) -> None:
+    """One record per Python call path (and allocator caller): at least one per
+    distinct Python call path, at most two; the same count in an identical run."""
+    art, _, p = suite_run
+    assert p.python_paths <= p.records <= 2 * p.python_paths, p
+    again = tmp_path / "again.memtrack"
+    ok(capture_suite(again, *SELECT))
+    assert artifact_records(again) == artifact_records(art)
 
 
 LOOP = """import sys
@@ -86,8 +95,7 @@ def records(tmp: Path, name: str, *cmd: str, env: dict[str, str] | None = None) 
     """Stack records (native and Python) of `memtrack capture -- CMD`."""
     art = tmp / f"{name}.memtrack"
     ok(memtrack("capture", "-o", str(art), "--", *cmd, env=env))
-    a = Artifact.open(art)
-    return a.read("stacks").table.num_rows + a.read("py_stacks").table.num_rows
+    return artifact_records(art)
 
 
 def test_python_loop_records_do_not_grow_with_allocations(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@
  *
  * Needs: MT_EVENTS_PAGES (events ring size in pages). Optional: MT_STACKS (stacks.h
  * is included before this file and defines mt_stack_capture), MT_PYFRAMES (pyframes.h
- * too: mt_py_capture folds the Python frames into the stack hash). */
+ * too: mt_py_capture folds the Python frames into the stack hash; MT_PY_CUT 1 cuts the
+ * native stack at them). */
 
 #include <uapi/linux/ptrace.h>
 
@@ -182,9 +183,16 @@ static __always_inline int mt_enter(struct pt_regs *ctx, u8 kind, u8 allocator, 
     c->on = mt_is_enabled();
 #ifdef MT_STACKS
     if (c->on) {
-        c->stack_hash = mt_stack_capture(ctx, pid, tid, f);
 #ifdef MT_PYFRAMES
+        /* MT_PY_CUT (--python-stacks python): Python code running on the thread stands
+         * for the native frames under it (stacks.h, a Python cut) */
+        if (mt_py_frame(pid, tid) && MT_PY_CUT)
+            c->stack_hash = mt_stack_pycut(ctx, pid, tid, f);
+        else
+            c->stack_hash = mt_stack_capture(ctx, pid, tid, f);
         c->stack_hash = mt_py_capture(pid, tid, c->stack_hash);
+#else
+        c->stack_hash = mt_stack_capture(ctx, pid, tid, f);
 #endif
     }
 #endif

@@ -10,11 +10,12 @@
  * without an entry gets native frames only.
  *
  * The thread state: _PyRuntime.gilstate.tstate_current when its native_thread_id is the
- * calling thread's (it holds the GIL), else (and always on 3.12, whose current thread
+ * calling thread's (it holds the GIL), else (and always on 3.12+, whose current thread
  * state is a thread-local) the interpreters' thread list is searched for it (a thread
- * that released the GIL still has its frames). A run of frames one evaluation call
+ * that released the GIL still has its frames); its frame is cframe->current_frame
+ * (3.11, 3.12) or its own current_frame (3.13). A run of frames one evaluation call
  * executed ends at a frame with is_entry (3.11) or just above a shim frame owned by the
- * C stack (3.12, skipped). Each frame is one read
+ * C stack (3.12, 3.13; skipped). Each frame is one read
  * of the _PyInterpreterFrame header (code, previous, prev_instr, is_entry, owner) and
  * one of the code object's MT_PY_SPAN bytes of immutable fields (up to the line table
  * pointer), hashed
@@ -48,8 +49,8 @@
 #define MT_PY_LINES 8192    /* bytes of a line table kept */
 #define MT_PY_SPAN 80       /* bytes of a code object's immutable fields hashed */
 #define MT_PY_FRAME 72      /* bytes of a frame header read */
-#define MT_PY_SHIMS 32      /* entry shim frames (3.12) walked past at most */
-#define MT_PY_CSTACK 3      /* _PyInterpreterFrame.owner of a 3.12 shim: FRAME_OWNED_BY_CSTACK */
+#define MT_PY_SHIMS 32      /* entry shim frames (3.12+) walked past at most */
+#define MT_PY_CSTACK 3      /* _PyInterpreterFrame.owner of a 3.12+ shim: FRAME_OWNED_BY_CSTACK */
 #define MT_PY_SHIM_MARK 0x5348494dULL
 
 /* The offsets of one interpreter version (memtrack.capture.pyframes.OFFSETS). */
@@ -62,9 +63,9 @@ struct mt_py_proc {
     u32 ts_native_tid;
     u32 ts_cframe;
     u32 cf_current;         /* in _PyCFrame: current_frame */
-    u32 f_code;             /* in _PyInterpreterFrame */
+    u32 f_code;             /* in _PyInterpreterFrame (3.13: f_executable) */
     u32 f_previous;
-    u32 f_prev_instr;
+    u32 f_prev_instr;       /* the instruction executing (3.13: instr_ptr) */
     u32 f_is_entry;         /* 3.11: the frame was entered from C */
     u32 co_span;            /* start of the MT_PY_SPAN bytes hashed */
     u32 co_firstlineno;     /* in PyCodeObject */
@@ -79,8 +80,9 @@ struct mt_py_proc {
     u32 bytes_size;         /* ob_size */
     u32 bytes_data;         /* ob_sval */
     u32 f_owner;            /* _PyInterpreterFrame.owner */
-    u32 shim;               /* 3.12: a run ends at a shim frame (owner CSTACK), no is_entry */
-    u32 _pad;
+    u32 shim;               /* 3.12+: a run ends at a shim frame (owner CSTACK), no is_entry */
+    u32 cframe;             /* 1: the frame is tstate->cframe->current_frame (3.11, 3.12);
+                             * 0: tstate->current_frame (3.13: cf_current in PyThreadState) */
 };
 
 /* a record's header, then room for the strings (at masked offsets) and the line table */
@@ -95,6 +97,7 @@ struct mt_py_scratch {
     u64 more;
     u64 nnew;
     u64 missing;
+    u64 frame; /* mt_py_frame's answer, for mt_py_capture */
 };
 
 enum mt_py_stat {
@@ -213,25 +216,46 @@ static __always_inline int mt_py_code_record(struct mt_py_scratch *s, const stru
     return 0;
 }
 
-/* The stack hash of an allocation: `native` folded with the thread's Python frames, or
- * `native` itself when it runs no Python code (or its interpreter is not known). */
-static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
+/* The calling thread's innermost Python frame (a _PyInterpreterFrame), or 0 when its
+ * process has no known interpreter, the thread no thread state, or no Python code runs
+ * on it; also left in scratch for mt_py_capture (the stack capture in between then
+ * carries no register of it: one verifier state, whatever it was). */
+static __always_inline u64 mt_py_frame(u32 pid, u32 tid) {
+    int cpu = bpf_get_smp_processor_id();
+    struct mt_py_scratch *s = mt_py_scratch.lookup(&cpu);
+    if (!s)
+        return 0;
+    volatile struct mt_py_scratch *vs = s;
+    vs->frame = 0;
     struct mt_py_proc *p = mt_py_procs.lookup(&pid);
     if (!p)
-        return native;
+        return 0;
+    mt_py_count(MT_PY_CAPTURES);
+    u64 ts = mt_py_tstate(p, tid);
+    if (!ts) {
+        mt_py_count(MT_PY_NO_THREAD);
+        return 0;
+    }
+    /* 3.11, 3.12: the thread state's _PyCFrame holds the current frame; 3.13: itself */
+    u64 cframe = p->cframe ? mt_py_word((void *)ts, p->ts_cframe) : ts;
+    vs->frame = cframe ? mt_py_word((void *)cframe, p->cf_current) : 0;
+    return vs->frame;
+}
+
+/* The stack hash of an allocation: `native` folded with the thread's Python frames from
+ * the frame mt_py_frame found outward, or `native` itself when there are none. */
+static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
     int cpu = bpf_get_smp_processor_id();
     struct mt_py_scratch *s = mt_py_scratch.lookup(&cpu);
     if (!s)
         return native;
     volatile struct mt_py_scratch *vs = s;
-    mt_py_count(MT_PY_CAPTURES);
-    u64 ts = mt_py_tstate(p, tid);
-    if (!ts) {
-        mt_py_count(MT_PY_NO_THREAD);
+    u64 frame = vs->frame;
+    if (!frame)
         return native;
-    }
-    u64 cframe = mt_py_word((void *)ts, p->ts_cframe);
-    u64 frame = cframe ? mt_py_word((void *)cframe, p->cf_current) : 0;
+    struct mt_py_proc *p = mt_py_procs.lookup(&pid);
+    if (!p)
+        return native;
     u64 h = mt_fnv_step(MT_FNV_OFFSET, native);
     /* the frame count lives in scratch (read back through a volatile pointer): the
      * verifier carries one state per iteration, whatever the shims skipped */

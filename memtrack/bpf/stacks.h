@@ -15,6 +15,11 @@
  * the kernel's frame-pointer chain (the part of the stack beyond the copy that
  * `process` may use).
  *
+ * A Python cut (mt_stack_pycut; pyframes.h, MT_PY_CUT: the thread runs Python code): the
+ * copy is the return address alone, rip the only register kept and sp hashed as 0, so
+ * the record names the allocator and its caller and nothing that depends on where the
+ * stack lies; the Python frames stand for the rest (one record per Python call path).
+ *
  * Included after common.h. memtrack.capture.stacks.StacksPart supplies the sizes:
  *   MT_STACK_BUDGET      bytes copied from sp upward at most (multiple of 512)
  *   MT_STACK_WORDS       a power of two >= MT_STACK_BUDGET / 8
@@ -97,6 +102,7 @@
 #define MT_SF_SKELETON 4
 #define MT_SF_NEW 8
 #define MT_SF_COPY 16
+#define MT_SF_PYCUT 32
 
 /* mt_stack_stats indexes (per CPU; StacksPart sums them). */
 enum mt_stack_stat {
@@ -330,6 +336,20 @@ static __always_inline void mt_stack_regs(struct mt_stack_scratch *s, struct pt_
     r[16] = ctx->ip;
 }
 
+/* The registers of the frame `f` (the probed function's entry, or its wrappers'). */
+static __always_inline void mt_stack_frame_regs(struct mt_stack_scratch *s, struct pt_regs *ctx,
+                                                struct mt_frame *f) {
+    mt_stack_regs(s, ctx);
+    if (f->levels) {
+        s->regs[7] = f->sp;
+        s->regs[16] = f->ip;
+#pragma unroll
+        for (int i = 0; i < MT_UNWRAP_SAVED; i++)
+            if (i < f->nsaved)
+                s->regs[f->reg[i] & 15] = f->val[i];
+    }
+}
+
 /* The hash from the lanes in s: they, the kept registers (their mask left in
  * s->regkept), sp, the copy length and cut flag, and a cut copy's frame-pointer chain
  * (s->nfp entries in the record being built). Everything comes from scratch: the
@@ -432,15 +452,7 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     kept[((sp >> MT_REGION_SHIFT) - 1) & MT_REGION_MASK] = 1;
     kept[(sp >> MT_REGION_SHIFT) & MT_REGION_MASK] = 1;
     kept[((sp + n * 8 - 1) >> MT_REGION_SHIFT) & MT_REGION_MASK] = 1;
-    mt_stack_regs(s, ctx);
-    if (f->levels) {
-        s->regs[7] = sp;
-        s->regs[16] = f->ip;
-#pragma unroll
-        for (int i = 0; i < MT_UNWRAP_SAVED; i++)
-            if (i < f->nsaved)
-                s->regs[f->reg[i] & 15] = f->val[i];
-    }
+    mt_stack_frame_regs(s, ctx, f);
     vs->nfp = 0;
     if (vs->cut) {
         mt_stack_count(MT_SS_CUT);
@@ -501,6 +513,95 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     O[3] = sp;
     O[4] = (n * 8) | (nfp << 32) | (nfix << 48) | (flags << 56);
     O[5] = vs->regkept;
+    O[6] = (pos - body) * 8;
+    u64 len = pos * 8;
+    if (len > 2 * MT_STACK_OUT_WORDS * 8)
+        len = 2 * MT_STACK_OUT_WORDS * 8;
+    mt_backpressure(MT_RING_STACKS);
+    if (mt_stack_ring.ringbuf_output((void *)O, len, 0)) {
+        mt_stack_count(MT_SS_RING_FULL);
+        return h;
+    }
+    mt_stack_count(MT_SS_RECORDS);
+    if (is_new) {
+        u8 one = 1;
+        if (mt_stack_seen.update(&h, &one))
+            mt_stack_count(MT_SS_DEDUPE_FULL);
+    }
+    return h;
+}
+
+/* A Python cut of the calling thread's stack from the frame `f` (above): its hash, the
+ * skeleton hash of a one-word copy in closed form (a zero word's step multiplies by
+ * the prime): lane 0 the return address then 31 zero words, lane 1 32 zero words, the
+ * registers 0 but rip, sp 0, copy length 8. Emits its record when the hash is new. */
+static __always_inline u64 mt_stack_pycut(struct pt_regs *ctx, u32 pid, u32 tid,
+                                          struct mt_frame *f) {
+    int cpu = bpf_get_smp_processor_id();
+    struct mt_stack_scratch *s = mt_stack_scratch.lookup(&cpu);
+    struct mt_stack_regions *rg = mt_regions();
+    if (!s || !rg)
+        return 0;
+    u8 *kept = rg->kept;
+    mt_stack_count(MT_SS_CAPTURES);
+    u64 sp = f->sp;
+    u64 *W = MT_W(s);
+    struct mt_thread *t = mt_thread_of(pid, tid, 0);
+    if (!t || bpf_probe_read_user(W, 8, (void *)sp)) {
+        mt_stack_count(MT_SS_COPY_FAILED);
+        return 0;
+    }
+    mt_stack_fixups(s, &t->rs, sp, 1);
+    mt_stack_frame_regs(s, ctx, f);
+    u64 ra = W[0], rip = s->regs[16];
+    u64 kra = mt_kept(kept, ra), krip = mt_kept(kept, rip);
+    u64 p31 = 1;
+#pragma unroll
+    for (int i = 0; i < 31; i++)
+        p31 *= MT_FNV_PRIME;
+    u64 lane0 = mt_fnv_step(MT_FNV_OFFSET, ra & (0 - kra)) * p31;
+    u64 lane1 = (MT_FNV_OFFSET ^ 1) * p31 * MT_FNV_PRIME;
+    u64 h = mt_fnv_step(mt_fnv_step(MT_FNV_OFFSET, lane0), lane1);
+#pragma unroll
+    for (int r = 0; r < 7; r++) /* rbx, rbp, rsp, r12-r15: not kept */
+        h = mt_fnv_step(h, 0);
+    h = mt_fnv_step(h, rip & (0 - krip));
+    h = mt_fnv_step(h, 0);  /* sp */
+    h = mt_fnv_step(h, 8);  /* copy length 8, not cut */
+    h = h ? h : 1;
+#ifndef MT_STACK_COPIES
+    if (mt_stack_seen.lookup(&h)) {
+        mt_stack_count(MT_SS_DEDUPED);
+        return h;
+    }
+    u64 is_new = 1;
+#else
+    u64 is_new = mt_stack_seen.lookup(&h) == 0;
+#endif
+    u64 *O = MT_O(s);
+    u64 nfix = s->nfix != 0; /* one slot: a tail call's entries name it twice */
+    O[MT_HDR_WORDS] = s->fix[0];
+    O[MT_HDR_WORDS + 1] = s->fix[1];
+    u64 body = MT_HDR_WORDS + 2 * nfix;
+#pragma unroll
+    for (int r = 0; r < MT_NREGS; r++)
+        O[(body + r) & MT_OW_MASK] = s->regs[r];
+    u64 pos = body + MT_NREGS;
+    O[pos & MT_OW_MASK] = kra;
+    O[(pos + 1) & MT_OW_MASK] = ra;
+    pos += 1 + kra;
+    u64 flags = MT_SF_SKELETON | MT_SF_PYCUT | (is_new ? MT_SF_NEW : 0);
+#ifdef MT_STACK_COPIES
+    O[pos & MT_OW_MASK] = W[0];
+    pos += 1;
+    flags |= MT_SF_COPY;
+#endif
+    O[0] = h;
+    O[1] = bpf_ktime_get_ns();
+    O[2] = pid | ((u64)tid << 32);
+    O[3] = sp;
+    O[4] = 8 | (nfix << 48) | (flags << 56);
+    O[5] = krip << 16;
     O[6] = (pos - body) * 8;
     u64 len = pos * 8;
     if (len > 2 * MT_STACK_OUT_WORDS * 8)

@@ -40,6 +40,10 @@ RING_EVENTS, RING_STACKS, RING_RSS, RING_RSS_EVENTS, RING_FAULTS, RING_PYFRAMES 
 RING_NAMES = ("events", "stacks", "rss", "rss_events", "faults", "pyframes")
 ON_RING_FULL = ("pause", "drop")
 PROBE_SCOPES = ("auto", "host")
+# --python-stacks: "python": a thread running Python code keeps the allocator and its
+# caller of the native stack, its Python frames stand for the rest (one record per
+# Python call path); "mixed": the whole native stack, Python frames merged in
+PYTHON_STACKS = ("python", "mixed")
 
 
 def _memory_bytes() -> int:
@@ -80,6 +84,7 @@ class CaptureOptions:
     stack_budget: int = 32768  # at most; a copy stops at the stack's end
     stack_copies: bool = False  # debug: every capture's raw copy too (stack_copies.arrow)
     python_frames: bool = True  # Python frames in the stacks (with stacks on)
+    python_stacks: str = "python"  # PYTHON_STACKS
     rss: bool = True
     track_faults: bool = False
     modules: bool = True

@@ -4,11 +4,12 @@ At each attach stop (exec, a new executable mapping) `on_stop` looks for a CPyth
 interpreter among the process's executable mappings: a module whose dynamic symbols
 define `_PyRuntime` (Debian's stripped /usr/bin/python3 exports it, as does a
 libpython). Its version is the `Py_Version` constant read from the file (3.11+), never
-from code run in the traced process. A version in OFFSETS gets an entry in the kernel's
-mt_py_procs (the runtime's address and that version's struct offsets), and from then on
-every allocation of the process folds its thread's Python frames into its stack hash;
-any other version is one warning naming it and the file, and its stacks keep their
-native frames only.
+from code run in the traced process; a free-threaded build (3.13t) says so in the
+`_Py_DebugOffsets` that open `_PyRuntime` (3.13+). A version in OFFSETS, built with the
+GIL, gets an entry in the kernel's mt_py_procs (the runtime's address and that
+version's struct offsets), and from then on every allocation of the process folds its
+thread's Python frames into its stack hash; any other version or build is one warning
+naming it and the file, and its stacks keep their native frames only.
 
 The ring carries two kinds of records (bpf/pyframes.h): Python stack records (a chain
 of code keys and instruction indexes, and the native stack hash it extends) and code
@@ -52,11 +53,13 @@ KERNEL_STATS = (
 )
 KERNEL_LOSSES = ("pyframes_ring_full", "python_frames_cut")
 TRACEFS = Path("/sys/kernel/tracing/events")
+DEBUG_COOKIE = b"xdebugpy"  # _Py_Debug_Cookie
 
 # Offsets per CPython version (major, minor), in the order of bpf/pyframes.h's struct
 # mt_py_proc, each `offsetof` of that version's headers (Include/internal: compile a
 # file defining Py_BUILD_CORE that prints them; tests/test_pyframes.py does so against
-# the installed python3.11-dev headers, and pyenv's 3.12 where present, and compares).
+# the installed python3.11-dev headers, and pyenv's 3.12 and 3.13 where present, and
+# compares; 3.13's also against the _Py_DebugOffsets its libpython holds).
 FIELDS = (
     "tstate_current",  # _PyRuntimeState.gilstate.tstate_current
     "interp_head",  # _PyRuntimeState.interpreters.head
@@ -82,23 +85,27 @@ FIELDS = (
     "bytes_size",  # PyVarObject.ob_size
     "bytes_data",  # PyBytesObject.ob_sval
     "f_owner",  # _PyInterpreterFrame.owner
-    "shim",  # 1: runs end above shim frames (3.12), 0: at is_entry frames (3.11)
+    "shim",  # 1: runs end above shim frames (3.12, 3.13), 0: at is_entry frames (3.11)
+    "cframe",  # 1: the frame is tstate->cframe->current_frame, 0: tstate->current_frame
 )
 OFFSETS: dict[tuple[int, int], tuple[int, ...]] = {
     (3, 11): (576, 40, 16, 8, 160, 56, 8, 32, 48, 56, 68, 64, 72, 112, 128, 136, 184,
-              16, 32, 48, 72, 16, 32, 69, 0),
+              16, 32, 48, 72, 16, 32, 69, 0, 1),
     # 3.12: the current thread state is a thread-local (0: search the thread list), no
     # is_entry (0: unused)
     (3, 12): (0, 40, 72, 8, 144, 56, 0, 0, 8, 56, 0, 64, 68, 112, 128, 136, 192,
-              16, 32, 40, 56, 16, 32, 70, 1),
+              16, 32, 40, 56, 16, 32, 70, 1, 1),
+    # 3.13: as 3.12, and no _PyCFrame: PyThreadState.current_frame is cf_current (ts_cframe
+    # unused); f_code is f_executable, f_prev_instr is instr_ptr
+    (3, 13): (0, 632, 7344, 8, 160, 0, 72, 0, 8, 56, 0, 64, 68, 112, 128, 136, 200,
+              16, 32, 40, 56, 16, 32, 70, 1, 0),
 }
 
 
 class PyProc(ct.Structure):
     """bpf/pyframes.h struct mt_py_proc."""
 
-    _fields_ = [("runtime", ct.c_uint64), *((f, ct.c_uint32) for f in FIELDS),
-                ("_pad", ct.c_uint32)]
+    _fields_ = [("runtime", ct.c_uint64), *((f, ct.c_uint32) for f in FIELDS)]
 
 
 @dataclass(frozen=True)
@@ -109,14 +116,16 @@ class Interpreter:
     runtime_vaddr: int
     first_load: int  # the first PT_LOAD's vaddr, page-aligned (where offset 0 maps)
     version: tuple[int, int, int] | None  # None: older than 3.11 (no Py_Version)
+    free_threaded: bool = False  # a --disable-gil build (3.13t): other layouts
 
     @property
     def supported(self) -> bool:
-        return self.version is not None and self.version[:2] in OFFSETS
+        return (self.version is not None and self.version[:2] in OFFSETS
+                and not self.free_threaded)
 
     def describe(self) -> str:
         v = ".".join(map(str, self.version)) if self.version else "before 3.11"
-        return f"CPython {v} ({self.path})"
+        return f"CPython {v}{' free-threaded' if self.free_threaded else ''} ({self.path})"
 
 
 def find_interpreter(path: str) -> Interpreter | None:
@@ -137,11 +146,14 @@ def find_interpreter(path: str) -> Interpreter | None:
                 if len(raw) == 4:
                     hexv = int.from_bytes(raw, "little")
                     version = (hexv >> 24, (hexv >> 16) & 0xFF, (hexv >> 8) & 0xFF)
+            # 3.13+: _PyRuntime opens with _Py_DebugOffsets: cookie, version, free_threaded
+            head = img.code(runtime, 24)
+            free = head[:8] == DEBUG_COOKIE and int.from_bytes(head[16:24], "little") != 0
             seg = img.segments
             first = int(seg.vaddr[0]) & ~0xFFF if len(seg.vaddr) else 0
     except (ElfReadError, OSError, ValueError, KeyError):
         return None
-    return Interpreter(path, runtime, first, version)
+    return Interpreter(path, runtime, first, version, free)
 
 
 def fork_child_offset(tracefs: Path = TRACEFS) -> int:
@@ -232,6 +244,7 @@ class PyFramesPart:
 
     def __init__(self, options: CaptureOptions, *, seen_entries: int = 65536,
                  code_entries: int = 65536, ring_pages: int = 1024) -> None:
+        self.cut = options.python_stacks == "python"
         self.ring_pages = ring_pages
         self.seen_entries = seen_entries
         self.code_entries = code_entries
@@ -244,7 +257,8 @@ class PyFramesPart:
         return ["pyframes.h"]
 
     def cflags(self) -> list[str]:
-        return ["-DMT_PYFRAMES", f"-DMT_PY_RING_PAGES={self.ring_pages}",
+        return ["-DMT_PYFRAMES", f"-DMT_PY_CUT={int(self.cut)}",
+                f"-DMT_PY_RING_PAGES={self.ring_pages}",
                 f"-DMT_PY_SEEN={self.seen_entries}", f"-DMT_PY_CODES={self.code_entries}",
                 f"-DMT_PY_FORK_CHILD={fork_child_offset()}"]
 
@@ -292,12 +306,12 @@ class PyFramesPart:
                 pass
             if found is None:
                 return []
-            return [f"python frames: {found.describe()} is not a version memtrack knows "
-                    f"(known: {', '.join(f'{a}.{b}' for a, b in OFFSETS)}); its stacks have "
-                    "native frames only"]
+            return [f"python frames: {found.describe()} is not a build memtrack knows "
+                    f"(known: {', '.join(f'{a}.{b}' for a, b in OFFSETS)}, with the GIL); its "
+                    "stacks have native frames only"]
         assert found.version is not None
         proc = PyProc(start - found.first_load + found.runtime_vaddr,
-                      *OFFSETS[found.version[:2]], 0)
+                      *OFFSETS[found.version[:2]])
         table[ct.c_uint32(pid)] = proc
         return []
 

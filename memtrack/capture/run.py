@@ -9,7 +9,7 @@ from typing import TextIO
 
 from memtrack.capture.cmdenv import command_environment
 from memtrack.capture.drain import min_ring_pages
-from memtrack.capture.parts import ON_RING_FULL, PROBE_SCOPES, CaptureOptions
+from memtrack.capture.parts import ON_RING_FULL, PROBE_SCOPES, PYTHON_STACKS, CaptureOptions
 from memtrack.capture.procfs import attach_refusal
 from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker, find_command
 from memtrack.schema import EVENT_DTYPE
@@ -50,6 +50,8 @@ def check_options(options: CaptureOptions) -> None:
                            "expected auto or entry")
     if options.probe_scope not in PROBE_SCOPES:
         raise CaptureError(f"--probe-scope {options.probe_scope}: expected auto or host")
+    if options.python_stacks not in PYTHON_STACKS:
+        raise CaptureError(f"--python-stacks {options.python_stacks}: expected python or mixed")
     if options.on_ring_full not in ON_RING_FULL:
         raise CaptureError(f"--on-ring-full {options.on_ring_full}: expected pause or drop")
 

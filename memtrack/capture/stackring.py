@@ -13,6 +13,7 @@ from memtrack.schema.stackrecord import (
     FLAG_COPY,
     FLAG_CUT,
     FLAG_NEW,
+    FLAG_PYTHON_CUT,
     FLAG_SKELETON,
     HDR_WORDS,
     MAX_BUDGET,
@@ -38,7 +39,8 @@ def _binary(data: np.ndarray, offsets: np.ndarray) -> pa.Array:
 def skeleton_batch(*, hash: np.ndarray, ts: np.ndarray, pid: np.ndarray, tid: np.ndarray,
                    sp: np.ndarray, nwords: np.ndarray, cut: np.ndarray, regs: np.ndarray,
                    payload: tuple[np.ndarray, np.ndarray], fp: tuple[np.ndarray, np.ndarray],
-                   fixups: tuple[np.ndarray, np.ndarray]) -> pa.RecordBatch:
+                   fixups: tuple[np.ndarray, np.ndarray],
+                   python_cut: np.ndarray) -> pa.RecordBatch:
     """A STACKS batch. payload/fp: (words end to end, offsets per row); fixups:
     ((k, 2) slot/value pairs end to end, offsets per row)."""
     pairs, fix_off = fixups
@@ -58,6 +60,7 @@ def skeleton_batch(*, hash: np.ndarray, ts: np.ndarray, pid: np.ndarray, tid: np
         "payload": _binary(*payload),
         "fp_chain": _list(fp[0], fp[1], pa.uint64()),
         "ret_fixups": pa.ListArray.from_arrays(pa.array(fix_off.astype(np.int32)), fix),
+        "python_cut": pa.array(np.asarray(python_cut, dtype=bool)),
     }
     return pa.RecordBatch.from_arrays([cols[f.name] for f in STACKS], schema=STACKS)
 
@@ -128,7 +131,8 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
     stacks = skeleton_batch(
         hash=hdr[s, 0], ts=hdr[s, 1], pid=pid[s], tid=tid[s], sp=hdr[s, 3], nwords=n[s],
         cut=cut[s], regs=regs[s], payload=take(s, pay_off, payload_words),
-        fp=take(s, fp_off, fp_vals), fixups=take(s, fix_off, fix_vals))
+        fp=take(s, fp_off, fp_vals), fixups=take(s, fix_off, fix_vals),
+        python_cut=(flags[s] & FLAG_PYTHON_CUT) != 0)
     copy_batch = None
     if copies:
         c = np.flatnonzero(has_copy)
@@ -142,5 +146,6 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
             "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs_raw[c].ravel()), NUM_REGS),
             "stack": _binary(raw, offsets_of(n[c])),
             "fp_chain": _list(fpv, fpo, pa.uint64()),
+            "python_cut": pa.array((flags[c] & FLAG_PYTHON_CUT) != 0),
         }, schema=STACK_COPIES)
     return RingBatches(stacks, copy_batch, bad)

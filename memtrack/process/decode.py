@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.dwarf.cfi import RSP
 from memtrack.schema import NUM_REGS, STACKS
 from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.schema.stackrecord import rebuild, skeleton_hash
@@ -235,9 +236,15 @@ def decode_table(stacks: pa.Table) -> DecodedRecords:
     fp_off = fp_off - fp_off[0]
     sp = stacks.column("sp").to_numpy()
     cut = stacks.column("truncated").to_numpy(zero_copy_only=False)
+    pycut = stacks.column("python_cut").to_numpy(zero_copy_only=False)
     hashes = stacks.column("hash").to_numpy()
-    ok = sk.good & (skeleton_hash(nwords, sk.row, sk.pos, sk.vals, regs, sp, cut, fp_off,
+    ok = sk.good & (skeleton_hash(nwords, sk.row, sk.pos, sk.vals, regs,
+                                  np.where(pycut, 0, sp).astype(np.uint64), cut, fp_off,
                                   fp_vals) == hashes)
+    # a Python cut's record keeps rip alone; the unwinder starts from its own sp
+    if pycut.any():
+        regs = regs.copy()
+        regs[pycut, RSP] = sp[pycut]
     counters["decode_mismatch"] = int(n - ok.sum())
 
     rows = np.flatnonzero(ok)
@@ -254,5 +261,6 @@ def decode_table(stacks: pa.Table) -> DecodedRecords:
         "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs[rows].ravel()), NUM_REGS),
         "stack": _binary_chunks(data, nwords[rows] * 8),
         "fp_chain": stacks.column("fp_chain").take(take),
+        "python_cut": stacks.column("python_cut").take(take),
     }, schema=DECODED_RECORDS)
     return DecodedRecords(table, counters, rows)

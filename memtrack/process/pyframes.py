@@ -4,7 +4,7 @@ native stacks they extend.
 A Python stack record (capture/pyframes.py) names a native stack (`native_hash`) and a
 chain of (code key, instruction index, entered from C) innermost first. Each frame is
 named from its code record: the qualified name, the file, and the line its instruction
-falls in (the code object's line table: the location table of CPython 3.11 and 3.12).
+falls in (the code object's line table: the location table of CPython 3.11 to 3.13).
 The chain splits into runs, each ending at a frame entered from C: the frames one call of
 `_PyEval_EvalFrameDefault` executed. In the merged stack each run replaces the evaluation
 frame that ran it, innermost first, so that a C extension called from Python shows its
@@ -61,7 +61,7 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 
 
 def line_ranges(linetable: bytes, first_line: int) -> tuple[np.ndarray, np.ndarray]:
-    """CPython 3.11's (and 3.12's) location table (Objects/locations.md) as (end code unit of each
+    """CPython 3.11's (to 3.13's) location table (Objects/locations.md) as (end code unit of each
     entry, its line; 0 for no location). A table cut short yields the entries it holds."""
     ends: list[int] = []
     lines: list[int] = []
@@ -95,6 +95,23 @@ def line_ranges(linetable: bytes, first_line: int) -> tuple[np.ndarray, np.ndarr
     except IndexError:
         pass
     return np.array(ends, np.int64), np.array(lines, np.int64)
+
+
+def trampolines(codes: pa.Table) -> np.ndarray:
+    """Per code record: whether no instruction of it has a line (its whole location table,
+    as read, holds no-location entries only, whose bytes are 0xf8-0xff, or nothing).
+    Compiled Python always has one (RESUME at its first line); CPython's own trampoline
+    code objects (3.13's _Py_InitCleanup: table b'\\xfb') do not. A table BPF could not
+    read (empty, though its size is not) is not a trampoline's."""
+    table = codes.column("linetable").cast(pa.large_binary()).combine_chunks()
+    if len(table) == 0:
+        return np.zeros(0, bool)
+    _, offs, data = table.buffers()
+    offsets = np.frombuffer(offs, np.int64)[table.offset:table.offset + len(table) + 1]
+    values = np.frombuffer(data or b"", np.uint8)[offsets[0]:offsets[-1]]
+    located = np.concatenate([[0], np.cumsum(values < 0xF8)])
+    whole = np.diff(offsets) == codes.column("linetable_size").to_numpy()
+    return whole & (located[offsets[1:] - offsets[0]] == located[offsets[:-1] - offsets[0]])
 
 
 def eval_ranges(store: ModuleStore, frames: pa.Table) -> dict[str, tuple[int, int]]:
@@ -145,7 +162,8 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     frames replaced by the Python runs they executed (`python` False: the native stack
     alone, under the Python stack hash the events carry). Vectorized over every frame."""
     counters = {"python_stacks": 0, "python_frames": 0, "python_code_missing": 0,
-                "python_native_missing": 0, "python_runs_unplaced": 0}
+                "python_native_missing": 0, "python_runs_unplaced": 0,
+                "python_trampolines": 0}
     if py_stacks.num_rows == 0:
         return Merged(UNWOUND_STACKS.empty_table(), UNWOUND_STACK_FRAMES.empty_table(),
                       PYTHON_LOCATIONS.empty_table(), counters)
@@ -164,12 +182,24 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     fentry = recs.column("entry").combine_chunks().values.to_numpy(zero_copy_only=False)
     frow = np.repeat(np.arange(nrec), flen)
     fstart = np.concatenate([[0], np.cumsum(flen)])[:-1]
+    # trampolines (no line anywhere in them: 3.13's _Py_InitCleanup, between a specialized
+    # class call and its __init__) are dropped; were one a run's first frame, the frame
+    # inside it would begin the run
+    tramp = np.isin(fkey, codes.column("key").to_numpy()[trampolines(codes)])
+    if tramp.any():
+        counters["python_trampolines"] = int(tramp.sum())
+        heir = np.flatnonzero(tramp & fentry)
+        fentry = fentry.copy()
+        fentry[heir[heir > fstart[frow[heir]]] - 1] = True
+        fkey, finstr, fentry, frow = fkey[~tramp], finstr[~tramp], fentry[~tramp], frow[~tramp]
+        flen = np.bincount(frow, minlength=nrec).astype(np.int64)
+        fstart = np.concatenate([[0], np.cumsum(flen)])[:-1]
     # run of each frame: the frames entered from C before it in its record
     before = np.cumsum(fentry) - fentry
-    frun = before - before[fstart][frow] if len(frow) else before
+    frun = before - before[np.minimum(fstart, len(before) - 1)][frow] if len(frow) else before
     nruns = np.zeros(nrec, np.int64)
     if len(frow):
-        nruns[:] = frun[fstart + flen - 1] + 1
+        nruns[:] = np.where(flen > 0, frun[np.maximum(fstart + flen - 1, 0)] + 1, 0)
     if not python:
         nruns[:] = 0
 
@@ -195,6 +225,11 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     found = (si < len(st_hash)) & (st_hash[st_order][np.minimum(si, len(st_hash) - 1)]
                                    == rnative) if len(st_hash) else np.zeros(nrec, bool)
     counters["python_native_missing"] = int((~found).sum())
+    # a Python cut's native stack ends at the allocator's caller by design: its runs go
+    # outermost, none is unplaced
+    st_stop = stacks.column("stop").to_numpy(zero_copy_only=False)
+    cut = found & (st_stop[st_order][np.minimum(si, max(len(st_hash) - 1, 0))] == "python") \
+        if len(st_hash) else np.zeros(nrec, bool)
 
     # native rows, repeated per record; an evaluation frame whose run exists is dropped
     nlen = hi - lo
@@ -214,9 +249,9 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     big = np.iinfo(np.int64).max // 4
     pdepth = np.where(placed[pyf], sf.column("depth").to_numpy().astype(np.int64)[at]
                       if sf.num_rows else 0, big)
+    lost = ~placed[pyf] & ~cut[frow[pyf]]
     counters["python_runs_unplaced"] = int(len(np.unique(
-        np.stack([frow[pyf][~placed[pyf]], frun[pyf][~placed[pyf]]]), axis=1)[0])) \
-        if (~placed[pyf]).any() else 0
+        np.stack([frow[pyf][lost], frun[pyf][lost]]), axis=1)[0])) if lost.any() else 0
     prow = frow[pyf]
     rows = np.concatenate([nrow, prow])
     dkey = np.concatenate([ndepth, pdepth])

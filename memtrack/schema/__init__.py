@@ -105,6 +105,9 @@ NUM_REGS = len(DWARF_REGS)
 # `ret_fixups` lists stack slots whose original return address capture recorded (a
 # live uretprobe replaces it with its trampoline); the kernel writes the original back
 # into the copy before hashing, so payload and hash never hold the trampoline.
+# `python_cut` (format 2.5): a Python cut (capture --python-stacks python): the copy is
+# the allocator's return address alone, the registers rip alone, the hash takes sp as 0;
+# the record's Python stacks (py_stacks) stand for the frames beyond the caller.
 STACKS = pa.schema(
     [
         ("hash", pa.uint64()),
@@ -121,6 +124,7 @@ STACKS = pa.schema(
             "ret_fixups",
             pa.list_(pa.struct([("slot", pa.uint64()), ("value", pa.uint64())])),
         ),
+        ("python_cut", pa.bool_()),
     ]
 )
 
@@ -139,6 +143,7 @@ STACK_COPIES = pa.schema(
         ("regs", pa.list_(pa.uint64(), NUM_REGS)),
         ("stack", pa.binary()),
         ("fp_chain", pa.list_(pa.uint64())),
+        ("python_cut", pa.bool_()),  # as STACKS' (format 2.5)
     ]
 )
 
@@ -276,13 +281,14 @@ TABLES: dict[str, pa.Schema] = {
     "py_stacks": PY_STACKS,
     "py_codes": PY_CODES,
     "stops": STOPS,
-
 }
 
-# Columns a minor format added to a table, by the version that added them: a file of an
-# older format lacks them and reads with nulls there.
-ADDED_COLUMNS: dict[str, dict[str, str]] = {
-    "processes": {"ns_pid": "2.5"},
+# Columns a minor format added, per table: (name, the format that added it, what the
+# rows of an older artifact read as). Its files lack them; the reader fills them in.
+ADDED_COLUMNS: dict[str, tuple[tuple[str, tuple[int, int], object], ...]] = {
+    "stacks": (("python_cut", (2, 5), False),),
+    "stack_copies": (("python_cut", (2, 5), False),),
+    "processes": (("ns_pid", (2, 5), None),),  # not known
 }
 
 # Loss counters the manifest always carries (0 when nothing was lost). Stages may add

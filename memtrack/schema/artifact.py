@@ -19,7 +19,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -378,9 +378,10 @@ class Artifact:
                                         ) from None
                 raise ArtifactError(shown, f"not an Arrow IPC stream ({_one_line(e)})"
                                     ) from None
-            absent = self._absent_columns(name, reader.schema)
+            filled = self._filled(name, reader.schema)
             try:
-                diff = _schema_diff(reader.schema, schema, absent)
+                diff = _schema_diff(reader.schema, pa.schema(
+                    [f for f in schema if f.name not in filled]))
             except UnicodeDecodeError:  # pyarrow decodes a field's name as it is asked
                 diff = "a field name that is not UTF-8"
             if diff:
@@ -399,8 +400,9 @@ class Artifact:
                     break
                 if not batch.schema.equals(schema):
                     batch = pa.RecordBatch.from_arrays(
-                        [pa.nulls(batch.num_rows, f.type) if f.name in absent
-                         else batch.column(f.name) for f in schema], schema=schema)
+                        [pa.repeat(pa.scalar(filled[f.name], f.type), batch.num_rows)
+                         if f.name in filled else batch.column(f.name) for f in schema],
+                        schema=schema)
                 rows += batch.num_rows
                 into.position = f.tell()
                 yield batch
@@ -417,16 +419,15 @@ class Artifact:
             self.truncated.add(name)
             self.warn(f"{shown}: {into.problem}; reading the whole batches before it")
 
-    def _absent_columns(self, name: str, got: pa.Schema) -> set[str]:
-        """The columns of table `name` that a later minor format added and this file,
-        of an older format, lacks (schema.ADDED_COLUMNS): read as nulls."""
+    def _filled(self, name: str, got: pa.Schema) -> dict[str, object]:
+        """The columns of table `name` that a minor format after this artifact's added
+        (ADDED_COLUMNS) and its file lacks: name -> the value its rows read as."""
         try:
-            have = tuple(int(x) for x in self.manifest.format_version.split(".")[:2])
+            version = tuple(int(x) for x in self.manifest.format_version.split(".")[:2])
         except ValueError:
-            return set()
-        return {col for col, since in ADDED_COLUMNS.get(name, {}).items()
-                if col not in got.names
-                and have < tuple(int(x) for x in since.split("."))}
+            return {}
+        return {col: value for col, since, value in ADDED_COLUMNS.get(name, ())
+                if version < since and col not in got.names}
 
     def warn(self, text: str) -> None:
         """A warning, once (a table read again warns again)."""
@@ -449,12 +450,10 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def _schema_diff(got: pa.Schema, want: pa.Schema, absent: Collection[str] = ()) -> str:
-    """What is wrong with a table file's schema ("" when nothing): `absent` are columns
-    its format may lack."""
+def _schema_diff(got: pa.Schema, want: pa.Schema) -> str:
     gn = {f.name: f.type for f in got}
     wn = {f.name: f.type for f in want}
-    missing = [n for n in wn if n not in gn and n not in absent]
+    missing = [n for n in wn if n not in gn]
     typed = [f"{n} is {gn[n]}, expected {wn[n]}" for n in wn if n in gn and gn[n] != wn[n]]
     dup = sorted({n for n in got.names if got.names.count(n) > 1} & set(wn))
     parts = []

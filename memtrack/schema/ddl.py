@@ -98,8 +98,11 @@ CREATE TABLE region_peak (region_id UBIGINT, peak_event_id UBIGINT, peak_ts UBIG
 """
 
 # An allocation's site is its first logical frame outside the allocator function (depth
-# 1), as heaptrack reports it; the allocator itself where the stack has no caller.
-SITE_DEPTH = "CASE WHEN s.depth > 1 THEN 1 ELSE 0 END"
+# 1), as heaptrack reports it; the allocator itself where the stack has no caller. A
+# Python cut's site is its innermost Python frame (depth 2: the allocator's caller is
+# the interpreter's), as memray reports it.
+SITE_DEPTH = ("CASE WHEN s.stop = 'python' AND s.depth > 2 THEN 2 "
+              "WHEN s.depth > 1 THEN 1 ELSE 0 END")
 NO_STACK = "[no stack]"  # the site of an allocation whose stack was not captured
 NO_CALLER = "[caller unknown]"  # a stack that has no frame outside the allocator
 # The functions capture probed (meta `allocator_functions`: their symbols and demangled

@@ -116,6 +116,7 @@ class Stop(enum.IntEnum):
     BAD_EXPRESSION = 8  # a DWARF expression that cannot be evaluated
     MAX_DEPTH = 9
     NULL_RETURN = 10  # the return address is 0
+    PYTHON = 11  # a Python cut: the allocator's caller, the Python frames stand for the rest
 
 
 class Unresolved(enum.IntEnum):

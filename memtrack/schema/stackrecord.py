@@ -9,8 +9,9 @@ lies in a kept region of the address space (executable code, thread stacks), eve
 word read as 0. Its hash (FNV-1a steps `h = (h ^ x) * FNV_PRIME`): the canonical copy,
 zero-padded to whole groups of GROUP_WORDS words, word i into lane i % 2 (lane l seeded
 FNV_OFFSET ^ l); the lanes folded in order into FNV_OFFSET; then the canonical
-registers of CALLEE_SAVED in order, sp, copy_len | cut << 32, and for a cut copy each
-frame-pointer entry then their count. 0 means "no stack": a result of 0 becomes 1.
+registers of CALLEE_SAVED in order, sp (0 for a Python cut), copy_len | cut << 32, and
+for a cut copy each frame-pointer entry then their count. 0 means "no stack": a result
+of 0 becomes 1.
 
 Ring record (u64 words): hash, ts, pid | tid << 32, sp,
 copy_len | fp_count << 32 | nfix << 48 | flags << 56, reg_kept, body_len; then fp_count
@@ -37,6 +38,7 @@ FLAG_CUT = 1
 FLAG_SKELETON = 4
 FLAG_NEW = 8
 FLAG_COPY = 16
+FLAG_PYTHON_CUT = 32  # a Python cut: the hash takes sp as 0 (memtrack.schema STACKS)
 MAX_BUDGET = 32768
 MIN_BUDGET = 512
 REGION_SHIFT = 16  # kept regions are 64 KiB

@@ -27,6 +27,7 @@ DECODED_RECORDS = pa.schema([
     ("regs", pa.list_(pa.uint64(), NUM_REGS)),
     ("stack", pa.binary()),
     ("fp_chain", pa.list_(pa.uint64())),
+    ("python_cut", pa.bool_()),  # stacks.arrow's `python_cut`
 ])
 
 # pair (memtrack.process.pair): one row per allocation, in event order.

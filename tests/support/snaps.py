@@ -94,7 +94,8 @@ def read_snaps(path: Path) -> Snaps:
         p += maps_len
         for k, v in (("stack_hash", len(sizes) + 1), ("pid", pid), ("tid", tid), ("ts", ts),
                      ("sp", sp), ("copy_len", copy_len), ("copy_truncated", bool(truncated)),
-                     ("regs", regs), ("stack", stack), ("fp_chain", fp)):
+                     ("regs", regs), ("stack", stack), ("fp_chain", fp),
+                     ("python_cut", False)):
             cols[k].append(v)
         maps += parse_maps(text, pid, ts)
         sizes.append(size)

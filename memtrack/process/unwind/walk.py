@@ -54,7 +54,7 @@ STOPS = names(Stop)
 UNRESOLVED = names(Unresolved)
 M_REGS, M_CFI, M_FP, M_KERNEL = Method.REGS, Method.CFI, Method.FP, Method.FP_KERNEL
 S_NONE, S_COMPLETE, S_TRUNCATED, S_NO_MAPPING, S_NO_ADVANCE, S_NO_RULE, S_BAD_REG, \
-    S_BAD_ADDR, S_BAD_EXPR, S_MAX_DEPTH, S_NULL = Stop
+    S_BAD_ADDR, S_BAD_EXPR, S_MAX_DEPTH, S_NULL, S_PYTHON = Stop
 
 CALLER_SAVED = (0, 1, 2, 4, 5, 8, 9, 10, 11)
 # rt_sigframe: uc_mcontext starts 40 bytes above the sp __restore_rt runs with; its
@@ -105,7 +105,9 @@ class Memory:
         self.base = offs[:-1].astype(np.int64)
         self.ln = (offs[1:] - offs[:-1]).astype(np.uint64)
         self.sp = records.column("sp").to_numpy().astype(np.uint64)
-        self.cut = records.column("copy_truncated").to_numpy(zero_copy_only=False)
+        # a Python cut reads like a copy the budget cut: its stack goes on beyond it
+        self.cut = records.column("copy_truncated").to_numpy(zero_copy_only=False) | \
+            records.column("python_cut").to_numpy(zero_copy_only=False)
 
     def read(self, idx: np.ndarray, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                np.ndarray]:
@@ -162,6 +164,7 @@ class Walk:
         self.fp_offsets = fpc.offsets.to_numpy().astype(np.int64)
         self.fp_values = fpc.values.to_numpy(zero_copy_only=False).astype(np.uint64)
         self.mem = Memory(records)
+        self.python_cut = records.column("python_cut").to_numpy(zero_copy_only=False)
         self.norm = normalizer
         self.snap = normalizer.snapshot_of(self.pid, ts)
         self.rows = rows  # module index -> its rows (None: no CFI usable)
@@ -253,6 +256,9 @@ class Walk:
             minus1[active] = nxt_minus1
             active = active[self.stop[active] == S_NONE]
             depth += 1
+        # a Python cut holds the allocator and its caller: from there no rule can go on
+        # (the copy ends, its registers are not kept), by design
+        self.stop[self.python_cut & (self.nframes >= 2)] = S_PYTHON
         self._kernel_chains()
 
     def _emit(self, idx: np.ndarray, depth: int, addr: np.ndarray, method: np.ndarray,
