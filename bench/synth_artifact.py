@@ -327,7 +327,8 @@ def generate(out: Path, events: int, stacks: int, threads: int = 8, depth: int =
     w.write("processes", pa.table({
         "ts": [START_NS - 1], "pid": pa.array([PID], pa.uint32()),
         "ppid": pa.array([1], pa.uint32()), "comm": ["synthetic"], "exe": [MODULES[0]],
-        "cmdline": [["python3.11", "synthetic"]]}, schema=PROCESSES))
+        "cmdline": [["python3.11", "synthetic"]], "ns_pid": pa.array([PID], pa.uint32())},
+        schema=PROCESSES))
     ev = Events(records, rng)
     written, t0, rss_rows = 0, START_NS, []
     allocs = max(1, events * 1000 // 2032)  # ~2.03 events per allocation

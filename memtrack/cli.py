@@ -151,7 +151,8 @@ def capture(
         help="Record user page faults (the anon RSS replay).")] = "off",
     modules: Annotated[str, typer.Option(
         "--modules", envvar="MEMTRACK_MODULES", **SWITCH,
-        help="Copy the mapped modules and their debug files into the artifact.")] = "on",
+        help="Copy the mapped modules and their debug files into the artifact (off: only "
+             "those of a container that the host does not have at their paths).")] = "on",
     start_disabled: Annotated[bool, typer.Option(
         "--start-disabled", envvar="MEMTRACK_START_DISABLED",
         help="Record nothing until 'enable' arrives on the control FIFO.")] = False,

@@ -305,6 +305,46 @@ def test_fidelity_counters_are_not_losses(tmp_path: Path) -> None:
     assert Artifact.open(path).manifest.nonzero_losses() == {"stacks_ring_full": 2}
 
 
+def _older_processes(path: Path, version: str) -> None:
+    """processes.arrow as formats before 2.5 wrote it (no ns_pid), the manifest `version`."""
+    old = pa.schema([f for f in TABLES["processes"] if f.name != "ns_pid"])
+    table = Artifact.open(path).read("processes").table.select(old.names)
+    with pa.ipc.new_stream(str(path / table_file("processes")), old) as w:
+        w.write_table(table.cast(old))
+    m = json.loads((path / MANIFEST).read_text())
+    m["format_version"] = version
+    m.get("checksums", {}).pop(table_file("processes"), None)
+    (path / MANIFEST).write_text(json.dumps(m))
+
+
+def test_processes_of_an_older_format_read_ns_pid_as_null(tmp_path: Path) -> None:
+    """A column a minor format added (schema.ADDED_COLUMNS) reads as nulls from a file of
+    an older format, through `process` too; a file of the format that has it must."""
+    from support.synth import write_artifact
+
+    art = write_artifact(tmp_path / "run.memtrack")
+    assert Artifact.open(art).read("processes").table["ns_pid"].to_pylist() == [100, 200, 200]
+    _older_processes(art, "2.4")
+    read = Artifact.open(art).read("processes").table
+    assert read.schema == TABLES["processes"] and read.num_rows == 3
+    assert read["ns_pid"].null_count == 3 and read["pid"].to_pylist() == [100, 200, 200]
+    db = tmp_path / "run.duckdb"
+    r = subprocess.run([sys.executable, "-m", "memtrack.cli", "process", str(art), "-o",
+                        str(db), "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT pid, name, ns_pid FROM processes ORDER BY pid"
+                           ).fetchall() == [(100, "parent", None), (200, "child2", None)]
+        counters = json.loads(con.execute(
+            "SELECT value FROM meta WHERE key = 'counters'").fetchone()[0])
+        assert counters.get("processes_bad_rows", 0) == 0, counters
+    _older_processes(art, "2.5")
+    r = run_info(art)
+    assert r.returncode == 2 and "wrong schema for 'processes': missing ns_pid" in r.stderr
+
+
 @pytest.mark.parametrize("version", ["2.4", "2.5"])
 def test_column_a_minor_format_added(tmp_path: Path, version: str) -> None:
     """stacks.arrow of a format before python_cut (2.5) reads as no Python cut; the

@@ -79,5 +79,62 @@ def test_doctor_reports_ready_with_a_real_load() -> None:
     assert "kernel.yama.ptrace_scope does not matter" in " ".join(r.stdout.split())
     assert "fired into a ring buffer" in r.stdout
     for check in ("privileges", "bcc (python3-bpfcc)", "kernel headers", "tracefs", "uprobes",
-                  "lockdown"):
+                  "lockdown", "pid namespace", "mapped files"):
         assert check in r.stdout
+    rows = {line.split("│")[0].strip(): [c.strip() for c in line.split("│")[1:]]
+            for line in r.stdout.splitlines() if "│" in line}
+    assert rows["pid namespace"][:2] == ["ok", "the host's"]
+    status, detail, _ = rows["attach (capture --pid)"]
+    assert status == "ok" and detail.startswith(
+        "allowed (pidfd_open); probes only in the attached processes; no ptrace, so "
+        "kernel.yama.ptrace_scope does not matter"), detail
+
+
+def test_pid_namespace_of_a_container() -> None:
+    """memtrack in a pid namespace of its own (a container without --pid=host) sees
+    other pids than its BPF programs: doctor says so and how to fix it."""
+    from memtrack.capture.doctor import check_pid_namespace
+
+    c = check_pid_namespace("pid:[4026532811]")
+    assert not c.ok and c.required and "--pid=host" in c.fix
+    assert check_pid_namespace("pid:[4026531836]").ok
+
+
+# as root, but without the capability that follows /proc/PID/map_files links
+NO_SYS_ADMIN = ["setpriv", "--inh-caps=-sys_admin,-checkpoint_restore",
+                "--bounding-set=-sys_admin,-checkpoint_restore", "--"]
+
+
+@pytest.mark.bpf
+def test_without_cap_sys_admin_files_are_read_by_path(tmp_path: Path) -> None:
+    """/proc/PID/map_files cannot be followed: doctor says capture reads files by path,
+    and capture does (it probed nothing: every file was opened through map_files)."""
+    import os
+    import sys
+
+    import duckdb
+
+    env = {**os.environ, "COLUMNS": "250"}
+    r = subprocess.run([*NO_SYS_ADMIN, sys.executable, "-m", "memtrack.cli", "doctor"],
+                       capture_output=True, text=True, env=env)
+    rows = {line.split("│")[0].strip(): [c.strip() for c in line.split("│")[1:]]
+            for line in r.stdout.splitlines() if "│" in line}
+    assert rows["mapped files"] == [
+        "degraded", "/proc/PID/map_files: Operation not permitted; files are read by path: "
+        "one deleted or replaced since it was mapped gets no probes",
+        "CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE"], r.stdout
+    assert r.returncode == 0 and "capture: ready" in r.stdout
+    lib = build(["capture/nslib.c"], name="libns_container", shared=True,
+                flags=("-DSIDE=container_side",))
+    prog = build(["capture/nsprog.c"], libs=("-ldl",))
+    art = tmp_path / "run.memtrack"
+    r = subprocess.run([*NO_SYS_ADMIN, sys.executable, "-m", "memtrack.cli", "capture", "-o",
+                        str(art), "--", str(prog), str(lib), "10"], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    db = tmp_path / "run.duckdb"
+    subprocess.run([sys.executable, "-m", "memtrack.cli", "process", str(art), "-o", str(db),
+                    "-q"], check=True)
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("""SELECT allocator, count(*) FROM allocations WHERE size = 4243
+                              GROUP BY ALL""").fetchall() == [("mimalloc", 10)]

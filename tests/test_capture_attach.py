@@ -143,6 +143,110 @@ def test_window_exact_and_process_untouched(tmp_path: Path) -> None:
     assert f"attached to {pid} at " in report.stdout, report.stderr
 
 
+def window(art: Path, pid: int) -> list[list[int]]:
+    """Each service thread's tick numbers recorded for `pid`, checked to be one
+    contiguous run per thread."""
+    events = Artifact.open(art).read("events").table.to_pylist()
+    sizes = [e["size"] for e in events if e["pid"] == pid and e["kind"] == EventKind.MALLOC]
+    out = []
+    for t in (0, 1):
+        seen = sorted((s - 1 - t) // 2 for s in sizes if (s - 1) % 2 == t)
+        assert seen and seen == list(range(seen[0], seen[-1] + 1)), (pid, t, seen)
+        out.append(seen)
+    return out
+
+
+def test_several_pids_at_once(tmp_path: Path) -> None:
+    """Two processes of a service attached together: both recorded, each its whole
+    window, and both left running."""
+    art = tmp_path / "run.memtrack"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with service(tmp_path / "a") as (a, counts_a), service(tmp_path / "b") as (b, counts_b):
+        first = {a: ticks(a, counts_a), b: ticks(b, counts_b)}
+        r = capture(["--pid", str(a), "--pid", str(b), "--duration", "2", "--stacks", "off",
+                     "-o", str(art)])
+        last = {a: ticks(a, counts_a), b: ticks(b, counts_b)}
+        assert r.returncode == 0, r.stderr
+        assert f"memtrack: attached to {a}, {b}; control FIFO " in r.stderr
+        assert f"memtrack: detached from {a}, {b}; " in r.stderr
+        for pid, counts in ((a, counts_a), (b, counts_b)):
+            assert set(task_states(pid) or []) <= set("SR")
+            deadline = time.monotonic() + 10  # it ticks on (on a loaded machine, later)
+            while ticks(pid, counts) == last[pid]:
+                assert time.monotonic() < deadline, f"{pid} stopped ticking"
+                time.sleep(0.01)
+    for pid in (a, b):
+        for t, seen in enumerate(window(art, pid)):
+            assert len(seen) > 200, seen  # 2 s of 2 ms ticks, for the second one too
+            assert first[pid][t] <= seen[0] and seen[-1] < last[pid][t]
+    m = Artifact.open(art).manifest
+    assert [x["pid"] for x in m.attached] == [a, b] and m.root_pid == a
+    con = process(art)
+    counters = json.loads(con.execute(
+        "SELECT value FROM meta WHERE key = 'counters'").fetchone()[0])
+    assert counters["frees_before_attach"] == 4, counters  # each thread's first free
+    assert counters["frees_unmatched"] == 0, counters
+    assert con.execute("SELECT pid, ns_pid FROM processes ORDER BY pid").fetchall() == [
+        (a, a), (b, b)]
+
+
+def test_start_disabled_and_the_control_fifo(tmp_path: Path) -> None:
+    """--start-disabled with --pid: nothing until a runner's `enable` on the control
+    FIFO, everything from its answer to its `disable`, and a region a runner marks on a
+    thread of the attached process holds that thread's allocations between its ends."""
+    from memtrack.control import memtrack_control
+
+    art = tmp_path / "run.memtrack"
+    ctl, ack = tmp_path / "ctl", tmp_path / "ctl.ack"
+
+    def send(command: str, tag: int | str = "") -> str | None:
+        return memtrack_control.send(ctl, command, ack, str(tag), timeout=60)
+
+    with service(tmp_path) as (pid, counts):
+        cap = subprocess.Popen([*MEMTRACK, "capture", "--pid", str(pid), "--start-disabled",
+                                "--control-fifo", str(ctl), "--stacks", "off", "-o",
+                                str(art)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+        try:
+            assert cap.stderr is not None
+            while not (line := cap.stderr.readline()).startswith("memtrack: attached"):
+                assert line, "capture ended before attaching"
+            time.sleep(0.3)  # disabled: nothing of this goes in
+            before = ticks(pid, counts)
+            assert send("enable") == "ok"
+            enabled = ticks(pid, counts)
+            tid = min(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+            assert send(f"begin {tid} window", tid) == f"ok {tid}"
+            time.sleep(0.5)
+            assert send(f"end {tid}", tid) == f"ok {tid}"
+            time.sleep(0.3)
+            on = ticks(pid, counts)
+            assert send("disable") == "ok"
+            after = ticks(pid, counts)
+            time.sleep(0.3)  # disabled again
+            cap.send_signal(signal.SIGINT)
+            assert cap.wait(timeout=120) == 128 + signal.SIGINT, cap.stderr.read()
+        finally:
+            if cap.poll() is None:
+                cap.kill()
+                cap.wait()
+    for t, seen in enumerate(window(art, pid)):
+        assert before[t] <= seen[0] <= enabled[t] + 1, (t, before, enabled, seen[0])
+        assert on[t] - 1 <= seen[-1] <= after[t], (t, on, after, seen[-1])
+    con = process(art)
+    (region, rtid, begin, end), = con.execute(
+        "SELECT region_id, tid, begin_ts, end_ts FROM regions WHERE name = 'window'"
+    ).fetchall()
+    assert rtid == tid
+    inside = con.execute("""SELECT list(alloc_id ORDER BY alloc_id) FROM allocations
+        WHERE tid = ? AND ts BETWEEN ? AND ? AND inherited_from IS NULL""",
+                         [tid, begin, end]).fetchone()[0]
+    assert len(inside) > 100  # 0.5 s of 2 ms ticks
+    assert con.execute("""SELECT list(alloc_id ORDER BY alloc_id) FROM region_allocations
+        WHERE region_id = ?""", [region]).fetchone()[0] == inside
+
+
 def test_usage_errors(tmp_path: Path) -> None:
     out = str(tmp_path / "x.memtrack")
     for args, line in (

@@ -120,11 +120,13 @@ def test_process_into_a_dataset(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("*memory_metadata.json"))
     code, out, _ = invoke("query", "--dataset", str(ds), "--format", "json",
                           "SELECT run, labels['commit'] AS c, command, exit_code, root_pid, "
-                          "schema_version, memory_metadata IS NOT NULL AS md FROM runs")
+                          "attached, schema_version, memory_metadata IS NOT NULL AS md "
+                          "FROM runs")
     assert code == 0
     (row,) = json.loads(out)
     assert row == {"run": "build-1.2_x", "c": "abc", "command": ["p", "-x"], "exit_code": None,
-                   "root_pid": 100, "schema_version": SCHEMA_VERSION, "md": True}
+                   "root_pid": 100, "attached": [], "schema_version": SCHEMA_VERSION,
+                   "md": True}
     # again: refused, then replaced with --force
     code, _, err = invoke(*args)
     assert code == 2 and "already in the dataset (--force replaces it)" in err
@@ -139,6 +141,32 @@ def test_process_into_a_dataset(tmp_path: Path) -> None:
     assert out.splitlines()[1:] == ["build-1.2_x,9,def"]
     # the labels are the run database's too
     assert RunReader(open_run(tmp_path / "r.duckdb")).labels == {"commit": "def"}
+
+
+def test_runs_mark_an_attached_run(tmp_path: Path) -> None:
+    """A run of `capture --pid` (the manifest's `attached`) lists the pids attached to
+    in `runs`; a spawned command's run an empty list; a `runs` file written before the
+    column existed reads as null beside them."""
+    spawned = write_artifact(tmp_path / "s.memtrack")
+    attached = write_artifact(tmp_path / "a.memtrack")
+    m = json.loads((attached / "manifest.json").read_text())
+    m["attached"] = [{"pid": 100, "ts": 900, "rss": {"anon": 4096}},
+                     {"pid": 200, "ts": 950, "rss": {}}]
+    (attached / "manifest.json").write_text(json.dumps(m))
+    ds = tmp_path / "ds"
+    for art, run in ((spawned, "s"), (attached, "a")):
+        code, _, err = invoke("process", str(art), "--dataset", str(ds), "--run-id", run, "-q")
+        assert code == 0, err
+    old = ds / "runs" / "run=old" / "data.parquet"
+    old.parent.mkdir()
+    row = pq.ParquetFile(ds / "runs" / "run=s" / "data.parquet").read()
+    pq.write_table(row.drop_columns(["attached"]), old)
+    code, out, err = invoke("query", "--dataset", str(ds), "--format", "json",
+                            "SELECT run, attached FROM runs ORDER BY run")
+    assert code == 0, err
+    assert json.loads(out) == [{"run": "a", "attached": [100, 200]},
+                               {"run": "old", "attached": None},
+                               {"run": "s", "attached": []}]
 
 
 @pytest.mark.parametrize("extra,message", [

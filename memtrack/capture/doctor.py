@@ -166,6 +166,70 @@ def check_uprobe_attach() -> Check:
     return Check("allocator probe attach", True, mode)
 
 
+# /proc/PID/ns/pid of the initial pid namespace (the kernel's PROC_PID_INIT_INO)
+INIT_PID_NS = "pid:[4026531836]"
+YAMA_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
+
+
+def check_pid_namespace(link: str | None = None) -> Check:
+    """The BPF programs see the kernel's pids (the initial pid namespace's): memtrack
+    must see the same ones in /proc. `link`: /proc/self/ns/pid's target (read here)."""
+    if link is None:
+        try:
+            link = os.readlink("/proc/self/ns/pid")
+        except OSError as e:
+            return Check("pid namespace", False, f"/proc/self/ns/pid: {e.strerror}",
+                         "mount /proc")
+    ok = link == INIT_PID_NS
+    return Check("pid namespace", ok, "the host's" if ok else
+                 f"{link}, not the host's: BPF reports the host's pids, /proc shows others",
+                 "run memtrack in the host's pid namespace (docker/podman run --pid=host)")
+
+
+def _ptrace_scope() -> str:
+    try:
+        return f"{YAMA_SCOPE.read_text().strip()} here"
+    except OSError:
+        return "Yama is off here"
+
+
+def check_mapped_files() -> Check:
+    """/proc/PID/map_files (following an entry takes CAP_SYS_ADMIN or
+    CAP_CHECKPOINT_RESTORE): capture reads each mapped file through it, the file the
+    process mapped even if deleted or replaced since; without it, by path
+    (memtrack.capture.procfs.mapped_file)."""
+    try:  # opened, not read as a link: following the link is what takes the capability
+        entry = next(iter(os.listdir("/proc/self/map_files")))
+        os.close(os.open(f"/proc/self/map_files/{entry}", os.O_RDONLY | os.O_CLOEXEC))
+    except (OSError, StopIteration) as e:
+        why = getattr(e, "strerror", None) or "empty"
+        return Check("mapped files", False,
+                     f"/proc/PID/map_files: {why}; files are read by path: one deleted or "
+                     "replaced since it was mapped gets no probes",
+                     "CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE", required=False)
+    return Check("mapped files", True, "/proc/PID/map_files: the mapped files themselves, "
+                 "a container's too", required=False)
+
+
+def check_attach(scoped: bool | None = None) -> Check:
+    """What `capture --pid` needs beyond a spawned capture: pidfd_open (Linux 5.3) to
+    see the processes exit. `scoped`: the kernel has uprobe_multi links (None: not
+    known, the load test did not run). It uses no ptrace: the ptrace scope is named,
+    not checked."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError) as e:
+        return Check("attach (capture --pid)", False,
+                     f"not allowed: pidfd_open ({getattr(e, 'strerror', None) or e})",
+                     "Linux 5.3 or later", required=False)
+    parts = ["allowed (pidfd_open)"]
+    if scoped is not None:
+        parts.append("probes only in the attached processes" if scoped else
+                     "probes host-wide (no uprobe_multi links)")
+    parts.append(f"no ptrace, so kernel.yama.ptrace_scope does not matter ({_ptrace_scope()})")
+    return Check("attach (capture --pid)", True, "; ".join(parts), required=False)
+
+
 def run_doctor(console: Console | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -173,10 +237,14 @@ def run_doctor(console: Console | None = None) -> int:
     console = console or Console(highlight=False)
     cfg = _kernel_config()
     checks: list[Check] = [check_privileges(), check_bcc(), check_headers(), check_tracefs(),
-                           check_uprobes(), *check_tracepoints(), check_lockdown(cfg),
-                           check_kernel_hooks(cfg)]
+                           check_uprobes(), check_pid_namespace(), *check_tracepoints(),
+                           check_lockdown(cfg), check_kernel_hooks(cfg)]
+    scoped = None
     if all(c.ok for c in checks[:5]):
-        checks += [check_ringbuf_and_uprobe(), check_uprobe_attach()]
+        probe_attach = check_uprobe_attach()
+        checks += [check_ringbuf_and_uprobe(), probe_attach]
+        scoped = probe_attach.detail.startswith("uprobe_multi") if probe_attach.ok else None
+    checks += [check_mapped_files(), check_attach(scoped)]
     t = Table(title=f"memtrack doctor — {platform.node()} {platform.release()}", show_edge=False)
     for col in ("check", "status", "detail", "fix"):
         t.add_column(col)
@@ -188,6 +256,7 @@ def run_doctor(console: Console | None = None) -> int:
     bad = [c for c in checks if c.required and not c.ok]
     console.print("capture: [green]ready[/green]" if not bad else
                   f"capture: [red]not ready[/red] ({len(bad)} missing)")
-    console.print("capture --pid (attach to a running process) needs the same: it uses no "
-                  "ptrace, so kernel.yama.ptrace_scope does not matter")
+    console.print("capture --pid (attach to a running process) needs the same and the "
+                  "attach check: it uses no ptrace, so kernel.yama.ptrace_scope does not "
+                  "matter")
     return 1 if bad else 0

@@ -5,6 +5,12 @@ mapping (read through /proc/PID/map_files, so a deleted or replaced file still g
 the mapped one) and of the vDSO (read from /proc/PID/mem), and queues a copy of every
 executable module not copied yet; `copy_pending` copies them into modules/BUILD_ID/
 with their separate debug files.
+
+A process of another mount namespace or root (a container) names its files by paths
+that are its own: every file of it is read through /proc/PID/map_files or its
+/proc/PID/root (procfs.process_root), never the host's file of the same path, and its
+modules are copied even with `copy_modules` off when the host's file at that path is
+not the mapped one (`process` could not find them on this host).
 """
 
 from __future__ import annotations
@@ -16,7 +22,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from memtrack.capture.procfs import MapLine, map_file, read_maps, read_memory
+from memtrack.capture.procfs import (
+    MapLine,
+    in_root,
+    is_mapped_file,
+    map_file,
+    own_vdso,
+    process_root,
+    read_maps,
+    read_memory,
+)
 from memtrack.elf import build_id_of_bytes, find_debug_file, read_build_id
 from memtrack.schema import MAPPINGS, VDSO_PATH
 from memtrack.schema.artifact import ArtifactWriter
@@ -25,27 +40,11 @@ from memtrack.schema.artifact import ArtifactWriter
 @dataclass
 class _Copy:
     build_id: str
-    path: str  # where it was mapped
+    path: str  # where it was mapped (the process's own path)
     sources: list[str]  # files to copy from, first readable wins
     data: bytes | None = None  # the vDSO image
-    mapped: tuple[int, int] | None = None  # (st_dev, st_ino) of the file whose id was read
-
-
-def _identity(m: MapLine) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of a mapping's file, from its "major:minor" and inode."""
-    major, _, minor = m.dev.partition(":")
-    try:
-        return os.makedev(int(major, 16), int(minor, 16)), m.inode
-    except ValueError:
-        return None
-
-
-def _is_file(path: str, identity: tuple[int, int] | None) -> bool:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return identity is not None and (st.st_dev, st.st_ino) == identity
+    mapped: MapLine | None = None  # the mapping whose file's build id was read
+    root: Path | None = None  # the process's root where it is not memtrack's
 
 
 class ModuleRecorder:
@@ -59,19 +58,39 @@ class ModuleRecorder:
         self.copy_failed = 0
         self.snapshots = 0
 
-    def build_id_of(self, pid: int, m: MapLine) -> str | None:
+    def build_id_of(self, pid: int, m: MapLine, root: Path | None = None) -> str | None:
+        """The build id of `pid`'s mapped file: through map_files, else (unreadable
+        there) of the file at its path as `pid` sees it (`root`: its process_root,
+        looked up when not given)."""
         key = (m.dev, m.inode)
         if key not in self._build_ids:
-            src = map_file(pid, m)
-            bid = read_build_id(src)
-            if bid is None and os.path.exists(m.path):
-                bid = read_build_id(m.path)
+            bid = read_build_id(map_file(pid, m))
+            if bid is None:
+                path = in_root(root if root is not None else process_root(pid), m.path)
+                if os.path.exists(path):
+                    bid = read_build_id(path)
             self._build_ids[key] = bid
         return self._build_ids[key]
+
+    def _copies(self, m: MapLine, bid: str, root: Path | None) -> bool:
+        """Whether the module mapped by `m` goes into the artifact: always with
+        `copy_modules`, else only a file of another root whose build id the host's
+        file of its path does not have (`process` reads host files in place of
+        missing copies, by path and build id)."""
+        if self.copy_modules:
+            return True
+        if root is None or is_mapped_file(m.path, m):
+            return False
+        return not os.path.isfile(m.path) or read_build_id(m.path) != bid
 
     def _vdso_build_id(self, pid: int, m: MapLine) -> str | None:
         if self._vdso is None:
             data = read_memory(pid, m.start, m.end - m.start)
+            if data is None:
+                # another process's memory is closed to us (kernel.yama.ptrace_scope 3
+                # refuses even root): the kernel maps one vDSO image per ABI into every
+                # process, memtrack's own is it where the sizes agree
+                data = own_vdso(m.end - m.start)
             if data is None:
                 return None
             self._vdso = (data, build_id_of_bytes(data))
@@ -86,17 +105,22 @@ class ModuleRecorder:
         maps = read_maps(pid)
         if maps is None:
             return None
+        root = process_root(pid)
         build_ids: list[str | None] = []
         for m in maps:
             bid = None
             if m.path == VDSO_PATH:
                 bid = self._vdso_build_id(pid, m)
             elif m.path.startswith("/") and m.inode:
-                bid = self.build_id_of(pid, m)
-                if bid and "x" in m.perms and self.copy_modules and bid not in self._queued:
+                bid = self.build_id_of(pid, m, root)
+                if bid and "x" in m.perms and bid not in self._queued \
+                        and self._copies(m, bid, root):
                     self._queued.add(bid)
-                    src = str(map_file(pid, m))
-                    self._pending.append(_Copy(bid, m.path, [m.path, src], mapped=_identity(m)))
+                    # by path first (it outlives the process: the copy is made after the
+                    # stop), then the mapped file itself
+                    sources = [in_root(root, m.path), str(map_file(pid, m))]
+                    self._pending.append(_Copy(bid, m.path, sources, mapped=m,
+                                               root=root))
             build_ids.append(bid)
         n = len(maps)
         self.writer.write("mappings", pa.RecordBatch.from_pydict({
@@ -125,11 +149,13 @@ class ModuleRecorder:
                 continue
             for src in c.sources:
                 # the mapped file itself needs no second look at its build id
-                if not _is_file(src, c.mapped) and read_build_id(src) != c.build_id:
+                if not (c.mapped and is_mapped_file(src, c.mapped)) \
+                        and read_build_id(src) != c.build_id:
                     continue
                 try:
                     self.writer.add_module(c.build_id, c.path, Path(src),
-                                           find_debug_file(c.path, c.build_id))
+                                           find_debug_file(c.path, c.build_id, root=c.root,
+                                                           elf=src))
                 except OSError:
                     continue
                 break

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.capture.parts import RING_PYFRAMES, CaptureOptions, Ring
-from memtrack.capture.procfs import MapLine
+from memtrack.capture.procfs import MapLine, mapped_file
 from memtrack.capture.tables import percpu_counts
 from memtrack.schema import PY_CODES, PY_STACKS
 from memtrack.schema.artifact import ArtifactWriter
@@ -249,6 +249,7 @@ class PyFramesPart:
         self.seen_entries = seen_entries
         self.code_entries = code_entries
         self.malformed = 0
+        # (dev, inode, mtime) of the mapped file -> what it is
         self.interpreters: dict[tuple[str, int, int], Interpreter | None] = {}
         self._reader: Any = None
 
@@ -269,10 +270,17 @@ class PyFramesPart:
                     f"({e}); fork children that do not exec have native frames only"]
         return []
 
-    def _interpreter(self, m: MapLine) -> Interpreter | None:
-        key = (m.path, m.inode, _mtime(m.path))
+    def _interpreter(self, pid: int, m: MapLine) -> Interpreter | None:
+        """The interpreter `pid` maps with `m`, read through /proc/PID/map_files (the
+        mapped file itself: a container's python is not the host's file of its path;
+        procfs.mapped_file)."""
+        src = mapped_file(pid, m)
+        if src is None:
+            return None
+        key = (m.dev, m.inode, _mtime(src))
         if key not in self.interpreters:
-            self.interpreters[key] = find_interpreter(m.path)
+            found = find_interpreter(src)
+            self.interpreters[key] = found and replace(found, path=m.path)
         return self.interpreters[key]
 
     def on_stop(self, bpf: Any, pid: int, maps: list[MapLine]) -> list[str]:
@@ -283,12 +291,12 @@ class PyFramesPart:
         for m in maps:
             if m.offset == 0 and m.path.startswith("/"):
                 starts.setdefault(m.path, m.start)
-        found = None
+        found, start = None, 0
         for m in maps:
             if "x" in m.perms and m.path in starts:
-                interp = self._interpreter(m)
+                interp = self._interpreter(pid, m)
                 if interp is not None:
-                    found = interp
+                    found, start = interp, starts[m.path]
                     break
         table = bpf[PROCS]
         if found is None or not found.supported:
@@ -302,7 +310,7 @@ class PyFramesPart:
                     f"(known: {', '.join(f'{a}.{b}' for a, b in OFFSETS)}, with the GIL); its "
                     "stacks have native frames only"]
         assert found.version is not None
-        proc = PyProc(starts[found.path] - found.first_load + found.runtime_vaddr,
+        proc = PyProc(start - found.first_load + found.runtime_vaddr,
                       *OFFSETS[found.version[:2]])
         table[ct.c_uint32(pid)] = proc
         return []

@@ -54,9 +54,10 @@ from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
 from memtrack.capture.procfs import (
     MapLine,
     attach_refusal,
-    map_file,
+    mapped_file,
     read_identity,
     read_maps,
+    read_ns_pid,
     read_rss,
     wait_stopped,
 )
@@ -153,7 +154,8 @@ class Session:
         self.interrupted: int | None = None
         self.result: CaptureResult | None = None
         self._status: int | None = None
-        self._identity: dict[int, tuple[str, str, list[str]]] = {}
+        # pid -> (from when, (comm, exe, cmdline)), in time order: who it was when
+        self._identity: dict[int, list[tuple[int, tuple[str, str, list[str]]]]] = {}
         self._interrupts = 0
         self._last_status = 0.0
         self._last_manifest = 0.0
@@ -233,7 +235,7 @@ class Session:
         self.drain.start()
         m.root_pid = self.pid
         if pids:
-            m.command = self._identity.get(self.pid, ("", "", []))[2]
+            m.command = self._identity_at(self.pid)[2]
         self.writer.write_manifest()
 
     # -- setup ----------------------------------------------------------------------
@@ -324,6 +326,9 @@ class Session:
                 {"pid": pid, "ts": ts, "rss": {RssMember(k).name.lower(): v
                                                for k, v in rss.items()}})
             self._epoll.register(self.attached[pid], select.EPOLLIN)
+            # its modules while it runs (and maps them: a container's files are read
+            # through it, /proc/PID/map_files or /proc/PID/root)
+            self.modules.copy_pending()
         return pids[0]
 
     def _untrack(self) -> None:
@@ -482,15 +487,27 @@ class Session:
         forks = rec[(rec["kind"] == EventKind.FORK) & ((rec["flags"] & CLONE_THREAD) == 0)]
         for ts, parent, child in zip(forks["ts"].tolist(), forks["pid"].tolist(),
                                      forks["addr"].tolist(), strict=True):
-            comm, exe, cmdline = self._identity.get(parent, ("", "", []))
-            self._identity.setdefault(child, (comm, exe, cmdline))
-            self._write_process(ts, child, parent, comm, exe, cmdline)
+            # the parent as it was at the fork: the writer may see the fork after the
+            # parent's exec was recorded (sh -c 'cmd1; exec cmd2' forks then execs)
+            comm, exe, cmdline = self._identity_at(parent, ts)
+            self._identity.setdefault(child, [(ts, (comm, exe, cmdline))])
+            # the child's pid in its namespace: it may be its parent's or a new one's
+            # (clone(CLONE_NEWPID), `unshare --pid --fork`); read while the child lives
+            # (at its fork's attach stop, usually), None once it is gone
+            self._write_process(ts, child, parent, comm, exe, cmdline,
+                                read_ns_pid(child, parent))
+
+    def _identity_at(self, pid: int, ts: int | None = None) -> tuple[str, str, list[str]]:
+        """(comm, exe, cmdline) of `pid` at `ts` (None: now), as far as known."""
+        history = self._identity.get(pid, [])
+        before = [ident for since, ident in history if ts is None or since <= ts]
+        return before[-1] if before else history[0][1] if history else ("", "", [])
 
     def _write_process(self, ts: int, pid: int, ppid: int, comm: str, exe: str,
-                       cmdline: list[str]) -> None:
+                       cmdline: list[str], ns_pid: int | None) -> None:
         self.writer.write("processes", pa.RecordBatch.from_pydict({
             "ts": [ts], "pid": [pid], "ppid": [ppid], "comm": [comm], "exe": [exe],
-            "cmdline": [cmdline]}, schema=PROCESSES))
+            "cmdline": [cmdline], "ns_pid": [ns_pid]}, schema=PROCESSES))
 
     @property
     def events(self) -> int:
@@ -557,9 +574,18 @@ class Session:
 
     @staticmethod
     def _files(pid: int, maps: list[MapLine] | None) -> list[tuple[MapLine, str]]:
-        """The executable file mappings of `pid`, each with the path to open it by."""
-        return [(m, str(map_file(pid, m))) for m in maps or ()
-                if "x" in m.perms and m.path.startswith("/") and m.inode]
+        """The executable file mappings of `pid`, each with the path to open it by: its
+        /proc/PID/map_files entry (the mapped file, even deleted or replaced since), or
+        where that cannot be followed (without CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE)
+        its path as `pid` sees it while that is still the mapped file
+        (procfs.mapped_file)."""
+        out = []
+        for m in maps or ():
+            if "x" in m.perms and m.path.startswith("/") and m.inode:
+                src = mapped_file(pid, m)
+                if src is not None:
+                    out.append((m, src))
+        return out
 
     def _release_links(self) -> None:
         """Release the links of traced processes that are gone (BPF forgets a process
@@ -577,9 +603,11 @@ class Session:
         ident = read_identity(pid)
         if ident is None:
             return
-        ppid, comm, exe, cmdline = ident
-        self._identity[pid] = (comm, exe, cmdline)
-        self._write_process(ts, pid, ppid, comm, exe, cmdline)
+        history = self._identity.setdefault(pid, [])
+        history.append((ts, (ident.comm, ident.exe, ident.cmdline)))
+        history.sort(key=lambda h: h[0])
+        self._write_process(ts, pid, ident.ppid, ident.comm, ident.exe, ident.cmdline,
+                            ident.ns_pid)
 
     # -- counters, status line, manifest --------------------------------------------
 

@@ -240,6 +240,9 @@ def runs_row(meta: dict[str, str], metadata: Path | None) -> pa.Table:
     status = js("exit_status", {})
     labels = js("labels", {})
     host = host if isinstance(host, dict) else {}
+    attached = js("attached", [])
+    attached = [a["pid"] for a in attached if isinstance(a, dict)
+                and isinstance(a.get("pid"), int)] if isinstance(attached, list) else []
     status = status if isinstance(status, dict) else {}
     labels = labels if isinstance(labels, dict) else {}
     offset = num("wall_offset_ns")
@@ -259,6 +262,7 @@ def runs_row(meta: dict[str, str], metadata: Path | None) -> pa.Table:
         "exit_code": [status.get("code")],
         "exit_signal": [status.get("signal")],
         "root_pid": [num("root_pid")],
+        "attached": [attached],
         "artifact": [meta.get("artifact")],
         "memtrack_version": [meta.get("memtrack_version")],
         "schema_version": [num("schema_version")],

@@ -51,6 +51,13 @@ class Life:
         return {"comm": None, "exe": None, "cmdline": None}
 
 
+    def ns_pid(self) -> int | None:
+        """The life's pid in its own pid namespace: its latest processes row that knows
+        it (never its parent's: that is another pid)."""
+        known = [r.get("ns_pid") for r in self.idents if r.get("ns_pid") is not None]
+        return known[-1] if known else None
+
+
 def _ident(row: dict[str, Any]) -> dict[str, Any]:
     return {"comm": row["comm"], "exe": row["exe"], "cmdline": row["cmdline"]}
 
@@ -109,7 +116,7 @@ class Lifecycle:
                          "exe": ident["exe"], "cmdline": ident["cmdline"],
                          "start_ts": lf.start_ns, "exit_ts": lf.exit_ns,
                          "exit_status": lf.exit_raw, "exit_code": status["code"],
-                         "exit_signal": status["signal"]})
+                         "exit_signal": status["signal"], "ns_pid": lf.ns_pid()})
         return pa.Table.from_pylist(rows, schema=PROCESS_ROWS)
 
 
@@ -117,6 +124,7 @@ PROCESS_ROWS = pa.schema([
     ("pid", pa.uint32()), ("ppid", pa.uint32()), ("name", pa.string()), ("exe", pa.string()),
     ("cmdline", pa.list_(pa.string())), ("start_ts", pa.uint64()), ("exit_ts", pa.uint64()),
     ("exit_status", pa.int32()), ("exit_code", pa.int32()), ("exit_signal", pa.int32()),
+    ("ns_pid", pa.uint32()),
 ])  # fmt: skip
 
 

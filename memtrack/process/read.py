@@ -146,10 +146,16 @@ def _all_valid(t: pa.Table) -> pa.ChunkedArray:
                           or pa.types.is_boolean(f.type)))
 
 
+def _processes_ok(t: pa.Table) -> pa.ChunkedArray:
+    """Every integer but `ns_pid` (null: not known, or a format before 2.5)."""
+    return _no_nulls(t, *(f.name for f in t.schema if pa.types.is_integer(f.type)
+                          and f.name != "ns_pid"))
+
+
 # table -> which of its rows may be used
 ROW_RULES: dict[str, Callable[[pa.Table], pa.ChunkedArray]] = {
     "events": _events_ok, "stacks": _stacks_ok, "rss": _rss_ok, "mappings": _mappings_ok,
-    "processes": _all_valid, "faults": _all_valid, "region_names": _all_valid,
+    "processes": _processes_ok, "faults": _all_valid, "region_names": _all_valid,
     "region_labels": _region_labels_ok,
     "py_stacks": _py_stacks_ok, "py_codes": _py_codes_ok, "stops": _stops_ok,
 }

@@ -313,13 +313,13 @@ class RunReader:
             SELECT p.pid, p.ppid, p.name, p.exe, p.exit_code, p.exit_signal,
                    coalesce(h.peak_bytes, 0), (h.peak_ts::DOUBLE - ?) / 1e9,
                    coalesce(c.calls, 0)::BIGINT, coalesce(c.leaked, 0)::BIGINT,
-                   CASE WHEN ? THEN r.rss END
+                   CASE WHEN ? THEN r.rss END, p.ns_pid
             FROM processes p LEFT JOIN heap_peak h USING (pid) LEFT JOIN c USING (pid)
                 LEFT JOIN r USING (pid)
             WHERE {self.where("p.")} ORDER BY p.start_ts, p.pid""",
                                 [float(self.start_ns), self.rss_recorded]).fetchall()
         keys = ("pid", "ppid", "name", "exe", "exit_code", "exit_signal", "peak_heap_bytes",
-                "peak_heap_at_s", "calls", "leaked_bytes", "peak_rss_bytes")
+                "peak_heap_at_s", "calls", "leaked_bytes", "peak_rss_bytes", "ns_pid")
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
     # ---- costs -------------------------------------------------------------------

@@ -186,8 +186,10 @@ def format_text(data: dict) -> str:
         for p in procs:
             status = (signal_text(p["exit_signal"]) if p["exit_signal"] else
                       f"exit {p['exit_code']}" if p["exit_code"] is not None else "no exit seen")
+            inside = (f" (pid {p['ns_pid']} in its namespace)"
+                      if p["ns_pid"] is not None and p["ns_pid"] != p["pid"] else "")
             lines.append(
-                f"  {p['pid']:>7} {p['name'] or '?':<16} parent {p['ppid']}, {status}: "
+                f"  {p['pid']:>7} {p['name'] or '?':<16} parent {p['ppid']}{inside}, {status}: "
                 f"{p['calls']} calls, peak heap {human_bytes(p['peak_heap_bytes'])}, "
                 f"leaked {human_bytes(p['leaked_bytes'])}")
         if len(data["processes"]) > len(procs):

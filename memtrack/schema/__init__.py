@@ -192,7 +192,10 @@ MAPPINGS = pa.schema(
     ]
 )
 
-# One row each time capture learns who a process is: at start, after each exec.
+# One row each time capture learns who a process is: at start, after each exec. `pid`
+# and `ppid` are as the host sees them; `ns_pid` (format 2.5) is the pid the process
+# has in its own pid namespace (a container's: NSpid's last value in /proc/PID/status;
+# `pid` itself outside one), null where unknown (a child gone before capture read it).
 PROCESSES = pa.schema(
     [
         ("ts", pa.uint64()),
@@ -201,6 +204,7 @@ PROCESSES = pa.schema(
         ("comm", pa.string()),
         ("exe", pa.string()),
         ("cmdline", pa.list_(pa.string())),
+        ("ns_pid", pa.uint32()),
     ]
 )
 
@@ -297,6 +301,7 @@ TABLES: dict[str, pa.Schema] = {
 ADDED_COLUMNS: dict[str, tuple[tuple[str, tuple[int, int], object], ...]] = {
     "stacks": (("python_cut", (2, 5), False),),
     "stack_copies": (("python_cut", (2, 5), False),),
+    "processes": (("ns_pid", (2, 5), None),),  # not known
 }
 
 # Loss counters the manifest always carries (0 when nothing was lost). Stages may add

@@ -60,6 +60,7 @@ RUNS = pa.schema([
     ("exit_code", pa.int32()),
     ("exit_signal", pa.int32()),
     ("root_pid", pa.uint32()),
+    ("attached", pa.list_(pa.uint32())),  # capture --pid: the pids attached to; [] spawned
     ("artifact", pa.string()),  # the artifact processed, as `process` was given it
     ("memtrack_version", pa.string()),  # of the capture
     ("schema_version", pa.int32()),  # the run database format of the tables

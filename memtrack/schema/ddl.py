@@ -54,7 +54,7 @@ CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR);
 CREATE TABLE processes (
     pid UINTEGER, ppid UINTEGER, name VARCHAR, exe VARCHAR, cmdline VARCHAR[],
     start_ts UBIGINT, exit_ts UBIGINT, exit_status INTEGER, exit_code INTEGER,
-    exit_signal INTEGER
+    exit_signal INTEGER, ns_pid UINTEGER
 );
 CREATE TABLE threads (pid UINTEGER, tid UINTEGER, start_ts UBIGINT, exit_ts UBIGINT,
     events UBIGINT);

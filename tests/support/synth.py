@@ -79,7 +79,8 @@ def write_artifact(path: Path, events: pa.Table | None = None, *,
     w.write("processes", pa.table({
         "ts": [900, 1800, 2300], "pid": [100, 200, 200], "ppid": [1, 100, 100],
         "comm": [comm, "child", "child2"], "exe": ["/bin/p", "/bin/p", "/bin/p"],
-        "cmdline": [["p", "-x"], ["p"], ["p"]]}, schema=PROCESSES))  # fmt: skip
+        "cmdline": [["p", "-x"], ["p"], ["p"]], "ns_pid": [100, 200, 200]},
+        schema=PROCESSES))  # fmt: skip
     w.write("rss", pa.table({
         "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
         "bytes": [4096, 65536, 8192], "external": [False] * 3}, schema=RSS))  # fmt: skip
@@ -96,12 +97,12 @@ def write_storm(path: Path, processes: int) -> Path:
     """A fork/exec storm: pid 100 (a shell) forks `processes` children one after
     another, 1 ms apart, each of which execs, allocates three blocks (its RSS growing
     with each), frees one and exits (the others leaked at its exit)."""
-    rows, rss, procs = [], [], [(900, 100, 1, "sh", "/bin/sh", ["sh"])]
+    rows, rss, procs = [], [], [(900, 100, 1, "sh", "/bin/sh", ["sh"], 100)]
     ts = 1000
     for i in range(processes):
         pid = 1000 + i
         rows += [(ts, 100, 100, K.FORK, 0, pid, 0, 0, 0), (ts + 1, pid, pid, K.EXEC, 0, 0, 0, 0, 0)]
-        procs.append((ts + 1, pid, 100, f"job{i}", "/bin/job", ["job", str(i)]))
+        procs.append((ts + 1, pid, 100, f"job{i}", "/bin/job", ["job", str(i)], pid))
         for j in range(3):
             rows.append((ts + 2 + j, pid, pid, K.MALLOC, 0, 0x1000 + 64 * j, 0, 100 + j, 11))
             rss.append((ts + 2 + j, pid, 1, 4096 * (j + 1), False))
@@ -161,7 +162,8 @@ def stage_tables(events: pa.Table, stacks: dict[int, list[str]] = STACKS,
     life = lifecycle(ev, pa.table({
         "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
         "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
-        "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]]}, schema=PROCESSES),
+        "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]],
+        "ns_pid": pa.array([100, 200], pa.uint32())}, schema=PROCESSES),
         root_pid=100, start_ns=900)
     pairing = pair(ev, life, end_ns)
     st_rows: dict[str, list] = {k: [] for k in UNWOUND_STACKS.names}
