@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from memtrack.process.dataset import write_parquet
 from memtrack.process.lifecycle import Lifecycle
+from memtrack.process.lookup import find_sorted
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
@@ -352,13 +353,9 @@ def with_stack_ids(table: pa.Table, stacks: pa.Table) -> pa.Table:
     h = table.column("stack_hash").to_numpy()
     known = stacks.column("stack_hash").to_numpy()
     ids = stacks.column("stack_id").to_numpy()
-    if len(known):
-        i = np.minimum(np.searchsorted(known, h), len(known) - 1)
-        hit = (known[i] == h) & (h != 0)
-        sid = ids[i]
-    else:
-        hit = np.zeros(len(h), bool)
-        sid = np.zeros(len(h), np.int32)
+    i, hit = find_sorted(known, h)
+    hit &= h != 0
+    sid = ids[i] if len(known) else np.zeros(len(h), np.int32)
     return table.append_column("stack_id", pa.array(sid.astype(np.int32), mask=~hit))
 
 
