@@ -34,21 +34,19 @@ def build(artifact: Path | str, manifest: Manifest, life: Lifecycle, res: Reside
     peaks = peaks_by_pid(rss_peaks(res.rss))
     tl_pid = res.rss["pid"].to_numpy()
     tl_ts = res.rss["ts"].to_numpy()
-    manifest_exit = None
-    if m.exit_status.code is not None or m.exit_status.signal is not None:
-        manifest_exit = ((m.exit_status.code or 0) << 8) | (m.exit_status.signal or 0)
+    # the root's status as capture saw it (its wait status), when no exit event has it
+    root_exit = dict(m.exit_status.__dict__) if m.exit_status.code is not None \
+        or m.exit_status.signal is not None else None
     processes = []
     for lf in life.lives:
-        raw = lf.exit_raw
-        if raw is None and lf.pid == m.root_pid:
-            raw = manifest_exit
         entry: dict[str, Any] = {
             "pid": lf.pid,
             "ppid": lf.ppid,
             **lf.identity(by_pid),
             "start_ns": lf.start_ns,
             "exit_ns": lf.exit_ns,
-            "exit_status": exit_status(raw),
+            "exit_status": exit_status(lf.exit_raw) if lf.exit_raw is not None
+            or lf.pid != m.root_pid else root_exit,
             "exec_ns": lf.execs,
             "history": [
                 {"ts": r["ts"], "comm": r["comm"], "exe": r["exe"], "cmdline": r["cmdline"]}
