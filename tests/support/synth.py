@@ -332,8 +332,6 @@ def random_events(seed: int, n: int = 3000) -> pa.Table:
     failed allocations, threads that start and exit, forks (plain and vfork; some pids
     reused) whose children allocate and free before their exec or exit, and
     grandchildren."""
-    import numpy as np
-
     from memtrack.schema.enums import CLONE_THREAD
 
     rng = np.random.default_rng(seed)
