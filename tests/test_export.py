@@ -9,7 +9,16 @@ from pathlib import Path
 import duckdb
 import pytest
 from support import pprof
-from support.synth import BUILD_ID, LEAKS, MAPPED, PEAK, SIZES, vaddr_of, write_run
+from support.synth import (
+    BUILD_ID,
+    LEAKS,
+    MAPPED,
+    PEAK,
+    SIZES,
+    return_address,
+    vaddr_of,
+    write_run,
+)
 from typer.testing import CliRunner
 
 from memtrack.cli import app
@@ -78,8 +87,8 @@ def test_pprof_profile(run_db: Path, tmp_path: Path) -> None:
         mapping, address, lines = prof.locations[locs[0]]
         if lines[0][0] != "[no stack]":
             assert mapping == mid and start <= address < limit
-            assert address - start == vaddr_of(lines[0][0] if lines[0][3] != 31
-                                               else "make_big:31")
+            assert address == return_address(lines[0][0] if lines[0][3] != 31
+                                             else "make_big:31")
         site = (lines[0][0], lines[0][3])
         by_site[site] = by_site.get(site, 0) + values[1]
         names = prof.names(locs)

@@ -10,7 +10,6 @@ label that is no limit: an error)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -29,8 +28,6 @@ from support import synth
 
 from memtrack.capture.control import ControlFifo, run_command
 from memtrack.capture.regions import Regions
-from memtrack.process.load import load, meta_rows
-from memtrack.process.regions import regions
 from memtrack.schema import EVENTS, REGION_LABELS, REGION_NAMES, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.sizes import parse_size
@@ -279,17 +276,12 @@ def region_run(path: Path, labels: list[tuple[int, str, str]],
               "allocator": 0, "flags": flags, "addr": rid, "old_addr": 0, "size": 0,
               "stack_hash": 0} for ts, pid, tid, flags, rid in REGION_ROWS]
     events = pa.Table.from_pylist(base + extra, schema=EVENTS)
-    st = synth.stage_tables(events)
     names = pa.table({"region_id": [1, 2], "name": ["outer", "t101"]}, schema=REGION_NAMES)
     labels_t = pa.table({k: [row[i] for row in labels]
                          for i, k in enumerate(("region_id", "key", "value"))},
                         schema=REGION_LABELS)
-    spans = regions(st.events, names, synth.END_NS, labels_t)
-    st = dataclasses.replace(st, regions=spans.regions, region_labels=spans.labels)
-    load(path, st, lambda _: meta_rows(start_ns=900, end_ns=synth.END_NS, root_pid=100,
-                                       command=["p"], losses=losses or {}, counters={}),
-         synth.symbolize)
-    return path
+    return synth.write_run(path, events, region_names=names, region_labels=labels_t,
+                           command=("p",), losses=losses)
 
 
 def run_check(db: Path, *args: str) -> tuple[int, str, str]:

@@ -10,28 +10,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps, snaps_kept
-from support.stackrecords import ring_record
+from support.stackrecords import SP0, regions_kept, ring_record
 from support.synth import END_NS
 
 from memtrack.capture.stackring import records_to_batches
-from memtrack.process import pipeline
 from memtrack.process.decode import decode_chunks
-from memtrack.process.lifecycle import lifecycle
-from memtrack.process.load import StageTables, load, meta_rows
-from memtrack.process.pair import pair
 from memtrack.process.pipeline import process
-from memtrack.process.read import sort_events
-from memtrack.process.rss import effective_rss
-from memtrack.process.unwind import unwind
 from memtrack.report.folded import folded
 from memtrack.report.reader import RunReader
 from memtrack.report.text import ReportOptions, report_data
-from memtrack.schema import EVENTS, MAPPINGS, RSS, EventKind
+from memtrack.schema import EVENTS, MAPPINGS, NUM_REGS, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 from memtrack.schema.ddl import open_run
 from memtrack.schema.manifest import Host
-from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
-from memtrack.symbolize.modules import ModuleStore
 
 CHAIN = ["c", "b", "a", "main", "__libc_start_call_main", "__libc_start_main", "_start"]
 
@@ -41,27 +32,8 @@ def test_chain_through_load(tmp_path: Path) -> None:
     snaps = run_snaps([str(exe)], tmp_path)
     n = snaps.stacks.num_rows
     assert snaps.sizes == [102, 112, 122]
-    pid = snaps.stacks.column("pid")[0].as_py()
-    events = pa.table({
-        "ts": [100 * (i + 1) for i in range(n)], "pid": [pid] * n, "tid": [pid] * n,
-        "kind": [int(EventKind.MALLOC)] * n, "allocator": [1] * n, "flags": [0] * n,
-        "addr": [0x1000 * (i + 1) for i in range(n)], "old_addr": [0] * n,
-        "size": snaps.sizes, "stack_hash": snaps.stacks.column("stack_hash").to_pylist(),
-    }, schema=EVENTS)
-    ev = sort_events(events)
-    life = lifecycle(ev)
-    pairing = pair(ev, life, END_NS)
-    store = ModuleStore(None, host_modules=True)
-    unwound = unwind(snaps.stacks, snaps.mappings, store)
-    modules = pipeline.modules_table(snaps.mappings, unwound.stack_frames, store, tmp_path)
-    loaded = load(tmp_path / "run.duckdb", StageTables(
-        events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
-        life=life, mappings=snaps.mappings.cast(MAPPINGS),
-        rss=effective_rss(RSS.empty_table(), life), modules=modules, stacks=unwound.stacks,
-        stack_frames=unwound.stack_frames),
-        lambda _: meta_rows(start_ns=0, end_ns=END_NS, root_pid=pid),
-        lambda known: pipeline.symbolize_locations(store, known, None,
-                                                   pipeline.Summary(tmp_path, tmp_path)))
+    art, _ = repeated_artifact(snaps, tmp_path / "chain.memtrack", 1, snaps.sizes)
+    loaded = process(art, tmp_path / "run.duckdb", progress=False)
     assert loaded.rows["stacks"] == n
     assert loaded.unknown_frames == 0
     assert loaded.frames_by_method == {"cfi": 7 * n, "regs": n}
@@ -89,31 +61,24 @@ def test_chain_through_load(tmp_path: Path) -> None:
 def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
     """Frames outside any module (null build id) or in a module that is not available
     (null lookup vaddr) keep their place in the stack as runtime-address locations, with
-    the reason normalization gave."""
-    frames = pa.table({
-        "stack_hash": pa.array([7, 7, 7], pa.uint64()), "pid": pa.array([1] * 3, pa.uint32()),
-        "depth": pa.array([0, 1, 2], pa.uint16()),
-        "address": pa.array([0x10, 0x20, 0x30], pa.uint64()),
-        "method": ["regs", "fp", "fp"], "build_id": [None, "ee" * 20, None],
-        "path": [None, "/nonexistent/lib.so", None],
-        "lookup_vaddr": pa.array([None, None, None], pa.uint64()),
-        "reason": ["no-mapping", "no-module", "no-mapping"],
-    }, schema=UNWOUND_STACK_FRAMES)
-    stacks = pa.table({
-        "stack_hash": pa.array([7], pa.uint64()), "pid": pa.array([1], pa.uint32()),
-        "depth": pa.array([3], pa.uint16()), "truncated": [False], "complete": [False],
-        "stop": ["no-mapping"]}, schema=UNWOUND_STACKS)
-    store = ModuleStore(None)
-    modules = pipeline.modules_table(MAPPINGS.empty_table(), frames, store, tmp_path)
-    ev = sort_events(EVENTS.empty_table())
-    life = lifecycle(ev)
-    pairing = pair(ev, life)
-    loaded = load(tmp_path / "x.duckdb", StageTables(
-        events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
-        life=life, mappings=MAPPINGS.empty_table(), rss=effective_rss(RSS.empty_table(), life),
-        modules=modules, stacks=stacks, stack_frames=frames), lambda _: meta_rows(),
-        lambda known: pipeline.symbolize_locations(store, known, None,
-                                                   pipeline.Summary(tmp_path, tmp_path)))
+    the reason normalization gave: a record whose pc is in no mapping, continued by the
+    kernel's frame-pointer chain into a module the artifact lacks, then out of every
+    mapping again."""
+    lib = 0x7000_0000
+    chain = (0x10, lib + 0x20, 0x30)
+    regs = np.zeros(NUM_REGS, np.uint64)
+    regs[7], regs[16] = SP0, chain[0]
+    rec = records_to_batches([ring_record(np.array([lib + 0x20], np.uint64), SP0, regs,
+                                          regions_kept(SP0, lib, chain[0]), tid=1, pid=1, cut=True,
+                                          fp=chain)])
+    w = ArtifactWriter(tmp_path / "x.memtrack")
+    w.write("stacks", pa.Table.from_batches([rec.stacks]))
+    w.write("mappings", pa.table({
+        "ts": [0], "pid": pa.array([1], pa.uint32()), "start": [lib], "end": [lib + 0x1000],
+        "offset": [0], "perms": ["r-xp"], "dev": ["fd:01"], "inode": [7],
+        "path": ["/nonexistent/lib.so"], "build_id": ["ee" * 20]}, schema=MAPPINGS))
+    w.close()
+    loaded = process(w.path, tmp_path / "x.duckdb", progress=False, host_modules=False)
     con = open_run(tmp_path / "x.duckdb")
     sf = con.execute("SELECT depth, frame_id, module_id FROM stack_frames ORDER BY depth"
                      ).fetchall()
@@ -126,10 +91,12 @@ def test_unknown_mapping_and_null_vaddr(tmp_path: Path) -> None:
     assert [r[2] for r in sf] == [None, 0, None]
 
 
-def repeated_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]:
+def repeated_artifact(snaps: Snaps, path: Path, rounds: int,
+                      sizes: list[int] | None = None) -> tuple[Path, int]:
     """The snapshots recorded `rounds` times over by one thread, as the kernel writes
     records (the same skeleton again once the dedupe set forgot it), and one malloc
-    event per record; returns the number of records."""
+    event per record (of `sizes`, else 16, 17, ... bytes); returns the number of
+    records."""
     t = snaps.stacks
     pid = t.column("pid")[0].as_py()
     kept = snaps_kept(snaps)
@@ -150,7 +117,7 @@ def repeated_artifact(snaps: Snaps, path: Path, rounds: int) -> tuple[Path, int]
         "ts": [100 * (i + 1) for i in range(n)], "pid": [pid] * n, "tid": [pid] * n,
         "kind": [int(EventKind.MALLOC)] * n, "allocator": [1] * n, "flags": [0] * n,
         "addr": [0x1000 * (i + 1) for i in range(n)], "old_addr": [0] * n,
-        "size": [16 + i for i in range(n)], "stack_hash": hashes}, schema=EVENTS))
+        "size": sizes or [16 + i for i in range(n)], "stack_hash": hashes}, schema=EVENTS))
     w.write("mappings", snaps.mappings.cast(MAPPINGS))
     w.manifest.root_pid = pid
     w.manifest.end_ns = END_NS * n

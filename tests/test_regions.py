@@ -5,7 +5,6 @@ every figure is worked out by hand below."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -25,7 +24,6 @@ from memtrack.capture.control import ControlFifo, run_command
 from memtrack.capture.regions import Regions
 from memtrack.cli import app
 from memtrack.control import memtrack_control
-from memtrack.process.load import load, meta_rows
 from memtrack.process.read import sort_events
 from memtrack.process.regions import regions
 from memtrack.schema import EVENTS, REGION_NAMES, EventKind
@@ -331,13 +329,9 @@ def write_region_run(path: Path, names: dict[int, str]) -> Path:
     extra = [ev(ts, pid, tid, kind, flags, rid) for ts, pid, tid, kind, flags, rid
              in REGION_ROWS]
     events = pa.Table.from_pylist(base + extra, schema=EVENTS)
-    st = synth.stage_tables(events)
     names_t = pa.table({"region_id": list(names), "name": list(names.values())},
                        schema=REGION_NAMES)
-    st = dataclasses.replace(st, regions=regions(st.events, names_t, synth.END_NS).regions)
-    load(path, st, lambda _: meta_rows(start_ns=900, end_ns=synth.END_NS, root_pid=100,
-                                       command=["p", "-x"], losses={}, counters={}),
-         synth.symbolize)
+    synth.write_run(path, events, region_names=names_t, allocators=[])
     return path
 
 

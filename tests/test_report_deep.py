@@ -1,7 +1,8 @@
-"""Stacks of any depth: a synthetic run whose make_small is called 9,997 calls of `work`
-deep (a 10,000-frame stack) through `report` (text, JSON, HTML), the hotspots and
-backtrace views, and every export. Frame positions and depths are never packed into a
-fixed width (a depth * 256 + inline depth overflowed UINT16 from 256 frames on)."""
+"""Stacks of any depth: a synthetic run whose make_small is called 509 calls of `work`
+deep (a 512-frame stack: the deepest the unwinder walks, `process` writing the run)
+through `report` (text, JSON, HTML), the hotspots and backtrace views, and every export.
+Frame positions and depths are never packed into a fixed width (a depth * 256 + inline
+depth overflowed UINT16 from 256 frames on)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from support.synth import STACKS, write_run
 from typer.testing import CliRunner
 
 from memtrack.cli import app
+from memtrack.process.unwind import MAX_DEPTH
 from memtrack.report.text import MAX_FRAMES
 
 runner = CliRunner()
-WORK = 9997  # the recursion's frames
+WORK = 509  # the recursion's frames (with malloc, make_small and main: MAX_DEPTH)
 DEEP = {**STACKS, 11: ["malloc", "make_small", *["work"] * WORK, "main"]}
 SMALL = 512 + 1000  # what make_small allocates (A and E)
 FOLDED = "parent;main;" + "work;" * WORK + "make_small"
@@ -30,6 +32,7 @@ FOLDED = "parent;main;" + "work;" * WORK + "make_small"
 
 @pytest.fixture(scope="module")
 def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    assert len(DEEP[11]) == MAX_DEPTH
     return write_run(tmp_path_factory.mktemp("deep") / "run.duckdb", stacks=DEEP)
 
 

@@ -5,7 +5,6 @@ each region's RSS growth is its own, beside its process's RSS."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -16,9 +15,6 @@ from support.page import browsing, page_data
 from typer.testing import CliRunner
 
 from memtrack.cli import app
-from memtrack.process.load import load, meta_rows
-from memtrack.process.regions import regions
-from memtrack.process.rss import effective_rss
 from memtrack.report.text import human_bytes
 from memtrack.schema import REGION_NAMES, RSS, EventKind
 
@@ -50,18 +46,13 @@ def write_regions_run(path: Path) -> Path:
                  (ts, 100, 100, K.MALLOC, 0, 0x1000 * (i + 1), 0, size(i), 11),
                  (ts + 1, 100, 100, K.REGION, 0, i + 1, 0, 0, 0)]
     events = synth.events_table(rows)
-    st = synth.stage_tables(events, end_ns=END)
     names = pa.table({"region_id": range(1, N + 1), "name": [f"case_{i}" for i in range(N)]},
                      schema=REGION_NAMES)
     # one anon sample at each region's end (inside it): the process's RSS after it
     raw = pa.table({"ts": [BEGIN] + [BEGIN + 2 * i + 1 for i in range(N)], "pid": [100] * (N + 1),
                     "member": [1] * (N + 1), "bytes": [PAGE] + [rss_after(i) for i in range(N)],
                     "external": [False] * (N + 1)}, schema=RSS)
-    st = dataclasses.replace(st, regions=regions(st.events, names, END).regions,
-                             rss=effective_rss(raw, st.life))
-    load(path, st, lambda _: meta_rows(start_ns=900, end_ns=END, root_pid=100,
-                                       command=["p", "-x"], losses={}, counters={}),
-         synth.symbolize)
+    synth.write_run(path, events, end_ns=END, rss=raw, region_names=names, allocators=[])
     return path
 
 

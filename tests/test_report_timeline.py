@@ -6,7 +6,6 @@ once, at the exit, never to jump back."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,6 @@ from support.page import page_data
 from typer.testing import CliRunner
 
 from memtrack.cli import app
-from memtrack.process.load import load, meta_rows
-from memtrack.process.rss import effective_rss
 from memtrack.report.html import TIMELINE_POINTS
 from memtrack.schema import RSS, EventKind
 
@@ -47,16 +44,14 @@ END = EXIT + 100
 
 
 def write_timeline_run(path: Path) -> Path:
-    st = synth.stage_tables(synth.events_table(ROWS), end_ns=END)
     # FILE bytes mapped, then anon RSS rising a page a sample; then the exit (the RSS
     # stage resets every member: file first)
     n = SAMPLES
     raw = pa.table({"ts": [1000 + i for i in range(n + 1)], "pid": [100] * (n + 1),
                     "member": [0] + [1] * n, "bytes": [FILE] + [PAGE * (i + 1) for i in range(n)],
                     "external": [False] * (n + 1)}, schema=RSS)
-    load(path, dataclasses.replace(st, rss=effective_rss(raw, st.life)), lambda _: meta_rows(
-        start_ns=900, end_ns=END, root_pid=100, command=["p"], losses={}, counters={}),
-         synth.symbolize)
+    synth.write_run(path, synth.events_table(ROWS), end_ns=END, rss=raw, command=("p",),
+                    allocators=[])
     return path
 
 

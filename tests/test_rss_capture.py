@@ -19,6 +19,7 @@ from support.rss import MiB, close, parse_marks
 
 from memtrack.capture.parts import BPF_DIR, CaptureOptions
 from memtrack.capture.rss import RssPart
+from memtrack.process.lifecycle import of_artifact
 from memtrack.process.read import read_artifact
 from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
 from memtrack.schema import EventKind, RssMember
@@ -83,7 +84,7 @@ def own_updates(tl, pid: int, member: RssMember) -> list[dict]:
 
 def analyse(art: Artifact):
     tables = read_artifact(art)
-    res = resident(tables, art.manifest)
+    res = resident(tables, art.manifest, of_artifact(tables, art.manifest))
     return tables.events, res.rss, peaks_by_pid(rss_peaks(res.rss)), res.replay
 
 

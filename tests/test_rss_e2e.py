@@ -15,6 +15,7 @@ from support.rss import Mark, MiB, close, parse_marks
 
 from memtrack.capture.parts import CaptureOptions
 from memtrack.commands.info import collect_info
+from memtrack.process.lifecycle import of_artifact
 from memtrack.process.metadata import write_memory_metadata
 from memtrack.process.read import read_artifact
 from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
@@ -50,7 +51,7 @@ class Run:
         self.art = Artifact.open(self.path)
         tables = read_artifact(self.art)
         self.events = tables.events
-        res = resident(tables, self.art.manifest)
+        res = resident(tables, self.art.manifest, of_artifact(tables, self.art.manifest))
         self.timeline = res.rss
         self.peaks = peaks_by_pid(rss_peaks(self.timeline))
         assert res.replay is not None

@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+from support import synth
+from typer.testing import CliRunner
 
+from memtrack.cli import app
 from memtrack.process.anon_replay import reconstruct_anon
 from memtrack.process.lifecycle import lifecycle
 from memtrack.process.metadata import memory_metadata, write_memory_metadata
@@ -269,3 +272,27 @@ def test_reused_pid_gets_a_second_life(tmp_path: Path) -> None:
              for p in procs if p["pid"] == 101]
     assert lives == [(2, 5, {"code": 0, "signal": None}, {"bytes": 50 * P, "ts": 3}),
                      (8, 12, {"code": None, "signal": 9}, {"bytes": 20 * P, "ts": 9})]
+
+
+def test_info_and_process_agree_on_peak_rss(tmp_path: Path) -> None:
+    """`info` runs the lifecycle and RSS stages `process` runs, on the same inputs: each
+    pid's peak RSS (file + anon + shmem) and anon peak are the run's, through the CLI.
+    A fork/exec storm (each child's RSS seeded at its fork, reset at its exec and exit)
+    and synth's run (pid 200 handed out twice)."""
+    runner = CliRunner()
+    for art in (synth.write_storm(tmp_path / "storm.memtrack", 4),
+                synth.write_artifact(tmp_path / "synth.memtrack")):
+        db = art.with_suffix(".duckdb")
+        r = runner.invoke(app, ["process", str(art), "-o", str(db), "-q"])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(app, ["info", str(art), "--json"])
+        assert r.exit_code == 0, r.output
+        info = {p["pid"]: (p["total"], p["anon"]) for p in json.loads(r.stdout)["peak_rss"]}
+        r = runner.invoke(app, ["query", str(db), "SELECT pid, max(rss) AS total, max(anon) "
+                                "AS anon FROM rss_timeline GROUP BY pid ORDER BY pid",
+                                "--format", "json"])
+        assert r.exit_code == 0, r.output
+        run = {p["pid"]: (p["total"], p["anon"]) for p in json.loads(r.stdout)}
+        assert info == run
+        # the storm's children, synth's pid 100 and its child 200 (seeded at its fork)
+        assert len(run) == (4 if art.name == "storm.memtrack" else 2)

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from memtrack.commands import CommandError
 from memtrack.process.decode import StackRecords
+from memtrack.process.read import ArtifactTables
 from memtrack.process.spill import OtherEvents
 from memtrack.schema import ALLOC_KINDS, TABLES, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactError
@@ -88,7 +89,6 @@ def collect_info(path: Path, *, accept_damaged: bool = False) -> dict[str, Any]:
             t if t is not None else art.read(name, required=False).table).num_rows
         tables[name] = {"rows": rows + bad, "truncated": name in art.truncated,
                         "bad_rows": bad}
-    ev = read.events
     kinds = {EventKind(k).name.lower(): int(tally.kinds[k]) for k in EventKind
              if tally.kinds[k]}
     return {
@@ -98,23 +98,26 @@ def collect_info(path: Path, *, accept_damaged: bool = False) -> dict[str, Any]:
         "event_kinds": kinds,
         "losses": m.losses,
         "modules": art.modules(),
-        "peak_rss": peak_rss(art, read.rss, ev, read.processes, tally.first_seen),
+        "peak_rss": peak_rss(art, read, tally.first_seen),
         "stack_records": stack_records(read.stacks, tally, read.py_stacks),
         "warnings": art.warnings,
     }
 
 
-def peak_rss(art: Artifact, rss: Any, events: Any, processes: Any,
-             first_seen: dict[int, int] | None = None) -> list[dict[str, Any]]:
+def peak_rss(art: Artifact, read: ArtifactTables, first_seen: dict[int, int]
+             ) -> list[dict[str, Any]]:
     """Per process: its name and peak resident bytes (total and by member) with the time
-    of the total's peak in seconds from the capture's start."""
-    from memtrack.process.lifecycle import lifecycle
-    from memtrack.process.rss import effective_rss, peaks_by_pid, rss_peaks
+    of the total's peak in seconds from the capture's start: `process`'s figures, from
+    the same lifecycle and RSS stages (`first_seen`: each pid's first event's time)."""
+    from memtrack.process.lifecycle import of_artifact
+    from memtrack.process.rss import peaks_by_pid, resident, rss_peaks
 
-    if not rss.num_rows:
+    if not read.rss.num_rows:
         return []
-    peaks = peaks_by_pid(rss_peaks(effective_rss(rss, lifecycle(events, first_seen=first_seen))))
-    procs = processes.sort_by([("ts", "ascending")])
+    rss = resident(read, art.manifest, of_artifact(read, art.manifest, first_seen),
+                   replay=False).rss
+    peaks = peaks_by_pid(rss_peaks(rss))
+    procs = read.processes.sort_by([("ts", "ascending")])
     names = dict(zip(procs["pid"].to_pylist(), procs["comm"].to_pylist(), strict=True))
     start = art.manifest.start_ns
     rows = []

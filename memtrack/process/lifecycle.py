@@ -1,6 +1,8 @@
-"""Process and thread lifecycle, derived once from the events (FORK, EXEC, EXIT) and the
-artifact's processes rows; pairing, the RSS stage, the anon replay, the processes and
-threads tables and memory_metadata.json all read it from here.
+"""The lifecycle stage: process and thread lifecycle, derived once from the events
+(FORK, EXEC, EXIT) and the artifact's processes rows (`of_artifact`, which `process`,
+`info` and memory_metadata.json run alike); pairing, the RSS stage, the anon replay, the
+inherited address spaces, the processes and threads tables and memory_metadata.json all
+read it from there.
 
 A process *life* runs from its fork (or from when it was first seen) to its exit; a
 pid the kernel hands out again during the capture starts a second life. A child that
@@ -11,12 +13,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from memtrack.schema.enums import CLONE_THREAD, EXIT_PROCESS, EventKind
+
+if TYPE_CHECKING:
+    from memtrack.process.read import ArtifactTables
+    from memtrack.schema.manifest import Manifest
 
 
 @dataclass
@@ -126,6 +132,15 @@ PROCESS_ROWS = pa.schema([
     ("exit_status", pa.int32()), ("exit_code", pa.int32()), ("exit_signal", pa.int32()),
     ("ns_pid", pa.uint32()),
 ])  # fmt: skip
+
+
+def of_artifact(tables: ArtifactTables, manifest: Manifest,
+                first_seen: dict[int, int] | None = None) -> Lifecycle:
+    """The lifecycle of an artifact: its events' (or, when `tables` came through a
+    spill, the lifecycle events it kept, with `first_seen` the spill's) and processes
+    rows, its root pid and start from the manifest."""
+    return lifecycle(tables.events, tables.processes, root_pid=manifest.root_pid,
+                     start_ns=manifest.start_ns, first_seen=first_seen)
 
 
 def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: int = 0,

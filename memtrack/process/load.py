@@ -1,5 +1,7 @@
 """The load stage: the stages' Arrow tables into the run database (memtrack.schema.ddl),
-in one DuckDB session on the database file being written.
+in one DuckDB session on the database file being written. `RunDatabase` is driven by
+the pipeline (memtrack.process.pipeline), the one orchestration: the tests write their
+runs through it too (tests/support/synth.py writes artifacts).
 
 Ids are assigned there, where the rows land: a stack per stack hash, a frame per code
 location (module and ELF vaddr, or the runtime address with its reason where
@@ -14,9 +16,8 @@ import glob
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import pyarrow as pa
 
 from memtrack.process.dataset import write_parquet
 from memtrack.process.lifecycle import Lifecycle
+from memtrack.process.lookup import find_sorted
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
@@ -41,25 +43,7 @@ from memtrack.schema.ddl import (
     derive,
 )
 from memtrack.schema.enums import ALLOC_KINDS, EventKind
-from memtrack.schema.stages import REGION_LABELS, REGIONS, SYMBOLIZED_FRAMES
-
-
-@dataclass
-class StageTables:
-    """What the stages produced, in their own layouts (memtrack.schema.stages)."""
-
-    events: pa.Table  # artifact events, time-ordered, with event_id first
-    allocations: pa.Table  # ALLOCATIONS (memtrack.process.pair)
-    heap_timeline: pa.Table  # HEAP_TIMELINE
-    life: Lifecycle
-    mappings: pa.Table  # artifact mappings
-    rss: pa.Table  # EFFECTIVE_RSS
-    modules: pa.Table  # MODULES
-    stacks: pa.Table  # UNWOUND_STACKS, one row per stack hash
-    stack_frames: pa.Table  # UNWOUND_STACK_FRAMES
-    regions: pa.Table = field(default_factory=REGIONS.empty_table)  # REGIONS
-    region_labels: pa.Table = field(default_factory=REGION_LABELS.empty_table)
-    python_locations: pa.Table | None = None  # process.pyframes.PYTHON_LOCATIONS
+from memtrack.schema.stages import SYMBOLIZED_FRAMES
 
 
 @dataclass
@@ -70,11 +54,6 @@ class Loaded:
     frames_by_method: dict[str, int] = field(default_factory=dict)
     unknown_frames: int = 0  # stack frames whose (outermost) function is unknown
     symbolize_missing_rows: int = 0  # locations the symbolizer returned nothing for
-
-
-# Symbolizes locations (frame_id, build_id, vaddr, path) into SYMBOLIZED_FRAMES rows
-# (`row` = the location's position in the table it was given).
-Symbolize = Callable[[pa.Table], pa.Table]
 
 
 def _names(values: list[str]) -> str:
@@ -342,39 +321,6 @@ def remove_leftovers(out_db: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def load(out_db: Path, tables: StageTables, meta: Callable[[Loaded], dict[str, str]],
-         symbolize: Symbolize, parquet_dir: Path | None = None,
-         stage: Callable[[str], AbstractContextManager[None]] | None = None,
-         threads: int = 1) -> Loaded:
-    """Write the run database at out_db (replacing it). `symbolize` names the code
-    locations the stacks hold (under `stage("symbolize")` when a stage timer is given,
-    the rest under `stage("load")`); `meta` gives the meta rows once that is done.
-    threads: DuckDB's."""
-    timed = stage or (lambda _name: nullcontext())
-    db = RunDatabase(out_db, threads)
-    try:
-        with timed("load"):
-            known = db.stacks(tables.stacks, tables.stack_frames, tables.modules)
-        with timed("symbolize"):
-            symbolized = symbolize(known)
-        with timed("load"):
-            out = db.frames(known, symbolized, tables.python_locations)
-            db.events([tables.events])
-            db.insert(db.con, "allocations", tables.allocations)
-            db.insert(db.con, "heap_timeline", tables.heap_timeline)
-            db.lives(tables.life)
-            db.table("mappings", tables.mappings)
-            db.table("rss", tables.rss)
-            db.table("regions", tables.regions)
-            db.table("region_labels", tables.region_labels)
-            db.meta(meta(out))
-            out.rows = db.finish(parquet_dir)
-    except BaseException:
-        db.abandon()
-        raise
-    return out
-
-
 class Aside:
     """Inserts into a run database on a connection of its own, in a thread, so that the
     caller goes on while one runs; the next waits for it (chunks never pile up)."""
@@ -408,13 +354,9 @@ def with_stack_ids(table: pa.Table, stacks: pa.Table) -> pa.Table:
     h = table.column("stack_hash").to_numpy()
     known = stacks.column("stack_hash").to_numpy()
     ids = stacks.column("stack_id").to_numpy()
-    if len(known):
-        i = np.minimum(np.searchsorted(known, h), len(known) - 1)
-        hit = (known[i] == h) & (h != 0)
-        sid = ids[i]
-    else:
-        hit = np.zeros(len(h), bool)
-        sid = np.zeros(len(h), np.int32)
+    i, hit = find_sorted(known, h)
+    hit &= h != 0
+    sid = ids[i] if len(known) else np.zeros(len(h), np.int32)
     return table.append_column("stack_id", pa.array(sid.astype(np.int32), mask=~hit))
 
 

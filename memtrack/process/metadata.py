@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.process.anon_replay import REPLAY_LIMITS
-from memtrack.process.lifecycle import exit_status
+from memtrack.process.lifecycle import Lifecycle, exit_status, of_artifact
 from memtrack.process.read import read_artifact
 from memtrack.process.rss import Resident, peaks_by_pid, resident, rss_peaks
 from memtrack.schema.artifact import Artifact
@@ -26,28 +26,27 @@ from memtrack.schema.manifest import Manifest
 METADATA_VERSION = 1
 
 
-def build(artifact: Path | str, manifest: Manifest, res: Resident) -> dict[str, Any]:
+def build(artifact: Path | str, manifest: Manifest, life: Lifecycle, res: Resident
+          ) -> dict[str, Any]:
     """The content of memory_metadata.json as plain data, from the stages' results."""
     m = manifest
-    by_pid = res.life.by_pid()
+    by_pid = life.by_pid()
     peaks = peaks_by_pid(rss_peaks(res.rss))
     tl_pid = res.rss["pid"].to_numpy()
     tl_ts = res.rss["ts"].to_numpy()
-    manifest_exit = None
-    if m.exit_status.code is not None or m.exit_status.signal is not None:
-        manifest_exit = ((m.exit_status.code or 0) << 8) | (m.exit_status.signal or 0)
+    # the root's status as capture saw it (its wait status), when no exit event has it
+    root_exit = dict(m.exit_status.__dict__) if m.exit_status.code is not None \
+        or m.exit_status.signal is not None else None
     processes = []
-    for lf in res.life.lives:
-        raw = lf.exit_raw
-        if raw is None and lf.pid == m.root_pid:
-            raw = manifest_exit
+    for lf in life.lives:
         entry: dict[str, Any] = {
             "pid": lf.pid,
             "ppid": lf.ppid,
             **lf.identity(by_pid),
             "start_ns": lf.start_ns,
             "exit_ns": lf.exit_ns,
-            "exit_status": exit_status(raw),
+            "exit_status": exit_status(lf.exit_raw) if lf.exit_raw is not None
+            or lf.pid != m.root_pid else root_exit,
             "exec_ns": lf.execs,
             "history": [
                 {"ts": r["ts"], "comm": r["comm"], "exe": r["exe"], "cmdline": r["cmdline"]}
@@ -96,7 +95,9 @@ def write(data: dict[str, Any], path: Path | str) -> Path:
 
 def memory_metadata(art: Artifact) -> dict[str, Any]:
     """memory_metadata.json of an artifact, through the same stages `process` runs."""
-    return build(art.path, art.manifest, resident(read_artifact(art), art.manifest))
+    tables = read_artifact(art)
+    life = of_artifact(tables, art.manifest)
+    return build(art.path, art.manifest, life, resident(tables, art.manifest, life))
 
 
 def write_memory_metadata(art: Artifact, path: Path | str) -> Path:

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.process.lifecycle import Lifecycle
+from memtrack.process.lookup import find_sorted
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import (
     OPS,
@@ -239,8 +240,8 @@ class _CopyIds:
         if not len(self.key) or not len(fork):
             return out
         key = fork.astype(np.int64) * self.stride + origin.astype(np.int64)
-        j = np.minimum(np.searchsorted(self.key, key), len(self.key) - 1)
-        hit = (self.key[j] == key) & (fork >= 0)
+        j, hit = find_sorted(self.key, key)
+        hit &= fork >= 0
         out[hit] = self.ids[j[hit]]
         return out
 
@@ -266,8 +267,8 @@ def _range_rows(blocks: Stream, freed: Stream, copy_ids: _CopyIds) -> pa.Table:
         f_ev, old = f_ev[order], old[order]
         ev = t.column("event_id").to_numpy().astype(np.int64)
         is_r = t.column("kind").to_numpy() == EventKind.REALLOC
-        j = np.minimum(np.searchsorted(f_ev, ev), len(f_ev) - 1)
-        hit = is_r & (f_ev[j] == ev)
+        j, hit = find_sorted(f_ev, ev)
+        hit &= is_r
         realloc_of[hit] = old[j[hit]]
     return _allocation_rows(t, pa.array(realloc_of.astype(np.uint64), mask=realloc_of < 0),
                             pa.nulls(t.num_rows, pa.uint64()))

@@ -1,4 +1,4 @@
-"""`memtrack process`: read (the events into a spill) -> lifecycle, rss -> regions ->
+"""`memtrack process`: read (the events into a spill) -> lifecycle -> rss -> regions ->
 decode + unwind (in the snapshots and the address spaces forked children inherit) ->
 load the stacks (symbolizing the code locations they hold) -> pair (the spill's buckets)
 -> load the rest -> RUN.memory_metadata.json, all in one DuckDB session on the database
@@ -30,6 +30,7 @@ import pyarrow as pa
 from memtrack.process import metadata
 from memtrack.process.addrspace import inherited_mappings
 from memtrack.process.decode import DEFAULT_MAX_BYTES
+from memtrack.process.lifecycle import of_artifact
 from memtrack.process.load import Aside, RunDatabase, meta_rows
 from memtrack.process.pair import pair_spilled
 from memtrack.process.parallel import default_jobs, unwind_records
@@ -243,13 +244,14 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
     summary.events = spill.n
     end_ns = m.end_ns or spill.last_ts
-    res = st.run("rss", lambda: resident(tables, m, first_seen=spill.first_seen))
+    life = st.run("lifecycle", lambda: of_artifact(tables, m, spill.first_seen))
+    res = st.run("rss", lambda: resident(tables, m, life))
     spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns,
                                               tables.region_labels))
     summary.add(spans.counters)
 
     store = ModuleStore(artifact_path, host_modules=host_modules)
-    spaces = inherited_mappings(tables.mappings, res.life.forks,
+    spaces = inherited_mappings(tables.mappings, life.forks,
                                 tables.stacks.index.column("pid").to_numpy())
     work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
                           store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
@@ -279,7 +281,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         rows = Aside(db)
         try:
             counters = pair_spilled(
-                spill, res.life, m.end_ns or None, partial(rows.insert, "allocations"),
+                spill, life, m.end_ns or None, partial(rows.insert, "allocations"),
                 partial(rows.insert, "heap_timeline"), progress,
                 [a["pid"] for a in m.attached])
         finally:
@@ -289,7 +291,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.allocations = counters["allocations"]
     with st.stage("load"):
         spill.remove()
-        db.lives(res.life)
+        db.lives(life)
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)
         db.table("regions", spans.regions)
@@ -325,7 +327,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.frames_by_method = loaded.frames_by_method
     summary.unknown_frames = loaded.unknown_frames
     summary.metadata = st.run("metadata", lambda: metadata.write(
-        metadata.build(art.path, m, res), metadata.path_for(summary.out_db)))
+        metadata.build(art.path, m, life, res), metadata.path_for(summary.out_db)))
 
 
 def allocator_functions(probes: Any) -> list[str]:

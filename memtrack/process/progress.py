@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-STAGES = ("read", "rss", "regions", "decode", "unwind", "pyframes", "symbolize", "pair",
-          "load", "metadata")
+STAGES = ("read", "lifecycle", "rss", "regions", "decode", "unwind", "pyframes", "symbolize",
+          "pair", "load", "metadata")
 
 
 class Advance(Protocol):

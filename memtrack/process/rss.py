@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.process.anon_replay import AnonReplay, reconstruct_anon, thp_mode
-from memtrack.process.lifecycle import Lifecycle, fork_depths, lifecycle
+from memtrack.process.lifecycle import Lifecycle, fork_depths
 from memtrack.process.read import ArtifactTables
 from memtrack.schema.enums import RssCause, RssMember
 from memtrack.schema.manifest import Manifest
@@ -205,22 +205,19 @@ def peaks_by_pid(peaks: pa.Table) -> dict[int, dict[str, dict[str, int]]]:
 
 @dataclass
 class Resident:
-    """Who lived when and how much of each process was resident."""
+    """How much of each process was resident."""
 
-    life: Lifecycle
     rss: pa.Table  # EFFECTIVE_RSS
     replay: AnonReplay | None  # with --track-faults only
 
 
-def resident(tables: ArtifactTables, manifest: Manifest, *, replay: bool = True,
-             first_seen: dict[int, int] | None = None) -> Resident:
-    """The lifecycle, RSS and (where faults were recorded) anon replay stages;
-    `first_seen` as memtrack.process.lifecycle takes it."""
-    life = lifecycle(tables.events, tables.processes, root_pid=manifest.root_pid,
-                     start_ns=manifest.start_ns, first_seen=first_seen)
+def resident(tables: ArtifactTables, manifest: Manifest, life: Lifecycle, *,
+             replay: bool = True) -> Resident:
+    """The RSS and (where faults were recorded) anon replay stages, on the lifecycle
+    stage's `life` (memtrack.process.lifecycle.of_artifact)."""
     anon = None
     if replay and tables.faults.num_rows:
         anon = reconstruct_anon(tables.faults, tables.events, tables.mappings, life,
                                 page_size=manifest.host.page_size or 4096,
                                 thp=thp_mode(manifest), rss=tables.rss)
-    return Resident(life, effective_rss(tables.rss, life), anon)
+    return Resident(effective_rss(tables.rss, life), anon)

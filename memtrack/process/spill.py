@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.process.lookup import find_sorted
 from memtrack.schema import EVENTS
 from memtrack.schema.enums import CLONE_THREAD, CLONE_VM, EXIT_PROCESS, EventKind
 
@@ -163,8 +164,7 @@ class Carry:
         """Each key's value, and whether it has one (the value is 0 where not)."""
         if self.keys is None or not len(self.keys) or not len(keys):
             return np.zeros(len(keys), np.int64), np.zeros(len(keys), bool)
-        j = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
-        found = self.keys[j] == keys
+        j, found = find_sorted(self.keys, keys)
         return np.where(found, self.values[j], 0), found
 
     def update(self, keys: np.ndarray, values: np.ndarray) -> None:

@@ -6,7 +6,6 @@ numeric order is not text order); their start times run the other way."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import shutil
@@ -16,9 +15,6 @@ import duckdb
 import pyarrow as pa
 
 from memtrack.process.dataset import append_run
-from memtrack.process.load import load, meta_rows
-from memtrack.process.regions import regions
-from memtrack.process.rss import effective_rss
 from memtrack.schema import REGION_NAMES, RSS, EventKind
 from support import synth
 
@@ -57,17 +53,12 @@ def write_bench_run(path: Path, block: int) -> Path:
         (1014, 100, 100, K.FREE, 0, 0x3000, 0, 0, 0),
         (1015, 100, 100, K.REGION, 0, 2, 0, 0, 0),
     ]
-    events = synth.events_table(rows)
-    st = synth.stage_tables(events, end_ns=END)
     names = pa.table({"region_id": [1, 2], "name": ["bench_steady", "bench_step"]},
                      schema=REGION_NAMES)
     raw = pa.table({"ts": [1000, 1011, 1013], "pid": [100] * 3, "member": [1] * 3,
                     "bytes": RSS_BASE, "external": [False] * 3}, schema=RSS)
-    st = dataclasses.replace(st, regions=regions(st.events, names, END).regions,
-                             rss=effective_rss(raw, st.life))
-    load(path, st, lambda _: meta_rows(start_ns=900, end_ns=END, root_pid=100,
-                                       command=["bench"], losses={}, counters={}),
-         synth.symbolize)
+    synth.write_run(path, synth.events_table(rows), end_ns=END, rss=raw, region_names=names,
+                    command=("bench",))
     with duckdb.connect(str(path)) as con:
         con.execute("UPDATE processes SET name = 'bench' WHERE pid = 100")
     return path
@@ -92,7 +83,7 @@ def add_run(ds: Path, scratch: Path, i: int, block: int | None = None,
     with duckdb.connect(str(db)) as con:
         con.execute("UPDATE rss SET bytes = bytes + ? WHERE member = 'anon'", [rss_noise(i)])
         labels = {"commit": run_id(i), "commit_time": str(commit_time(i))}
-        con.execute("INSERT INTO meta VALUES ('labels', ?), ('wall_offset_ns', ?)",
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('labels', ?), ('wall_offset_ns', ?)",
                     [json.dumps(labels), str((10_000 - i) * 10**9)])
         if losses:
             con.execute("UPDATE meta SET value = ? WHERE key = 'losses'", [json.dumps(losses)])

@@ -3,24 +3,20 @@ report and export tests share. Every figure they check derives from this."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-from memtrack.process.lifecycle import lifecycle
-from memtrack.process.load import StageTables, load, meta_rows
-from memtrack.process.pair import pair
-from memtrack.process.read import sort_events
-from memtrack.process.rss import effective_rss
-from memtrack.schema import EVENTS, MAPPINGS, PROCESSES, RSS, Allocator, EventKind
+from memtrack.process.pipeline import process
+from memtrack.schema import EVENTS, MAPPINGS, NUM_REGS, PROCESSES, RSS, Allocator, EventKind
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.enums import CLONE_VFORK, CLONE_VM
-from memtrack.schema.stages import (
-    MODULES,
-    SYMBOLIZED_FRAMES,
-    UNWOUND_STACK_FRAMES,
-    UNWOUND_STACKS,
-)
+from support.stackrecords import SP0, regions_kept, ring_record
 
 K = EventKind
 LIBC = int(Allocator.LIBC)
@@ -124,9 +120,12 @@ def write_storm(path: Path, processes: int) -> Path:
     return path
 
 
-# Hand-built unwinding and symbolization results for the stack hashes above, so that
-# report and export tests control every frame: hash -> frames innermost first
-# (depth 0 is the allocator itself); NAME:LINE is NAME at another line of its file.
+# The stacks of the stack hashes above, so that report and export tests control every
+# frame: hash -> frames innermost first (depth 0 is the allocator itself); NAME:LINE is
+# NAME at another line of its file. They are real: MODULE (/bin/p) is an ELF built from
+# a generated source in which each NAME is a function of its own file NAME.c, and each
+# stack is a stack record that `process` unwinds with the module's CFI and symbolizes
+# with its DWARF, as it does a capture's.
 STACKS = {
     11: ["malloc", "make_small", "work", "main"],
     12: ["malloc", "make_big", "work", "main"],
@@ -141,85 +140,195 @@ ALLOCATORS = ["calloc", "free", "malloc", "realloc"]  # what capture probed
 BUILD_ID = "ab" * 20
 MAPPED = (0x5500_0000, 0x5501_0000)  # where /bin/p lies in pid 100
 NAMES = sorted({n for fr in STACKS.values() for n in fr if ":" not in n})
-ENTRIES = NAMES + sorted({n for fr in STACKS.values() for n in fr if ":" in n})
+EVAL = "_PyEval_EvalFrameDefault"  # runs the Python frames of a stack (python=...)
+FUNCTIONS = [*NAMES, EVAL]  # MODULE's, 0x100 bytes apart from 0x1000
+OTHER_LINE = 0x80  # NAME:LINE is this far into NAME
 
 
 def vaddr_of(entry: str) -> int:
-    return 0x1000 + 0x100 * ENTRIES.index(entry)
+    """Where NAME (or NAME:LINE) lies in MODULE."""
+    name, _, line = entry.partition(":")
+    return 0x1000 + 0x100 * FUNCTIONS.index(name) + (OTHER_LINE if line else 0)
+
+
+def return_address(entry: str) -> int:
+    """The return address into NAME (or NAME:LINE) in pid 100: one past its vaddr."""
+    return MAPPED[0] + vaddr_of(entry) + 1
 
 
 def name_line(entry: str) -> tuple[str, int]:
     """A frame's function and line: NAME at 10 + its index, or NAME:LINE."""
     name, _, line = entry.partition(":")
-    return name, int(line) if line else 10 + NAMES.index(name)
+    return name, int(line) if line else 10 + FUNCTIONS.index(name)
 
 
-def stage_tables(events: pa.Table, stacks: dict[int, list[str]] = STACKS,
-                 end_ns: int = END_NS) -> StageTables:
-    """The stages' tables with `stacks` (STACKS' names) as unwound (one module, every
-    frame normalized), for a capture that ended at `end_ns`."""
-    ev = sort_events(events)
-    life = lifecycle(ev, pa.table({
-        "ts": [900, 1800], "pid": pa.array([100, 200], pa.uint32()),
-        "ppid": pa.array([1, 100], pa.uint32()), "comm": ["parent", "child"],
-        "exe": ["/bin/p", "/bin/p"], "cmdline": [["p", "-x"], ["p"]],
-        "ns_pid": pa.array([100, 200], pa.uint32())}, schema=PROCESSES),
-        root_pid=100, start_ns=900)
-    pairing = pair(ev, life, end_ns)
-    st_rows: dict[str, list] = {k: [] for k in UNWOUND_STACKS.names}
-    sf: dict[str, list] = {k: [] for k in UNWOUND_STACK_FRAMES.names}
-    for h, fr in sorted(stacks.items()):
-        cut = h in CUT
-        for k, v in zip(st_rows, (h, 100, len(fr), cut, not cut,
-                                  "truncated" if cut else "complete"), strict=True):
-            st_rows[k].append(v)
-        for d, n in enumerate(fr):
-            vaddr = vaddr_of(n)
-            for k, v in zip(sf, (h, 100, d, MAPPED[0] + vaddr, "cfi" if d else "regs",
-                                 BUILD_ID, "/bin/p", vaddr, None), strict=True):
-                sf[k].append(v)
-    modules = pa.table({
-        "module_id": pa.array([0], pa.int32()), "build_id": [BUILD_ID], "path": ["/bin/p"],
-        "elf_path": ["/bin/p"], "has_debuginfo": [True], "in_artifact": [True]},
-        schema=MODULES)  # fmt: skip
-    return StageTables(
-        events=ev, allocations=pairing.allocations, heap_timeline=pairing.heap_timeline,
-        life=life, mappings=pa.table({
-            "ts": [900], "pid": pa.array([100], pa.uint32()), "start": [MAPPED[0]],
-            "end": [MAPPED[1]], "offset": [0], "perms": ["r-xp"], "dev": ["fd:01"],
-            "inode": [42], "path": ["/bin/p"], "build_id": [BUILD_ID]}, schema=MAPPINGS),
-        rss=effective_rss(pa.table({
-            "ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
-            "bytes": [4096, 65536, 8192], "external": [False] * 3}, schema=RSS), life),
-        modules=modules,
-        stacks=pa.table(st_rows, schema=UNWOUND_STACKS),
-        stack_frames=pa.table(sf, schema=UNWOUND_STACK_FRAMES),
-    )  # fmt: skip
+def module_source() -> str:
+    """MODULE's C: each function naked (its CFA is rsp + 8 throughout, the return address
+    at rsp), 256-byte aligned, on the line name_line gives in its own file; main's CFI
+    says rip is undefined (a stack that reaches it is complete)."""
+    lines = {e.partition(":")[2] for fr in STACKS.values() for e in fr if ":" in e}
+    out = ["/* generated by tests/support/synth.py */"]
+    for name in FUNCTIONS:
+        _, line = name_line(name)
+        cfi = ".cfi_undefined rip; " if name == "main" else ""
+        out.append(f'#line {line} "{name}.c"')
+        if name == "make_big":
+            (other,) = lines
+            out += [f"__attribute__((naked, used, aligned(256))) void {name}(void) "
+                    f'{{ __asm__("{cfi}nop; .skip {OTHER_LINE - 1}, 0x90");',
+                    f'#line {other} "{name}.c"', '__asm__("nop; ret"); }']
+        else:
+            out.append(f"__attribute__((naked, used, aligned(256))) void {name}(void) "
+                       f'{{ __asm__("{cfi}nop; ret"); }}')
+    return "\n".join(out) + "\n"
 
 
-def symbolize(known: pa.Table) -> pa.Table:
-    """The names of ENTRIES' addresses, as if read from the module: file NAME.c, at the
-    entry's line (name_line)."""
-    found = [name_line(ENTRIES[(v - 0x1000) // 0x100]) for v in known.column("vaddr").to_pylist()]
-    names = [name for name, _ in found]
-    n = len(names)
-    return pa.table({
-        "row": pa.array(range(n), pa.uint32()), "inline_depth": pa.array([0] * n, pa.uint8()),
-        "function": names, "symbol": names, "offset": pa.array([0] * n, pa.uint64()),
-        "file": [f"{x}.c" for x in names],
-        "line": pa.array([line for _, line in found], pa.uint32()),
-        "column": pa.array([0] * n, pa.uint32()),
-        "reason": pa.array([None] * n, pa.string())}, schema=SYMBOLIZED_FRAMES)  # fmt: skip
+def module() -> Path:
+    """MODULE, built once (tests/conftest.py caches it by its source): compiled to
+    assembly first, where the compilation directory becomes "" (the files are NAME.c,
+    not a path under the directory the tests ran in)."""
+    from conftest import BUILD_DIR, build
+
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    text = module_source()
+    src = BUILD_DIR / f"synth_p-{hashlib.sha256(text.encode()).hexdigest()[:12]}.s"
+    if not src.exists():
+        c = src.with_suffix(f".{os.getpid()}.c")
+        c.write_text(text)
+        asm = subprocess.run(["gcc", "-S", "-gdwarf-4", "-gno-column-info", "-O0", "-fno-builtin",
+                              "-fPIC", "-o", "-",
+                              c.name], check=True, capture_output=True, text=True,
+                             cwd=c.parent).stdout
+        c.unlink()
+        cwd = f'"{c.parent}"'
+        asm = asm.replace(f".file 0 {cwd}", '.file 0 ""').replace(f".string\t{cwd}",
+                                                                   '.string\t""')
+        tmp = src.with_suffix(f".{os.getpid()}.s")
+        tmp.write_text(asm)
+        os.replace(tmp, src)
+    return build([src], name="synth_p", shared=True,
+                 flags=("-nostdlib", f"-Wl,--build-id=0x{BUILD_ID}"))
+
+
+def stack_records(stacks: dict[int, list[str]], python: dict[int, str]) -> tuple[
+        pa.Table, dict[int, int]]:
+    """Stack records of pid 100 (STACKS rows) that unwind to `stacks` in MODULE, and the
+    hash each key stands for (its record's skeleton hash). A stack whose frames named
+    python[key] are Python frames has EVAL in their place in its native record."""
+    from memtrack.capture.stackring import records_to_batches
+
+    records, hashes = [], {}
+    for key, frames in sorted(stacks.items()):
+        native = native_frames(frames, python.get(key))
+        regs = np.zeros(NUM_REGS, np.uint64)
+        regs[7], regs[16] = SP0, MAPPED[0] + vaddr_of(native[0])
+        words = np.array([return_address(f) for f in native[1:]], np.uint64)
+        records.append(ring_record(words, SP0, regs, regions_kept(MAPPED[0], SP0), tid=100, pid=100,
+                                   cut=key in CUT, ts=900))
+    out = records_to_batches(records)
+    assert out.malformed == 0
+    for key, h in zip(sorted(stacks), out.stacks.column("hash").to_pylist(), strict=True):
+        hashes[key] = h
+    return pa.Table.from_batches([out.stacks]), hashes
+
+
+def native_frames(frames: list[str], python: str | None) -> list[str]:
+    """The native frames of a stack: its frames named `python` one EVAL frame."""
+    if python is None:
+        return frames
+    first = frames.index(python)
+    return [*frames[:first], EVAL, *(f for f in frames[first:] if f != python)]
+
+
+PY_CODE = 0x7000  # the code object of the Python frames
+
+
+def python_stacks(stacks: dict[int, list[str]], python: dict[int, str],
+                  natives: dict[int, int]) -> tuple[pa.Table, pa.Table]:
+    """(py_stacks, py_codes) of the stacks with Python frames: each under its own key as
+    its hash (the events carry it), its run of frames entered from C at its outermost;
+    the code object is named python[key], in python[key].py, on name_line's line."""
+    from memtrack.schema import PY_CODES, PY_STACKS
+
+    rows: dict[str, list] = {k: [] for k in PY_STACKS.names}
+    codes: dict[str, list] = {k: [] for k in PY_CODES.names}
+    for key, name in sorted(python.items()):
+        n = stacks[key].count(name)
+        for k, v in zip(rows, (key, natives[key], 100, 100, False, [PY_CODE] * n, [0] * n,
+                               [False] * (n - 1) + [True]), strict=True):
+            rows[k].append(v)
+        # one entry of the location table: 8 code units on the first line
+        for k, v in zip(codes, (PY_CODE, 100, 0x7F00_0000_0000, name, f"{name}.py",
+                                name_line(name)[1], bytes([0x80 | 10 << 3 | 7, 0, 0]), 3),
+                        strict=True):
+            codes[k].append(v)
+    return pa.table(rows, schema=PY_STACKS), pa.table(codes, schema=PY_CODES)
+
+
+# The processes stage_tables knew: pid 200's second life has no row of its own
+PROCESS_ROWS = {"ts": [900, 1800], "pid": [100, 200], "ppid": [1, 100],
+                "comm": ["parent", "child"], "exe": ["/bin/p", "/bin/p"],
+                "cmdline": [["p", "-x"], ["p"]], "ns_pid": [100, 200]}
+RSS_ROWS = {"ts": [1000, 1400, 1500], "pid": [100, 100, 100], "member": [1, 1, 0],
+            "bytes": [4096, 65536, 8192], "external": [False] * 3}
+
+
+def write_synth(path: Path, events: pa.Table | None = None,
+                stacks: dict[int, list[str]] = STACKS, *, python: dict[int, str] | None = None,
+                end_ns: int = END_NS, rss: pa.Table | None = None,
+                region_names: pa.Table | None = None, region_labels: pa.Table | None = None,
+                stops: pa.Table | None = None, command: tuple[str, ...] = ("p", "-x"),
+                allocators: list[str] = ALLOCATORS, losses: dict[str, int] | None = None
+                ) -> Path:
+    """An artifact of EVENT_ROWS (or `events`) whose stack hashes 11.. are `stacks`' keys:
+    their stack records, MODULE mapped at MAPPED in pid 100 and copied in, the processes
+    of PROCESS_ROWS, RSS_ROWS (or `rss`), the regions `region_names` names (with the
+    `region_labels`) and the `stops`, for a capture that ended at `end_ns` having probed
+    `allocators` in /bin/p and counted `losses`."""
+    python = python or {}
+    records, hashes = stack_records(stacks, python)
+    ev = events if events is not None else events_table()
+    carried = {**hashes, **{k: k for k in python}}  # a Python stack's events carry its key
+    old = ev.column("stack_hash").to_pylist()
+    ev = ev.set_column(ev.schema.get_field_index("stack_hash"), "stack_hash",
+                       pa.array([carried.get(h, h) for h in old], pa.uint64()))
+    w = ArtifactWriter(path, overwrite=True)
+    w.write("events", ev)
+    w.write("stacks", records)
+    if python:
+        py_stacks, py_codes = python_stacks(stacks, python, hashes)
+        w.write("py_stacks", py_stacks)
+        w.write("py_codes", py_codes)
+    w.write("processes", pa.table(PROCESS_ROWS, schema=PROCESSES))
+    w.write("rss", rss if rss is not None else pa.table(RSS_ROWS, schema=RSS))
+    if region_names is not None:
+        w.write("region_names", region_names)
+    if region_labels is not None:
+        w.write("region_labels", region_labels)
+    if stops is not None:
+        w.write("stops", stops)
+    w.write("mappings", pa.table({
+        "ts": [900], "pid": pa.array([100], pa.uint32()), "start": [MAPPED[0]],
+        "end": [MAPPED[1]], "offset": [0], "perms": ["r-xp"], "dev": ["fd:01"],
+        "inode": [42], "path": ["/bin/p"], "build_id": [BUILD_ID]}, schema=MAPPINGS))
+    w.add_module(BUILD_ID, "/bin/p", module())
+    w.manifest.root_pid = 100
+    w.manifest.start_ns = 900
+    w.manifest.end_ns = end_ns
+    w.manifest.command = list(command)
+    w.manifest.probes = [{"path": "/bin/p", "function": f} for f in allocators]
+    w.manifest.losses.update(losses or {})
+    w.close()
+    return path
 
 
 def write_run(path: Path, events: pa.Table | None = None,
-              stacks: dict[int, list[str]] = STACKS) -> Path:
+              stacks: dict[int, list[str]] = STACKS, **synth: Any) -> Path:
     """A run database of EVENT_ROWS (or `events`) with STACKS (or `stacks`, of the same
-    names) as their stacks, written by the load stage as `process` writes it."""
-    ev = events if events is not None else events_table()
-    load(path, stage_tables(ev, stacks), lambda _: meta_rows(
-        start_ns=900, end_ns=END_NS, root_pid=100, command=["p", "-x"], losses={},
-        counters={}, allocator_functions=ALLOCATORS), symbolize)
+    names) as their stacks, written by `process` from write_synth's artifact (beside
+    it, PATH.memtrack; `synth`: write_synth's options)."""
+    art = write_synth(path.with_suffix(".memtrack"), events, stacks, **synth)
+    process(art, path, progress=False, host_modules=False)
     return path
 
 
@@ -229,8 +338,6 @@ def random_events(seed: int, n: int = 3000) -> pa.Table:
     failed allocations, threads that start and exit, forks (plain and vfork; some pids
     reused) whose children allocate and free before their exec or exit, and
     grandchildren."""
-    import numpy as np
-
     from memtrack.schema.enums import CLONE_THREAD
 
     rng = np.random.default_rng(seed)

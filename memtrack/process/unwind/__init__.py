@@ -64,12 +64,15 @@ def first_records(records: pa.Table, seen: np.ndarray | None = None
     return out, np.union1d(seen if seen is not None else np.zeros(0, np.uint64), h)
 
 
+MAX_DEPTH = 512  # frames a stack is walked to at most (stop max-depth beyond)
+
+
 class Unwinder:
     """Unwinds batches of decoded stack records against one artifact's mappings: each
     stack hash once, in the first batch that holds it, and the module rows extracted
     for one batch serve the next (`memtrack process` goes run by run)."""
 
-    def __init__(self, mappings: pa.Table, store: ModuleStore, max_depth: int = 512,
+    def __init__(self, mappings: pa.Table, store: ModuleStore, max_depth: int = MAX_DEPTH,
                  cache_dir: Path | None = None) -> None:
         self.normalizer = Normalizer(mappings, store)
         self.max_depth = max_depth
@@ -106,7 +109,7 @@ class Unwinder:
 
 
 def unwind(records: pa.Table, mappings: pa.Table, store: ModuleStore,
-           max_depth: int = 512, cache_dir: Path | None = None) -> UnwoundStacks:
+           max_depth: int = MAX_DEPTH, cache_dir: Path | None = None) -> UnwoundStacks:
     """Unwind every distinct stack hash of a decoded stack-record table
     (DECODED_RECORDS: stack_hash, pid, ts, sp, regs in DWARF order, the stack bytes from
     sp upward, fp_chain) against the artifact's mapping snapshots. cache_dir: where the
