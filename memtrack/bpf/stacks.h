@@ -578,6 +578,8 @@ static __always_inline u64 mt_stack_pycut(struct pt_regs *ctx, u32 pid, u32 tid,
 #else
     u64 is_new = mt_stack_seen.lookup(&h) == 0;
 #endif
+    /* the record is emitted as mt_stack_capture's is, written out again: one function
+     * for both joined their verifier states (over the million instructions it allows) */
     u64 *O = MT_O(s);
     u64 nfix = s->nfix != 0; /* one slot: a tail call's entries name it twice */
     O[MT_HDR_WORDS] = s->fix[0];

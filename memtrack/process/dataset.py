@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -152,19 +153,26 @@ def append_run(root: Location | str, run_id: str, run_db: Path, *,
         # the run leaves the dataset until every table of its new version is in place
         if replaced:
             os.unlink(DATA_FILE, dir_fd=runs_dir)
-        for name in EXPORT_TABLES:
-            copy_parquet(con, f"SELECT * FROM {name}", staging / name)
-            place(name)
-        con.register("runs_row", runs_row(dict(con.execute(
-            "SELECT key, value FROM meta").fetchall()), metadata))
-        copy_parquet(con, "SELECT * FROM runs_row", staging / RUNS_TABLE)
-        place(RUNS_TABLE)
+        _write_tables(con, metadata, staging, place)
     finally:
         con.close()
         for fd in fds:
             os.close(fd)
         shutil.rmtree(staging, ignore_errors=True)
     return replaced
+
+
+def _write_tables(con: duckdb.DuckDBPyConnection, metadata: Path | None, scratch: Path,
+                  place: Callable[[str], None]) -> None:
+    """Every table of the run as scratch/TABLE, each `place`d as soon as written, and its
+    `runs` row last: the run is in the dataset once that is placed."""
+    for name in EXPORT_TABLES:
+        copy_parquet(con, f"SELECT * FROM {name}", scratch / name)
+        place(name)
+    con.register("runs_row", runs_row(dict(con.execute(
+        "SELECT key, value FROM meta").fetchall()), metadata))
+    copy_parquet(con, "SELECT * FROM runs_row", scratch / RUNS_TABLE)
+    place(RUNS_TABLE)
 
 
 def _remote(root: Remote, call: object, *args: object) -> object:
@@ -205,13 +213,7 @@ def _append_remote(root: Remote, run_id: str, con: duckdb.DuckDBPyConnection,
             fds.append(os.open(root.path, os.O_RDONLY | os.O_DIRECTORY))
         if replaced:  # the run leaves the dataset until every table is in place again
             _remote(root, fs.delete_file, runs_file)
-        for name in EXPORT_TABLES:
-            copy_parquet(con, f"SELECT * FROM {name}", local / name)
-            place(name)
-        con.register("runs_row", runs_row(dict(con.execute(
-            "SELECT key, value FROM meta").fetchall()), metadata))
-        copy_parquet(con, "SELECT * FROM runs_row", local / RUNS_TABLE)
-        place(RUNS_TABLE)
+        _write_tables(con, metadata, local, place)
     finally:
         for fd in fds:
             os.close(fd)

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from memtrack.report.history import FIGURES, MAX_DIFFS, RECENT_RUNS, WHOLE_PROCESS, History
+from memtrack.report.html import PAGE_SCRIPT
 
 CHARTS = ("peak_heap_bytes", "allocated_bytes", "calls", "average_bytes")
 
@@ -29,7 +30,8 @@ def render(history: History) -> str:
         "recent_runs": RECENT_RUNS, "max_diffs": MAX_DIFFS}
     blob = json.dumps(data, default=str, separators=(",", ":")).replace("</", "<\\/")
     title = f"memtrack history: {history.data['dataset']}"
-    return TEMPLATE.replace("__TITLE__", html.escape(title)).replace("__DATA__", blob)
+    return TEMPLATE.replace("__TITLE__", html.escape(title)).replace(
+        "__PAGE_SCRIPT__", PAGE_SCRIPT).replace("__DATA__", blob)
 
 
 def write_html(history: History, out: Path) -> None:
@@ -83,27 +85,7 @@ h1 { font-size: 17px; margin: 0; flex: 1; overflow: hidden; text-overflow: ellip
 <script id="data" type="application/json">__DATA__</script>
 <script>
 "use strict";
-window.addEventListener("error", function (e) {
-  document.body.dataset.status = "error";
-  document.body.dataset.error = String(e.message);
-});
-const D = JSON.parse(document.getElementById("data").textContent);
-const NS = "http://www.w3.org/2000/svg";
-const SVG_TAGS = ["svg", "rect", "text", "g", "polyline", "line", "circle"];
-function el(tag, attrs, parent, text) {
-  const n = SVG_TAGS.includes(tag) ? document.createElementNS(NS, tag)
-                                   : document.createElement(tag);
-  for (const k in attrs || {}) n.setAttribute(k, attrs[k]);
-  if (text !== undefined) n.textContent = text;
-  if (parent) parent.appendChild(n);
-  return n;
-}
-function bytes(n) {
-  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
-  while (Math.abs(n) >= 1024 && i < u.length - 1) { n /= 1024; i++; }
-  return i ? n.toFixed(2) + " " + u[i] : (Number.isInteger(n) ? n : n.toFixed(1)) + " B";
-}
-function count(n) { return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ","); }
+__PAGE_SCRIPT__
 function fmt(v, unit) {
   return v === null ? "not recorded" : unit === "bytes" ? bytes(v) : count(v);
 }

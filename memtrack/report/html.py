@@ -98,6 +98,7 @@ def render(data: dict[str, Any]) -> str:
     blob = json.dumps(data, default=str, separators=(",", ":")).replace("</", "<\\/")
     title = "memtrack: " + data["title"]
     return TEMPLATE.replace("__TITLE__", html.escape(title)).replace(
+        "__PAGE_SCRIPT__", PAGE_SCRIPT).replace(
         "__REGIONS_SCRIPT__", regions.HTML_SCRIPT).replace("__DATA__", blob)
 
 
@@ -106,6 +107,31 @@ def write_html(con: duckdb.DuckDBPyConnection, out: Path, opts: ReportOptions | 
     opts = opts or ReportOptions()
     Path(out).write_text(render(page_data(con, opts, report)))
 
+
+# What every page's script starts with (this one's and history's): errors reported on the
+# body (what the Chromium tests read), the embedded data, element and number helpers.
+PAGE_SCRIPT = r"""window.addEventListener("error", function (e) {
+  document.body.dataset.status = "error";
+  document.body.dataset.error = String(e.message);
+});
+const D = JSON.parse(document.getElementById("data").textContent);
+const NS = "http://www.w3.org/2000/svg";
+const SVG_TAGS = ["svg", "rect", "text", "g", "polyline", "line", "title", "circle"];
+function el(tag, attrs, parent, text) {
+  const n = SVG_TAGS.includes(tag) ? document.createElementNS(NS, tag)
+                                   : document.createElement(tag);
+  for (const k in attrs || {}) n.setAttribute(k, attrs[k]);
+  if (text !== undefined) n.textContent = text;
+  if (parent) parent.appendChild(n);
+  return n;
+}
+function bytes(n) {
+  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
+  while (Math.abs(n) >= 1024 && i < u.length - 1) { n /= 1024; i++; }
+  return i ? n.toFixed(2) + " " + u[i] : (Number.isInteger(n) ? n : n.toFixed(1)) + " B";
+}
+function count(n) { return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ","); }
+"""
 
 TEMPLATE = r"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -174,27 +200,7 @@ instruction after exec; hover for values)</small></h2>
 <script id="data" type="application/json">__DATA__</script>
 <script>
 "use strict";
-window.addEventListener("error", function (e) {
-  document.body.dataset.status = "error";
-  document.body.dataset.error = String(e.message);
-});
-const D = JSON.parse(document.getElementById("data").textContent);
-const NS = "http://www.w3.org/2000/svg";
-const SVG_TAGS = ["svg", "rect", "text", "g", "polyline", "line", "title", "circle"];
-function el(tag, attrs, parent, text) {
-  const n = SVG_TAGS.includes(tag) ? document.createElementNS(NS, tag)
-                                   : document.createElement(tag);
-  for (const k in attrs || {}) n.setAttribute(k, attrs[k]);
-  if (text !== undefined) n.textContent = text;
-  if (parent) parent.appendChild(n);
-  return n;
-}
-function bytes(n) {
-  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
-  while (Math.abs(n) >= 1024 && i < u.length - 1) { n /= 1024; i++; }
-  return i ? n.toFixed(2) + " " + u[i] : n + " B";
-}
-function count(n) { return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ","); }
+__PAGE_SCRIPT__
 function fmt(v, unit) { return unit === "bytes" ? bytes(v) : count(v); }
 function table(parent, head, rows, numeric) {
   const t = el("table", {class: "plain"}, parent), tr = el("tr", {}, t);
