@@ -29,14 +29,15 @@ RUNS_COLUMNS = {  # docs/dataset.md's runs table: DuckDB type
     "labels": "MAP(VARCHAR, VARCHAR)", "command": "VARCHAR[]", "hostname": "VARCHAR",
     "kernel": "VARCHAR", "arch": "VARCHAR", "start_time": "TIMESTAMP WITH TIME ZONE",
     "end_time": "TIMESTAMP WITH TIME ZONE", "exit_code": "INTEGER", "exit_signal": "INTEGER",
-    "root_pid": "UINTEGER", "artifact": "VARCHAR", "memtrack_version": "VARCHAR",
+    "root_pid": "UINTEGER", "attached": "UINTEGER[]", "artifact": "VARCHAR",
+    "memtrack_version": "VARCHAR",
     "schema_version": "INTEGER", "processed_at": "TIMESTAMP WITH TIME ZONE",
     "memory_metadata": "VARCHAR"}  # fmt: skip
 # docs/dataset.md's types: DuckDB type -> polars type
 POLARS = {
     "UBIGINT": pl.UInt64, "UINTEGER": pl.UInt32, "USMALLINT": pl.UInt16, "UTINYINT": pl.UInt8,
     "BIGINT": pl.Int64, "INTEGER": pl.Int32, "BOOLEAN": pl.Boolean, "VARCHAR": pl.String,
-    "DOUBLE": pl.Float64, "VARCHAR[]": pl.List(pl.String),
+    "DOUBLE": pl.Float64, "VARCHAR[]": pl.List(pl.String), "UINTEGER[]": pl.List(pl.UInt32),
     "MAP(VARCHAR, VARCHAR)": pl.Map(pl.String, pl.String) if hasattr(pl, "Map")  # polars 2
     else pl.List(pl.Struct({"key": pl.String, "value": pl.String})),
     "TIMESTAMP WITH TIME ZONE": pl.Datetime("us", "UTC")}  # fmt: skip
@@ -58,8 +59,9 @@ def ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
     add_run(ds, d / "scratch", 12)
     db = write_run(d / "synth.duckdb")
     with duckdb.connect(str(db)) as con:
-        con.execute("UPDATE stacks SET stack_hash = ? WHERE stack_hash = 12", [BIG_HASH])
-        con.execute("UPDATE events SET stack_hash = ? WHERE stack_hash = 12", [BIG_HASH])
+        (h,) = con.execute("SELECT min(stack_hash) FROM stacks").fetchone()
+        for t in ("stacks", "events"):
+            con.execute(f"UPDATE {t} SET stack_hash = ? WHERE stack_hash = ?", [BIG_HASH, h])
     append_run(ds, "1234", db)  # a run id that looks like a number: typed as text
     return ds
 
