@@ -115,7 +115,14 @@ def test_pytest_plugin_makes_each_test_a_region(tmp_path: Path) -> None:
     (site,) = out["sections"]["alive"]
     assert site["value"] == sum(sizes) and site["location"] != "[no stack]"
     names = [f["function"] for f in site["backtraces"][0]["frames"]]
-    assert any("ffi_call" in n for n in names), names  # the stack runs through ctypes
+    assert names[0] == "test_leak", names  # a Python cut's site: its innermost Python frame
+    # the allocator's caller, under the site: ctypes' call into malloc (libffi)
+    callers = {r[0] for r in con.execute("""
+        SELECT m.path FROM region_allocations ra JOIN allocations a USING (alloc_id)
+        JOIN regions r USING (region_id) JOIN stack_frames f USING (stack_id)
+        JOIN modules m USING (module_id)
+        WHERE r.name = 'suite.py::test_leak' AND f.depth = 1""").fetchall()}
+    assert len(callers) == 1 and "libffi" in callers.pop(), callers
     text = cli("report", str(db)).stdout
     lines = text.split("REGIONS")[1].splitlines()
     assert any(ln.endswith("  suite.py::test_big_buffer") and " 1 " in ln for ln in lines)

@@ -48,12 +48,13 @@ def fixture_exe() -> Path:
                  libs=(str(lib), f"-Wl,-rpath,{lib.parent}"))
 
 
-def capture_forks(cmd: list[str], d: Path, env: dict[str, str] | None = None
-                  ) -> tuple[duckdb.DuckDBPyConnection, int, int]:
-    """`cmd` (which prints `parent PID CHILD`) captured and processed through the CLI in
-    `d`: the run database, the parent's and the child's pid."""
+def capture_forks(cmd: list[str], d: Path, env: dict[str, str] | None = None,
+                  options: tuple[str, ...] = ()) -> tuple[duckdb.DuckDBPyConnection, int, int]:
+    """`cmd` (which prints `parent PID CHILD`) captured (with capture's `options`) and
+    processed through the CLI in `d`: the run database, the parent's and the child's
+    pid."""
     art, db = d / "f.memtrack", d / "f.duckdb"
-    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--", *cmd],
+    cap = subprocess.run([*MEMTRACK, "capture", "-o", str(art), *options, "--", *cmd],
                          capture_output=True, text=True, timeout=300, env=env)
     assert cap.returncode == 0, cap.stderr
     (parent, child), = [(int(a), int(b)) for a, b in
@@ -235,10 +236,11 @@ print("parent", os.getpid(), pid)
 def test_python_child_frees_its_inherited_objects(tmp_path: Path) -> None:
     """Debian's python3 (PYTHONMALLOC=malloc) builds 5000 strings, forks, and the child
     drops them: every free of the child ends a copy of its parent's block (none is
-    unmatched), the strings' copies among them, and its own allocations' stacks are
-    complete, as the parent's."""
+    unmatched), the strings' copies among them, and its own allocations' whole native
+    stacks (--python-stacks mixed) are complete, as the parent's."""
     con, parent, child = capture_forks(["/usr/bin/python3", "-c", PY_FORK], tmp_path,
-                                       env={**os.environ, "PYTHONMALLOC": "malloc"})
+                                       env={**os.environ, "PYTHONMALLOC": "malloc"},
+                                       options=("--python-stacks", "mixed"))
     unmatched = con.execute("""
         SELECT count(*) FROM events e WHERE e.kind = 'free' AND e.addr != 0 AND e.pid = ?
           AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.free_event_id = e.event_id)

@@ -34,7 +34,8 @@ MALLOC = ("malloc", "__libc_malloc")  # one address, two symbols
 def tracker() -> Any:
     from memtrack.capture.tracker import Tracker
 
-    with Tracker(CaptureOptions(stacks=True, rss=False)) as t:
+    # the whole native stacks of Python code too (a Python cut keeps its caller alone)
+    with Tracker(CaptureOptions(stacks=True, rss=False, python_stacks="mixed")) as t:
         yield t
 
 

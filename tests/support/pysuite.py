@@ -20,8 +20,9 @@ SUITE = ROOT / "fixtures" / "pysuite"
 PYTHON = sys.executable
 # every run compiles the suite (its modules and pytest's rewriting of its tests) as the
 # first run of a checkout does, and leaves no bytecode behind: what a run records does
-# not depend on the runs before it
-SUITE_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
+# not depend on the runs before it; and hashes strings alike (no hash randomization: the
+# same set and dict orders, so the same code runs)
+SUITE_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
 
 # per stack of an allocation, its Python frames (method 'python') and all its frames,
 # as the hash of their frame ids from the leaf outward; counted distinct over those
