@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from memtrack.report.history import FIGURES, MAX_DIFFS, RECENT_RUNS, WHOLE_PROCESS, History
-from memtrack.report.html import PAGE_SCRIPT
+from memtrack.report.html import PAGE_HEAD, PAGE_SCRIPT
 
 CHARTS = ("peak_heap_bytes", "allocated_bytes", "calls", "average_bytes")
 
@@ -30,24 +30,16 @@ def render(history: History) -> str:
         "recent_runs": RECENT_RUNS, "max_diffs": MAX_DIFFS}
     blob = json.dumps(data, default=str, separators=(",", ":")).replace("</", "<\\/")
     title = f"memtrack history: {history.data['dataset']}"
-    return TEMPLATE.replace("__TITLE__", html.escape(title)).replace(
-        "__PAGE_SCRIPT__", PAGE_SCRIPT).replace("__DATA__", blob)
+    return TEMPLATE.replace("__PAGE_HEAD__", PAGE_HEAD).replace(
+        "__TITLE__", html.escape(title)).replace("__PAGE_SCRIPT__", PAGE_SCRIPT).replace(
+        "__DATA__", blob)
 
 
 def write_html(history: History, out: Path) -> None:
     Path(out).write_text(render(history))
 
 
-TEMPLATE = r"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>__TITLE__</title>
-<style>
-body { font: 13px/1.4 system-ui, sans-serif; margin: 0 24px 24px; color: #222; }
-header { position: sticky; top: 0; background: #fff; padding: 10px 0 6px; z-index: 2;
-         border-bottom: 1px solid #ddd; display: flex; gap: 16px; align-items: baseline; }
-h1 { font-size: 17px; margin: 0; flex: 1; overflow: hidden; text-overflow: ellipsis;
-     white-space: nowrap; }
+TEMPLATE = r"""__PAGE_HEAD__
 #filter { width: 18em; padding: 3px 6px; } #shown { color: #636; min-width: 10em; }
 #summary { margin: 8px 0; color: #444; }
 .series { border: 1px solid #ddd; border-radius: 4px; margin: 10px 0; padding: 6px 10px; }

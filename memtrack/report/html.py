@@ -97,8 +97,8 @@ def page_data(con: duckdb.DuckDBPyConnection, opts: ReportOptions,
 def render(data: dict[str, Any]) -> str:
     blob = json.dumps(data, default=str, separators=(",", ":")).replace("</", "<\\/")
     title = "memtrack: " + data["title"]
-    return TEMPLATE.replace("__TITLE__", html.escape(title)).replace(
-        "__PAGE_SCRIPT__", PAGE_SCRIPT).replace(
+    return TEMPLATE.replace("__PAGE_HEAD__", PAGE_HEAD).replace(
+        "__TITLE__", html.escape(title)).replace("__PAGE_SCRIPT__", PAGE_SCRIPT).replace(
         "__REGIONS_SCRIPT__", regions.HTML_SCRIPT).replace("__DATA__", blob)
 
 
@@ -107,6 +107,19 @@ def write_html(con: duckdb.DuckDBPyConnection, out: Path, opts: ReportOptions | 
     opts = opts or ReportOptions()
     Path(out).write_text(render(page_data(con, opts, report)))
 
+
+# What every page's head starts with (this one's and history's): the title and the
+# header's style.
+PAGE_HEAD = r"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>__TITLE__</title>
+<style>
+body { font: 13px/1.4 system-ui, sans-serif; margin: 0 24px 24px; color: #222; }
+header { position: sticky; top: 0; background: #fff; padding: 10px 0 6px; z-index: 2;
+         border-bottom: 1px solid #ddd; display: flex; gap: 16px; align-items: baseline; }
+h1 { font-size: 17px; margin: 0; flex: 1; overflow: hidden; text-overflow: ellipsis;
+     white-space: nowrap; }"""
 
 # What every page's script starts with (this one's and history's): errors reported on the
 # body (what the Chromium tests read), the embedded data, element and number helpers.
@@ -133,16 +146,7 @@ function bytes(n) {
 function count(n) { return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ","); }
 """
 
-TEMPLATE = r"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>__TITLE__</title>
-<style>
-body { font: 13px/1.4 system-ui, sans-serif; margin: 0 24px 24px; color: #222; }
-header { position: sticky; top: 0; background: #fff; padding: 10px 0 6px; z-index: 2;
-         border-bottom: 1px solid #ddd; display: flex; gap: 16px; align-items: baseline; }
-h1 { font-size: 17px; margin: 0; flex: 1; overflow: hidden; text-overflow: ellipsis;
-     white-space: nowrap; }
+TEMPLATE = r"""__PAGE_HEAD__
 h2 { font-size: 15px; margin: 22px 0 6px; }
 #search { width: 22em; padding: 3px 6px; } #matched { color: #636; min-width: 12em; }
 #command { font: 12px monospace; white-space: pre-wrap; color: #444; margin: 8px 0; }
