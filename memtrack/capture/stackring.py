@@ -117,6 +117,7 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
     fp_off = offsets_of(nfp)
     fp_vals = words[ragged(wstart + HDR_WORDS, nfp)]
     cut = (flags & FLAG_CUT) != 0
+    pycut = (flags & FLAG_PYTHON_CUT) != 0
     fix_off = offsets_of(nfix)
     fix_vals = words[ragged(wstart + HDR_WORDS + nfp, 2 * nfix)].reshape(-1, 2)
     pidtid = hdr[:, 2]
@@ -132,7 +133,7 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
         hash=hdr[s, 0], ts=hdr[s, 1], pid=pid[s], tid=tid[s], sp=hdr[s, 3], nwords=n[s],
         cut=cut[s], regs=regs[s], payload=take(s, pay_off, payload_words),
         fp=take(s, fp_off, fp_vals), fixups=take(s, fix_off, fix_vals),
-        python_cut=(flags[s] & FLAG_PYTHON_CUT) != 0)
+        python_cut=pycut[s])
     copy_batch = None
     if copies:
         c = np.flatnonzero(has_copy)
@@ -146,6 +147,6 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
             "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs_raw[c].ravel()), NUM_REGS),
             "stack": _binary(raw, offsets_of(n[c])),
             "fp_chain": _list(fpv, fpo, pa.uint64()),
-            "python_cut": pa.array((flags[c] & FLAG_PYTHON_CUT) != 0),
+            "python_cut": pa.array(pycut[c]),
         }, schema=STACK_COPIES)
     return RingBatches(stacks, copy_batch, bad)

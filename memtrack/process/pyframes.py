@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.process.lookup import find_sorted
 from memtrack.process.unwind import module_paths
 from memtrack.schema.stackrecord import ragged
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
@@ -221,15 +222,13 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     ecum = np.cumsum(is_eval) - is_eval  # evaluation frames before each row, over all rows
     st_hash = stacks.column("stack_hash").to_numpy()
     st_order = np.argsort(st_hash, kind="stable")
-    si = np.searchsorted(st_hash[st_order], rnative)
-    found = (si < len(st_hash)) & (st_hash[st_order][np.minimum(si, len(st_hash) - 1)]
-                                   == rnative) if len(st_hash) else np.zeros(nrec, bool)
+    si, found = find_sorted(st_hash[st_order], rnative)
+    native_row = st_order[si] if len(st_hash) else si  # each record's native stack
     counters["python_native_missing"] = int((~found).sum())
     # a Python cut's native stack ends at the allocator's caller by design: its runs go
     # outermost, none is unplaced
     st_stop = stacks.column("stop").to_numpy(zero_copy_only=False)
-    cut = found & (st_stop[st_order][np.minimum(si, max(len(st_hash) - 1, 0))] == "python") \
-        if len(st_hash) else np.zeros(nrec, bool)
+    cut = found & (st_stop[native_row] == "python") if len(st_hash) else found
 
     # native rows, repeated per record; an evaluation frame whose run exists is dropped
     nlen = hi - lo
@@ -268,14 +267,12 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     # Python locations: (code key, line), keyed apart from native locations
     lines = _lines(fkey[pyf], finstr[pyf], codes) if len(pyf) else np.zeros(0, np.int64)
     ckeys = codes.column("key").to_numpy()
-    ci = np.minimum(np.searchsorted(ckeys, fkey[pyf]), max(len(ckeys) - 1, 0))
-    have = (ckeys[ci] == fkey[pyf]) if len(ckeys) else np.zeros(len(pyf), bool)
+    ci, have = find_sorted(ckeys, fkey[pyf])
     counters["python_code_missing"] = int((~have).sum())
     locs_u, loc_of = np.unique(np.stack([np.where(have, fkey[pyf], 0),
                                          lines.astype(np.uint64)]), axis=1, return_inverse=True)
     loc_of = loc_of.ravel()
-    lci = np.minimum(np.searchsorted(ckeys, locs_u[0]), max(len(ckeys) - 1, 0))
-    lhave = (ckeys[lci] == locs_u[0]) if len(ckeys) else np.zeros(locs_u.shape[1], bool)
+    lci, lhave = find_sorted(ckeys, locs_u[0])
     mask = pa.array(~lhave)
     locations = pa.table({
         "key": pa.array(np.arange(locs_u.shape[1], dtype=np.uint64)),
@@ -310,8 +307,7 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
                                    native("lookup_vaddr")),
         "reason": native("reason"),
     }, schema=UNWOUND_STACK_FRAMES)
-    base = stacks.take(pa.array(st_order[np.minimum(si, max(len(st_hash) - 1, 0))],
-                                mask=~found)) if len(st_hash) else None
+    base = stacks.take(pa.array(native_row, mask=~found)) if len(st_hash) else None
 
     def of_native(col: str, default: object) -> pa.Array:
         if base is None:
@@ -340,5 +336,5 @@ def native_hashes(py_stacks: pa.Table, hashes: np.ndarray) -> np.ndarray:
         return h
     order = np.argsort(keys, kind="stable")
     keys, natives = keys[order], py_stacks.column("native_hash").to_numpy()[order]
-    i = np.minimum(np.searchsorted(keys, h), len(keys) - 1)
-    return np.where(keys[i] == h, natives[i], h)
+    i, hit = find_sorted(keys, h)
+    return np.where(hit, natives[i], h)

@@ -105,9 +105,10 @@ class Memory:
         self.base = offs[:-1].astype(np.int64)
         self.ln = (offs[1:] - offs[:-1]).astype(np.uint64)
         self.sp = records.column("sp").to_numpy().astype(np.uint64)
+        self.python_cut = records.column("python_cut").to_numpy(zero_copy_only=False)
         # a Python cut reads like a copy the budget cut: its stack goes on beyond it
         self.cut = records.column("copy_truncated").to_numpy(zero_copy_only=False) | \
-            records.column("python_cut").to_numpy(zero_copy_only=False)
+            self.python_cut
 
     def read(self, idx: np.ndarray, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                np.ndarray]:
@@ -164,7 +165,6 @@ class Walk:
         self.fp_offsets = fpc.offsets.to_numpy().astype(np.int64)
         self.fp_values = fpc.values.to_numpy(zero_copy_only=False).astype(np.uint64)
         self.mem = Memory(records)
-        self.python_cut = records.column("python_cut").to_numpy(zero_copy_only=False)
         self.norm = normalizer
         self.snap = normalizer.snapshot_of(self.pid, ts)
         self.rows = rows  # module index -> its rows (None: no CFI usable)
@@ -258,7 +258,7 @@ class Walk:
             depth += 1
         # a Python cut holds the allocator and its caller: from there no rule can go on
         # (the copy ends, its registers are not kept), by design
-        self.stop[self.python_cut & (self.nframes >= 2)] = S_PYTHON
+        self.stop[self.mem.python_cut & (self.nframes >= 2)] = S_PYTHON
         self._kernel_chains()
 
     def _emit(self, idx: np.ndarray, depth: int, addr: np.ndarray, method: np.ndarray,
