@@ -43,8 +43,7 @@ def run(args: Sequence[str], fmt: str, out: TextIO, dataset: str | Path | None =
         cur = con.execute(sql)
         names = [d[0] for d in cur.description or []]
         # through Arrow: TIMESTAMPTZ values need no pytz
-        res = cur.arrow() if cur.description else None
-        table = res.read_all() if hasattr(res, "read_all") else res
+        table = cur.to_arrow_table() if cur.description else None
     except duckdb.Error as e:
         raise CommandError(f"query: {' '.join(str(e).split())}") from None
     rows = list(zip(*(c.to_pylist() for c in table.columns), strict=True)) if table else []

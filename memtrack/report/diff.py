@@ -479,14 +479,23 @@ def _refused(side: Side) -> set[tuple[str, str]]:
     return {(r["function"], PurePath(r["path"]).name) for r in side.reader.probes_refused}
 
 
+def data_lost(counters: Any) -> dict[str, int]:
+    """The loss counters among a run's `losses` that are not zero: the data it lost (not
+    the fidelity notes, nor refused probes: runs compare by which functions were
+    refused, `trust`)."""
+    if not isinstance(counters, dict):
+        return {}
+    return {k: v for k, v in counters.items()
+            if isinstance(v, int) and v and is_loss(k) and k != "probes_refused"}
+
+
 def trust(base: Side, head: Side) -> Data:
     """Whether the figures of the two runs can be compared: neither lost data, and the
     kernel refused the same allocator functions in both (the same gap on both sides
     leaves the comparison fair; a gap in one only changes its figures by itself)."""
     problems = []
     for key, side in (("base", base), ("head", head)):
-        lost = {k: v for k, v in side.reader.losses.items()
-                if is_loss(k) and k != "probes_refused"}
+        lost = data_lost(side.reader.losses)
         if lost:
             problems.append(f"{key} lost data: " + ", ".join(f"{k} {v}" for k, v in lost.items()))
     refused = _refused(base), _refused(head)

@@ -26,8 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from memtrack.report.diff import MD_LIMIT, md, signed, value
-from memtrack.schema import is_loss
+from memtrack.report.diff import MD_LIMIT, data_lost, md, signed, value
 from memtrack.schema.ddl import LEAKED, connect, sql_literal
 
 Data = dict[str, Any]
@@ -251,19 +250,11 @@ def run_diffs(root: str | Path, runs: list[str]) -> dict[str, str]:
 
 
 def losses(text: str | None) -> dict[str, int]:
-    """A run's loss counters that are not zero (meta `losses`; not the fidelity notes,
-    nor refused probes: as `diff` judges whether runs compare)."""
+    """A run's lost data (meta `losses`), as `diff` judges whether runs compare."""
     try:
-        counters = json.loads(text or "{}")
+        return data_lost(json.loads(text or "{}"))
     except ValueError:
         return {}
-    return {k: v for k, v in counters.items() if isinstance(v, int) and v and is_loss(k)
-            and k != "probes_refused"} if isinstance(counters, dict) else {}
-
-
-def _arrow(result: Any) -> pa.Table:
-    """A DuckDB result's Arrow table (a reader in newer DuckDB clients)."""
-    return result.read_all() if hasattr(result, "read_all") else result
 
 
 def history_data(root: str | Path, opts: HistoryOptions) -> History:
@@ -289,7 +280,7 @@ def history_data(root: str | Path, opts: HistoryOptions) -> History:
             con.register("run_order", runs)
             con.execute("CREATE TABLE rss_rows AS SELECT * FROM rss")  # in the files' order
             con.execute(FIGURES_SQL)
-            figures.append(_arrow(con.execute("SELECT * FROM figures").arrow()))
+            figures.append(con.execute("SELECT * FROM figures").to_arrow_table())
             lost.update(con.execute(
                 "SELECT run, value FROM meta WHERE key = 'losses'").fetchall())
         finally:
