@@ -213,7 +213,7 @@ def thread_identity(tid: int) -> tuple[int, int] | None:
     """(its process id, its start time) of a live thread, None when it is gone."""
     try:
         status = (PROC / str(tid) / "status").read_text()
-        tgid = int(status.split("\nTgid:", 1)[1].split()[0])
+        tgid = int(_status_field(status, "Tgid")[0])
     except (OSError, IndexError, ValueError):
         return None
     start = thread_start(tgid, tid)
@@ -256,7 +256,7 @@ def attach_refusal(pid: int) -> str | None:
         stat = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return f"no process {pid}"
-    tgid = int(status.split("\nTgid:", 1)[1].split()[0])
+    tgid = int(_status_field(status, "Tgid")[0])
     if tgid == os.getpid():
         return f"process {pid} is memtrack itself"
     if tgid != pid:
