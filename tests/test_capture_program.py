@@ -183,6 +183,51 @@ def test_capture_from_the_cache_records_what_a_compiled_one_does(
 
 
 @pytest.mark.bpf
+def test_loops_on_the_kernel_iterator_record_what_bounded_loops_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """common.h MT_LOOP both ways: on the kernel's number iterator (this kernel) and as
+    bounded loops (a kernel before 6.7). The same events with the same stack hashes,
+    native and Python; the verifier walks a fraction of the instructions for mt_alloc,
+    the start-up cost of a capture with stacks."""
+    from memtrack.capture.tracker import Tracker
+    from memtrack.schema.artifact import Artifact
+
+    assert pg.iterators_possible(), "this kernel (6.7+, BTF) has the number iterator"
+    exe = build(["capture/allocs.c"])
+    script = ("def f(n):\n"
+              "    return [bytearray(1000 + n) for _ in range(3)] if n == 0 else f(n - 1)\n"
+              "f(20)")
+    options = CaptureOptions(program_cache="off")
+    runs, verified = {}, {}
+    for flavour in ("iterator", "bounded"):
+        if flavour == "bounded":
+            monkeypatch.setattr(pg, "iterators_possible", lambda: False)
+        with Tracker(options) as t:
+            for name, cmd in (("native", [str(exe), "misc"]),
+                              ("python", [sys.executable, "-c", script])):
+                out = tmp_path / f"{flavour}-{name}.memtrack"
+                # the same addresses in both runs (a stack hash covers them)
+                result = t.spawn(["setarch", "-R", *cmd], out,
+                                 env={**os.environ, "PYTHONHASHSEED": "0"}).wait(timeout=60)
+                assert result.status == 0 and result.nonzero_losses() == {}
+                events = Artifact.open(out).read("events").table.to_pylist()
+                execs = [i for i, e in enumerate(events) if e["kind"] == EventKind.EXEC]
+                runs[flavour, name] = [(e["kind"], e["size"], e["stack_hash"])
+                                       for e in events[execs[-1]:]  # setarch's are not
+                                       if e["kind"] <= EventKind.FREE]
+            verified[flavour] = pg.prog_info(t.bpf.funcs[b"mt_alloc"].fd)["verified_insns"]
+    assert runs["iterator", "native"] == runs["bounded", "native"]
+    # a Python stack's hash covers the process's pid: the same stacks where, as many
+    python = [[(kind, size, h != 0) for kind, size, h in runs[flavour, "python"]]
+              for flavour in ("iterator", "bounded")]
+    assert python[0] == python[1]
+    assert len({h for *_, h in runs["iterator", "python"]}) == \
+        len({h for *_, h in runs["bounded", "python"]})
+    assert all(sum(1 for *_, h in runs[key] if h) > 3 for key in runs)
+    assert verified["iterator"] * 3 < verified["bounded"], verified
+
+
+@pytest.mark.bpf
 def test_slow_loading_is_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
@@ -195,9 +240,10 @@ def test_slow_loading_is_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(pg, "SLOW_S", 0.5)
     compile_image = pg.compile_image
 
-    def slow_compile(text: str, cflags: list[str]) -> pg.Image:
+    def slow_compile(text: str, cflags: list[str],
+                     kfuncs: dict[int, int] | None = None) -> pg.Image:
         time.sleep(1.0)
-        return compile_image(text, cflags)
+        return compile_image(text, cflags, kfuncs)
 
     monkeypatch.setattr(pg, "compile_image", slow_compile)
     cache = pg.ProgramCache(tmp_path / "bpf")

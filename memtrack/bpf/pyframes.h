@@ -134,15 +134,17 @@ static __always_inline u64 mt_py_tstate(const struct mt_py_proc *p, u32 tid) {
     if (!interp)
         return 0;
     ts = mt_py_word((void *)interp, p->threads_head);
-#pragma clang loop unroll(disable)
-    for (int i = 0; i < MT_PY_THREADS; i++) {
+    u64 found = 0;
+    MT_LOOP(i, MT_PY_THREADS)
         if (!ts)
-            return 0;
-        if ((u32)mt_py_word((void *)ts, p->ts_native_tid) == tid)
-            return ts;
+            break;
+        if ((u32)mt_py_word((void *)ts, p->ts_native_tid) == tid) {
+            found = ts;
+            break;
+        }
         ts = mt_py_word((void *)ts, p->ts_next);
-    }
-    return 0;
+    MT_LOOP_END
+    return found;
 }
 
 /* A Python string object's bytes into dst (at most cap, a power of two); returns its
@@ -261,8 +263,7 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
      * verifier carries one state per iteration, whatever the shims skipped */
     vs->nframes = 0;
     vs->more = 0;
-#pragma clang loop unroll(disable)
-    for (int i = 0; i < MT_PY_DEPTH + MT_PY_SHIMS; i++) {
+    MT_LOOP(i, MT_PY_DEPTH + MT_PY_SHIMS)
         if (!frame)
             break;
         u64 n = vs->nframes;
@@ -307,7 +308,7 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
         h = mt_fnv_step(mt_fnv_step(h, key), w);
         vs->nframes = n + 1;
         frame = prev;
-    }
+    MT_LOOP_END
     u64 n = vs->nframes;
     if (frame && n > 0) {
         vs->more = 1;
@@ -328,11 +329,10 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
     u64 pidtid = pid | (u64)tid << 32;
     vs->nnew = 0;
     vs->missing = 0;
-#pragma clang loop unroll(disable)
-    for (int i = 0; i < MT_PY_DEPTH; i++) {
+    MT_LOOP(i, MT_PY_DEPTH)
         if (i >= vs->nframes)
             break;
-        u64 key = s->frames[2 * i];
+        u64 key = s->frames[(2 * i) & (2 * MT_PY_DEPTH - 1)];
         if (mt_py_codes.lookup(&key))
             continue;
         u64 k = vs->nnew;
@@ -342,7 +342,7 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
         }
         s->fresh[k & (MT_PY_NEW_CODES - 1)] = i;
         vs->nnew = k + 1;
-    }
+    MT_LOOP_END
 #pragma clang loop unroll(disable)
     for (int k = 0; k < MT_PY_NEW_CODES; k++) {
         if (k >= vs->nnew)

@@ -126,6 +126,8 @@ struct mt_stack_scratch {
     u64 regkept;
     u64 pos;
     u64 pos2;
+    u64 fault;
+    u64 bitmap; /* mt_stack_pack: where the kept bitmap goes */
 };
 
 struct mt_stack_regions {
@@ -183,14 +185,13 @@ static __always_inline u64 mt_kept(const u8 *kept, u64 v) {
 static __always_inline void mt_mark(u8 *kept, u64 lo, u64 hi) {
     u64 r = lo >> MT_REGION_SHIFT;
     u64 last = (hi - 1) >> MT_REGION_SHIFT;
-#pragma clang loop unroll(disable) vectorize(disable)
-    for (int i = 0; i < 256; i++) {
+    MT_LOOP(i, 256)
         if (r + i > last)
             break;
         u64 idx = (r + i) & MT_REGION_MASK;
         asm volatile("" : "+r"(idx)); /* clang would fold the mask into a strided pointer */
         kept[idx] = 1;
-    }
+    MT_LOOP_END
 }
 
 /* Copy [sp, min(sp + budget, stack end)) page by page. A thread without a known end
@@ -214,34 +215,37 @@ static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp, u3
     u64 limit = MT_STACK_BUDGET;
     if (known && end - sp < limit)
         limit = (end - sp) & ~7ULL;
-    u64 got = 0, fault = 0;
+    volatile struct mt_stack_scratch *vs = s;
     u64 first = MT_PAGE - (sp & (MT_PAGE - 1));
     if (first > limit)
         first = limit;
+    /* the bytes copied so far and whether a page faulted, in scratch (MT_LOOP) */
+    vs->pos = 0;
+    vs->fault = 1;
     if (bpf_probe_read_user(W, first, (void *)sp) == 0) {
-        got = first;
-#pragma clang loop unroll(disable)
-        for (int k = 0; k < MT_STACK_BUDGET / MT_PAGE + 1; k++) {
-            if (got >= limit)
+        vs->pos = first;
+        vs->fault = 0;
+        MT_LOOP(k, MT_STACK_BUDGET / MT_PAGE + 1)
+            u64 at = vs->pos;
+            if (at >= limit)
                 break;
-            u64 sz = limit - got;
+            u64 sz = limit - at;
             if (sz > MT_PAGE)
                 sz = MT_PAGE;
-            if (bpf_probe_read_user(&W[(got / 8) & MT_SW_MASK], sz, (void *)(sp + got))) {
+            if (bpf_probe_read_user(&W[(at / 8) & MT_SW_MASK], sz, (void *)(sp + at))) {
                 /* below the known end, a page not in memory: never touched (a big
                  * frame's unused locals; swapped out pages are the rare other case)
                  * reads as the zeros the helper left, and the copy goes on */
                 if (!known) {
-                    fault = 1;
+                    vs->fault = 1;
                     break;
                 }
                 mt_stack_count(MT_SS_PAGE_ABSENT);
             }
-            got += sz;
-        }
-    } else {
-        fault = 1;
+            vs->pos = at + sz;
+        MT_LOOP_END
     }
+    u64 got = vs->pos, fault = vs->fault;
     u64 cut = 0;
     if (known) {
         cut = !fault && end - sp > MT_STACK_BUDGET;
@@ -311,8 +315,7 @@ static __always_inline void mt_stack_lanes(struct mt_stack_scratch *s, const u8 
     u64 h0 = lane[0], h1 = lane[1];
     u64 *W = MT_W(s);
     u64 padded = (n + MT_GROUP - 1) & ~(u64)(MT_GROUP - 1);
-#pragma clang loop unroll(disable)
-    for (int g = 0; g < MT_STACK_WORDS / MT_STEP; g++) {
+    MT_LOOP(g, MT_STACK_WORDS / MT_STEP)
         if ((u64)g * MT_STEP >= padded)
             break;
         u64 *wp = &W[(g * MT_STEP) & MT_SW_MASK];
@@ -321,7 +324,7 @@ static __always_inline void mt_stack_lanes(struct mt_stack_scratch *s, const u8 
             MT_MIX(j, h0)
             MT_MIX(j + 1, h1)
         }
-    }
+    MT_LOOP_END
     lane[0] = h0;
     lane[1] = h1;
 }
@@ -377,12 +380,11 @@ static __always_inline u64 mt_stack_fold(struct mt_stack_scratch *s, const u8 *k
     if (cut) {
         u64 nfp = vs->nfp;
         u64 *fp = &MT_O(s)[MT_HDR_WORDS];
-#pragma clang loop unroll(disable)
-        for (int i = 0; i < MT_FP_DEPTH; i++) {
+        MT_LOOP(i, MT_FP_DEPTH)
             if (i >= nfp)
                 break;
             h = mt_fnv_step(h, fp[i]);
-        }
+        MT_LOOP_END
         h = mt_fnv_step(h, nfp);
     }
     return h ? h : 1;
@@ -391,30 +393,31 @@ static __always_inline u64 mt_stack_fold(struct mt_stack_scratch *s, const u8 *k
 /* The record's body from s->out[pos]: raw registers, the kept bitmap and the kept words
  * (the flags the hash pass left); returns the position after it. */
 static __always_inline u64 mt_stack_pack(struct mt_stack_scratch *s, u64 n, u64 pos) {
+    volatile struct mt_stack_scratch *vs = s;
     u64 *O = MT_O(s);
     u64 *W = MT_W(s);
 #pragma unroll
     for (int r = 0; r < MT_NREGS; r++)
         O[(pos + r) & MT_OW_MASK] = s->regs[r];
-    u64 bpos = pos + MT_NREGS;
     u64 ngroups = (n + MT_GROUP - 1) / MT_GROUP;
-    u64 p = bpos + ngroups;
-#pragma clang loop unroll(disable)
-    for (int g = 0; g < MT_STACK_WORDS / MT_GROUP; g++) {
+    /* the bitmap's position and the next word's, in scratch (MT_LOOP) */
+    vs->bitmap = pos + MT_NREGS;
+    vs->pos2 = pos + MT_NREGS + ngroups;
+    MT_LOOP(g, MT_STACK_WORDS / MT_GROUP)
         if ((u64)g * MT_GROUP >= n)
             break;
         u64 *wp = &W[(g * MT_GROUP) & MT_SW_MASK];
         u64 bits = 0;
-#pragma clang loop unroll(disable)
-        for (int j = 0; j < MT_GROUP; j++) {
+        MT_LOOP(j, MT_GROUP)
             u64 k = *(u8 *)&wp[j + MT_KOFF];
+            u64 p = vs->pos2;
             O[p & MT_OW_MASK] = wp[j];
-            p += k;
+            vs->pos2 = p + k;
             bits |= k << j;
-        }
-        O[(bpos + g) & MT_OW_MASK] = bits;
-    }
-    return p;
+        MT_LOOP_END
+        O[(vs->bitmap + g) & MT_OW_MASK] = bits;
+    MT_LOOP_END
+    return vs->pos2;
 }
 
 /* Capture the calling thread's stack from the frame `f` (common.h: the probed

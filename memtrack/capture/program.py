@@ -45,6 +45,8 @@ CACHE_FORMAT = 1
 TRACEFS_EVENTS = Path("/sys/kernel/tracing/events")
 BPF_PSEUDO_MAP_FD = 1
 LD_IMM64 = 0x18
+CALL = 0x85
+BPF_PSEUDO_KFUNC_CALL = 2
 BPF_MAP_CREATE = 0
 BPF_PROG_LOAD = 5
 BPF_PROG_TEST_RUN = 10
@@ -54,6 +56,15 @@ MAX_RUN_ARGS = 12  # a raw tracepoint program's context: at most 12 u64 argument
 LOG_SIZE = 1 << 24
 SLOW_S = 1.0  # loading still under way after this long is announced
 
+# The kernel functions behind common.h's MT_LOOP (Linux 6.4+; memtrack uses them from
+# 6.7, whose verifier checks an iterator loop's convergence exactly): the sources call
+# each through a placeholder helper number, which compile_image turns into a call of
+# the kernel function by its BTF id (bcc cannot declare kernel functions).
+ITERATOR_KFUNCS = {"MT_KF_ITER_NEW": ("bpf_iter_num_new", 0x4D540001),
+                   "MT_KF_ITER_NEXT": ("bpf_iter_num_next", 0x4D540002),
+                   "MT_KF_ITER_DESTROY": ("bpf_iter_num_destroy", 0x4D540003)}
+ITERATORS_SINCE = (6, 7)
+VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
 _TRACEPOINT_RE = re.compile(r"TRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)")
 
 
@@ -141,8 +152,10 @@ def _libbcc() -> Any:
 _MAP_OF_MAPS_RE = re.compile(r'BPF_(?:ARRAY|HASH)_OF_MAPS\(\s*(\w+)\s*,\s*"(\w+)"')
 
 
-def compile_image(text: str, cflags: list[str]) -> Image:
-    """Run bcc over `text` and take what it produced (nothing is loaded or attached)."""
+def compile_image(text: str, cflags: list[str], kfuncs: dict[int, int] | None = None) -> Image:
+    """Run bcc over `text` and take what it produced (nothing is loaded or attached);
+    `kfuncs` maps placeholder helper numbers to the BTF ids of the kernel functions
+    they stand for."""
     from bcc import BPF
 
     class Compiler(BPF):  # type: ignore[misc]
@@ -179,12 +192,66 @@ def compile_image(text: str, cflags: list[str]) -> Image:
                 if op == LD_IMM64 and regs >> 4 == BPF_PSEUDO_MAP_FD:
                     relocs.append((at // 8, index[imm]))
                     struct.pack_into("<i", code, at + 4, 0)
+                elif op == CALL and regs == 0 and kfuncs and imm in kfuncs:
+                    struct.pack_into("<BBhi", code, at, CALL, BPF_PSEUDO_KFUNC_CALL << 4, 0,
+                                     kfuncs[imm])
             functions[name.decode()] = bytes(code)
             relocations[name.decode()] = relocs
         return Image(lib.bpf_module_license(m).decode(), lib.bpf_module_kern_version(m),
                      maps, functions, relocations)
     finally:
         b.cleanup()
+
+
+# -- kernel functions -------------------------------------------------------------------
+
+def iterators_possible() -> bool:
+    """Whether this kernel should have the number iterator (its release and a vmlinux
+    BTF: cheap, for the cache key; kfunc_ids confirms it when compiling)."""
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return bool(m) and (int(m[1]), int(m[2])) >= ITERATORS_SINCE and VMLINUX_BTF.exists()
+
+
+def iterator_cflags() -> list[str]:
+    """The flags that build common.h's MT_LOOP on the kernel's iterator."""
+    return ["-DMT_ITER", *(f"-D{macro}={number:#x}"
+                           for macro, (_, number) in ITERATOR_KFUNCS.items())]
+
+
+# Bytes after a BTF type's 12-byte header, by kind: fixed, and per vlen entry.
+_BTF_EXTRA = {1: 4, 3: 12, 14: 4, 17: 4}
+_BTF_PER_MEMBER = {4: 12, 5: 12, 6: 8, 13: 8, 15: 12, 19: 12}
+_BTF_FUNC = 12
+
+
+def kfunc_ids(names: list[str], path: Path = VMLINUX_BTF) -> dict[str, int]:
+    """The BTF type ids of the kernel functions `names` (those found) in the kernel's
+    BTF. A walk of the type section (types have no index; ids are their order): about
+    0.1 s, paid when a program is compiled, never on a cache hit."""
+    try:
+        data = path.read_bytes()
+        magic, _, _, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from(
+            "<HBBIIIII", data, 0)
+    except (OSError, struct.error):
+        return {}
+    if magic != 0xEB9F:
+        return {}
+    strings = data[hdr_len + str_off:hdr_len + str_off + str_len]
+    wanted = {}
+    for name in names:
+        at = strings.find(b"\0" + name.encode() + b"\0")
+        if at >= 0:
+            wanted[at + 1] = name
+    found: dict[str, int] = {}
+    off, end, tid = hdr_len + type_off, hdr_len + type_off + type_len, 1
+    while off + 12 <= end and len(found) < len(wanted):
+        name_off, info, _ = struct.unpack_from("<III", data, off)
+        kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+        if kind == _BTF_FUNC and name_off in wanted:
+            found[wanted[name_off]] = tid
+        off += 12 + _BTF_EXTRA.get(kind, 0) + _BTF_PER_MEMBER.get(kind, 0) * vlen
+        tid += 1
+    return found
 
 
 # -- the cache ----------------------------------------------------------------------------
@@ -565,14 +632,21 @@ def load_program(text: str, cflags: list[str], cache: ProgramCache | None, *,
     compiled by bcc (and cached; `note` then says so if it takes a while)."""
     image = None
     key = ""
+    iterators = iterators_possible()
     if cache is not None:
-        key = cache_key(text, cflags)
+        key = cache_key(text, cflags + iterator_cflags() if iterators else cflags)
         image = cache.get(key)
     if image is None:
         if note is not None:
             note.what = "compiling the BPF programs" + (
                 "; later runs load them from the cache" if cache is not None else "")
-        image = compile_image(text, cflags)
+        ids = kfunc_ids([name for name, _ in ITERATOR_KFUNCS.values()]) if iterators else {}
+        if len(ids) == len(ITERATOR_KFUNCS):
+            image = compile_image(text, cflags + iterator_cflags(),
+                                  {number: ids[name]
+                                   for name, number in ITERATOR_KFUNCS.values()})
+        else:
+            image = compile_image(text, cflags)
         if cache is not None:
             try:
                 cache.put(key, image)
