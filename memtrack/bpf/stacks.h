@@ -61,8 +61,8 @@
  * r12-r15, rip in DWARF order) masked the same way, sp, copy_len | cut << 32, and for a
  * cut copy each frame-pointer entry then their count; 0 means "no stack" and becomes 1.
  *
- * The verifier walks every loop (bcc 0.26 cannot use bpf_loop), so the program is
- * written for it to walk each loop once:
+ * The loops are MT_LOOP (common.h: the kernel's number iterator where it has one), and
+ * the program is written for the verifier to walk each loop body few times:
  * - loops leave through data-dependent breaks; what they leave behind is stored to
  *   scratch and read back through a volatile pointer, which leaves one verifier state
  *   to carry on with instead of one per exit;
@@ -83,6 +83,7 @@
 #define MT_PAGE 4096
 #define MT_GROUP 64 /* words per kept-bitmap word; the copy is zero-padded to whole groups */
 #define MT_STEP 16  /* words per iteration of the hash loop (unrolled) */
+#define MT_PACK 8   /* words per iteration of the record's packing loop (unrolled) */
 #define MT_NREGS 17
 #define MT_FP_DEPTH 127 /* the most bpf_get_stack gives (kernel.perf_event_max_stack) */
 #define MT_HDR_WORDS 7
@@ -315,14 +316,18 @@ static __always_inline void mt_stack_lanes(struct mt_stack_scratch *s, const u8 
     u64 h0 = lane[0], h1 = lane[1];
     u64 *W = MT_W(s);
     u64 padded = (n + MT_GROUP - 1) & ~(u64)(MT_GROUP - 1);
-    MT_LOOP(g, MT_STACK_WORDS / MT_STEP)
-        if ((u64)g * MT_STEP >= padded)
+    MT_LOOP(g, MT_STACK_WORDS / MT_GROUP)
+        if ((u64)g * MT_GROUP >= padded)
             break;
-        u64 *wp = &W[(g * MT_STEP) & MT_SW_MASK];
+        /* a bounded inner loop: one iterator step per group (a kfunc call, ~5 ns) */
+#pragma clang loop unroll(disable)
+        for (int q = 0; q < MT_GROUP / MT_STEP; q++) {
+            u64 *wp = &W[(g * MT_GROUP + q * MT_STEP) & MT_SW_MASK];
 #pragma unroll
-        for (int j = 0; j < MT_STEP; j += 2) {
-            MT_MIX(j, h0)
-            MT_MIX(j + 1, h1)
+            for (int j = 0; j < MT_STEP; j += 2) {
+                MT_MIX(j, h0)
+                MT_MIX(j + 1, h1)
+            }
         }
     MT_LOOP_END
     lane[0] = h0;
@@ -408,13 +413,21 @@ static __always_inline u64 mt_stack_pack(struct mt_stack_scratch *s, u64 n, u64 
             break;
         u64 *wp = &W[(g * MT_GROUP) & MT_SW_MASK];
         u64 bits = 0;
-        MT_LOOP(j, MT_GROUP)
-            u64 k = *(u8 *)&wp[j + MT_KOFF];
-            u64 p = vs->pos2;
-            O[p & MT_OW_MASK] = wp[j];
-            vs->pos2 = p + k;
-            bits |= k << j;
-        MT_LOOP_END
+        u64 p = vs->pos2;
+        /* a bounded inner loop: one iterator step per group, not per word */
+#pragma clang loop unroll(disable)
+        for (int q = 0; q < MT_GROUP / MT_PACK; q++) {
+            u64 *qp = &wp[q * MT_PACK];
+#pragma unroll
+            for (int j = 0; j < MT_PACK; j++) {
+                u64 k = *(u8 *)&qp[j + MT_KOFF];
+                O[p & MT_OW_MASK] = qp[j];
+                p += k;
+                bits |= k << (q * MT_PACK + j);
+                MT_BARRIER();
+            }
+        }
+        vs->pos2 = p;
         O[(vs->bitmap + g) & MT_OW_MASK] = bits;
     MT_LOOP_END
     return vs->pos2;
