@@ -254,12 +254,35 @@ class UprobeLinks:
                 os.close(probe.fd)
                 del bpf.funcs[b"mt_free"]
         self.multi = multi
-        attach_type = BPF_TRACE_UPROBE_MULTI if multi else -1
-        self.fds = {name: bpf.load_func(name.encode(), PROG_KPROBE, attach_type=attach_type).fd
-                    for name in self.PROGRAMS}
+        # The verifier takes ~0.1-0.2 s over mt_alloc (the stack capture), a third of a
+        # capture's start-up: the programs load on a thread of their own (the syscall
+        # leaves the GIL) beside the rest of it, the spawn and the first process's
+        # module reads; the first attach waits for them (wait()).
+        self._fds: dict[str, int] = {}
+        self._load_error: BaseException | None = None
+        self._loader = threading.Thread(
+            target=self._load, args=(bpf, BPF_TRACE_UPROBE_MULTI if multi else -1),
+            name="memtrack-load", daemon=True)
+        self._loader.start()
         self.links: dict[int, list[int]] = {}
         self.closer = Closer()
         self._hold = False
+
+    def _load(self, bpf: Any, attach_type: int) -> None:
+        try:
+            for name in self.PROGRAMS:
+                self._fds[name] = bpf.load_func(name.encode(), PROG_KPROBE,
+                                                attach_type=attach_type).fd
+        except BaseException as e:  # noqa: BLE001 - handed to wait()'s caller
+            self._load_error = e
+
+    def wait(self) -> dict[str, int]:
+        """The programs' fds by name, once loaded; what their load raised (LoadError
+        when the verifier refused one) if it failed."""
+        self._loader.join()
+        if self._load_error is not None:
+            raise self._load_error
+        return self._fds
 
     @property
     def mode(self) -> str:
@@ -280,7 +303,7 @@ class UprobeLinks:
             probes = [(off, cookie) for off, cookie in probes if off not in refused]
             if not probes:
                 continue
-            fd = self.fds[program]
+            fd = self.wait()[program]
             if self.multi:
                 try:
                     links.append(self._multi(fd, path, probes, ret, pid))
@@ -344,6 +367,7 @@ class UprobeLinks:
         """Close every link still owned: side by side (uprobe_multi), or one by one
         where release_in_background holds the last references (perf events). Those
         handed to the closer are its own (`closer.stop()`)."""
+        self._loader.join()  # the program's cleanup closes what it loaded
         links = [fd for fds in self.links.values() for fd in fds]
         self.links = {}
         if self.multi:

@@ -168,7 +168,11 @@ class Tracker:
                 for part in self.parts:
                     self.warnings += part.attach(self.bpf)
                 self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
-                self.scope = self._choose_scope()
+                try:
+                    self.scope = self._choose_scope()
+                except BaseException:
+                    self.uprobes.close()  # waits for the programs' load
+                    raise
             except BaseException as e:
                 self.bpf.cleanup()
                 if isinstance(e, LoadError):  # the verifier refused a program
@@ -454,6 +458,10 @@ class Tracker:
             off = p.file_offset + offsets[p.name]
             (frees if p.is_free else entries).append((off, p.cookie))
             at.setdefault(off, []).append(p.name)
+        try:
+            self.uprobes.wait()
+        except LoadError as e:  # the verifier refused a program
+            raise CaptureError(str(e)) from None
         refused = self.uprobes.attach(path, entries, frees, owner)
         return {name: why for off, why in refused.items() for name in at[off]}
 
