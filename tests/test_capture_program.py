@@ -228,6 +228,29 @@ def test_loops_on_the_kernel_iterator_record_what_bounded_loops_do(
 
 
 @pytest.mark.bpf
+def test_a_program_refused_on_the_loading_thread_fails_the_capture_cleanly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator programs load beside the spawn (links.UprobeLinks): a refusal there
+    is the capture's error at its first attach, the program never ran, and the
+    traced command is not left behind."""
+    from memtrack.capture.tracker import CaptureError, Tracker
+
+    load_func = pg.Program.load_func
+
+    def refuse(self: pg.Program, name: str | bytes, *args: Any, **kw: Any) -> pg.Function:
+        if name in ("mt_alloc", b"mt_alloc"):
+            raise pg.LoadError("Failed to load BPF program mt_alloc: Argument list too long")
+        return load_func(self, name, *args, **kw)
+
+    monkeypatch.setattr(pg.Program, "load_func", refuse)
+    marker = tmp_path / "ran"
+    with Tracker(CaptureOptions()) as t, pytest.raises(CaptureError, match="mt_alloc"):
+        t.spawn(["sh", "-c", f"touch {marker}"], tmp_path / "x.memtrack",
+                env={**os.environ}).wait(timeout=60)
+    assert not marker.exists()
+
+
+@pytest.mark.bpf
 def test_slow_loading_is_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
