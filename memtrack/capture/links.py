@@ -31,6 +31,7 @@ import contextlib
 import ctypes as ct
 import errno
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -269,6 +270,9 @@ class UprobeLinks:
         self._hold = False
 
     def _load(self, bpf: Any, attach_type: int) -> None:
+        # the process's signals go to the other threads: one pending here stops the
+        # verifier (EAGAIN, and the load starts over)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         try:
             for name in self.PROGRAMS:
                 self._fds[name] = bpf.load_func(name.encode(), PROG_KPROBE,

@@ -54,6 +54,7 @@ BPF_OBJ_NAME_LEN = 16
 PROG_KPROBE, PROG_TRACEPOINT, PROG_RAW_TRACEPOINT = 2, 5, 17
 MAX_RUN_ARGS = 12  # a raw tracepoint program's context: at most 12 u64 arguments
 LOG_SIZE = 1 << 24
+LOAD_ATTEMPTS = 5
 SLOW_S = 1.0  # loading still under way after this long is announced
 
 # The kernel functions behind common.h's MT_LOOP (Linux 6.4+; memtrack uses them from
@@ -449,7 +450,9 @@ class Program:
     def __init__(self, image: Image) -> None:
         self.image = image
         self.funcs: dict[bytes, Function] = {}
-        self.tracepoint_fds: dict[bytes, int] = {}
+        # (tracepoint, program) -> the attachment's perf event: several programs may
+        # attach to one tracepoint (the stacks' and the lifecycle's sys_exit_mmap)
+        self.tracepoint_fds: dict[tuple[bytes, bytes], int] = {}
         self.tables: dict[str, Table] = {}
         self._map_fds: list[int] = []
         try:
@@ -517,6 +520,12 @@ class Program:
         ct.memmove(ct.addressof(attr) + 48, pname, len(pname))
         struct.pack_into("<I", attr, 68, max(attach_type, 0))
         fd = bpf(BPF_PROG_LOAD, attr)
+        for _ in range(LOAD_ATTEMPTS - 1):
+            # the verifier gives up with EAGAIN when a signal is pending (a child's
+            # SIGCHLD while the loading thread verifies): as libbpf, load again
+            if fd >= 0 or ct.get_errno() != errno.EAGAIN:
+                break
+            fd = bpf(BPF_PROG_LOAD, attr)
         if fd < 0 and log:
             e = ct.get_errno()
             if e == errno.EPERM:
@@ -536,14 +545,16 @@ class Program:
         except OSError as e:
             raise LoadError(f"Failed to attach BPF program {fn.name.decode()} to tracepoint "
                             f"{tpb.decode()} ({e.strerror})") from None
-        self.tracepoint_fds[tpb] = fd
+        self.tracepoint_fds[tpb, fn.name] = fd
 
     def detach_tracepoint(self, tp: str | bytes = b"") -> None:
+        """Detach every program attached to tracepoint "category:event"."""
         tpb = tp.encode() if isinstance(tp, str) else tp
-        fd = self.tracepoint_fds.pop(tpb, None)
-        if fd is None:
+        keys = [key for key in self.tracepoint_fds if key[0] == tpb]
+        if not keys:
             raise LoadError(f"tracepoint {tpb.decode()} is not attached")
-        detach_tracepoint(fd)
+        for key in keys:
+            detach_tracepoint(self.tracepoint_fds.pop(key))
 
     def run_stats(self) -> dict[str, dict[str, int]]:
         """Per loaded program that ran, its own run time and runs ({"run_ns", "runs"}),
@@ -561,8 +572,8 @@ class Program:
 
     def cleanup(self) -> None:
         """Detach the tracepoints, close every program and map."""
-        for tp in list(self.tracepoint_fds):
-            self.detach_tracepoint(tp)
+        for key in list(self.tracepoint_fds):
+            detach_tracepoint(self.tracepoint_fds.pop(key))
         for fn in self.funcs.values():
             os.close(fn.fd)
         self.funcs.clear()
