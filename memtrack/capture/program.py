@@ -560,7 +560,9 @@ class Program:
         """Per loaded program that ran, its own run time and runs ({"run_ns", "runs"}),
         as the kernel counts them while kernel.bpf_stats_enabled is on (else nothing)."""
         out = {}
-        for name, fn in self.funcs.items():
+        # a copy taken at once: the allocator programs may still be loading on their
+        # thread (links.UprobeLinks) and join the dict meanwhile
+        for name, fn in list(self.funcs.items()):
             try:
                 info = prog_info(fn.fd)
             except OSError:
