@@ -44,7 +44,8 @@ def run(cmd: list[str], output: Path, *, pids: list[int], duration: float | None
     options = CaptureOptions(
         stacks=stacks, stack_budget=stack_budget, stack_copies=stack_copies,
         python_frames=python_frames, python_stacks=python_stacks,
-        python_allocators=python_allocators, rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
+        python_allocators=python_allocators, rss=rss, track_faults=track_faults,
+        modules=modules, start_disabled=start_disabled,
         probe_placement=probe_placement, probe_scope=probe_scope, on_ring_full=on_ring_full,
         fail_on_loss=fail_on_loss,
         program_cache=program_cache, **rings)
