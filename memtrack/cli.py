@@ -146,9 +146,8 @@ def capture(
     ] = "python",
     python_allocators: Annotated[str, typer.Option(
         "--python-allocators", envvar="MEMTRACK_PYTHON_ALLOCATORS", **SWITCH,
-        help="Record CPython's object allocator (pymalloc: PyObject_Malloc ... and the "
-             "PyMem_ functions it serves) as allocations of the family pymalloc, every "
-             "object, not only those over 512 bytes that reach malloc.")] = "off",
+        help="Record every object of CPython 3.11+ (PyObject_Malloc, PyMem_Malloc ...: "
+             "family pymalloc), not only those over 512 bytes.")] = "off",
     rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", **SWITCH,
                                      help="Record resident memory (kmem:rss_stat).")] = "on",
     track_faults: Annotated[str, typer.Option(
