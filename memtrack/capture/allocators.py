@@ -272,5 +272,6 @@ def pymalloc_refusal(path: str | Path, info: ElfInfo) -> str | None:
                     "inlines that function (a build with profile-guided indirect-call "
                     "promotion): most objects would never reach a probe")
     if PYMALLOC_NAMES.keys() - info.functions.keys():
-        return "no symbols of its object allocator (_PyObject_Malloc ...: a stripped build)"
+        return ("no symbols of its object allocator (_PyObject_Malloc ...: a stripped build, "
+                "or one without pymalloc)")
     return None
