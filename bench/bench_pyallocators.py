@@ -8,12 +8,18 @@ inside the program, what tracing slows down) and the whole command's wall time
 (memtrack's includes loading its BPF programs and writing the artifact; memray's its
 start-up and writing its file), each as a ratio to the bare program's.
 
-Run as root: .venv/bin/python bench/bench_pyallocators.py [--rounds N] [--repeat K]
+`--suite`: also fixtures/pysuite (195 pytest tests, the memtrack.pytest plugin) captured
+and processed through the command line with --python-allocators off and on: the tests
+whose region holds no allocation, the allocations, and the capture's and process's wall
+time, on against off (minutes: the suite has ~4 M object allocations).
+
+Run as root: .venv/bin/python bench/bench_pyallocators.py [--rounds N] [--repeat K] [--suite]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -22,6 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support.pysuite import SUITE_ENV, clear_bytecode, memtrack, suite_command  # noqa: E402
+
+ZERO = ("SELECT count(*) AS tests, count(*) FILTER (WHERE calls = 0) AS empty, "
+        "(SELECT count(*) FROM allocations) AS allocations FROM region_metrics")
 SCRIPT = """
 import sys, time
 sys.path.insert(0, {fixtures!r})
@@ -57,10 +69,38 @@ def once(cmd: list[str]) -> tuple[float, float]:
     return loop, wall
 
 
+def suite(tmp: Path) -> None:
+    rows = {}
+    for mode in ("off", "on"):
+        art, db = tmp / f"suite-{mode}.memtrack", tmp / f"suite-{mode}.duckdb"
+        clear_bytecode()
+        t = time.perf_counter()
+        r = memtrack("capture", "-o", str(art), "--force", "--python-allocators", mode, "--",
+                     *suite_command(), env=SUITE_ENV, timeout=7200)
+        cap = time.perf_counter() - t
+        if r.returncode:
+            raise SystemExit(f"capture of the suite failed: {r.stderr[-500:]}")
+        t = time.perf_counter()
+        r = memtrack("process", str(art), "-o", str(db), "-q", timeout=7200)
+        proc = time.perf_counter() - t
+        if r.returncode:
+            raise SystemExit(f"process of the suite failed: {r.stderr[-500:]}")
+        q = memtrack("query", str(db), ZERO, "--format", "json")
+        rows[mode] = (json.loads(q.stdout)[0], cap, proc)
+    print(f"{'fixtures/pysuite':20} {'tests':>6} {'empty':>6} {'allocations':>12} "
+          f"{'capture s':>10} {'process s':>10}")
+    for mode, (m, cap, proc) in rows.items():
+        print(f"{'--python-allocators ' + mode:20} {m['tests']:6} {m['empty']:6} "
+              f"{m['allocations']:12,} {cap:10.1f} {proc:10.1f}")
+    (_, c0, p0), (_, c1, p1) = rows["off"], rows["on"]
+    print(f"on / off: capture {c1 / c0:.1f}x, process {p1 / p0:.1f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=200_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--suite", action="store_true", help="also fixtures/pysuite, off and on")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-pyalloc-") as tmp:
         out = Path(tmp)
@@ -72,6 +112,8 @@ def main() -> None:
         for _ in range(args.repeat):
             for name, cmd in configs.items():
                 times[name].append(once(cmd))
+        if args.suite:
+            suite(out)
     med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v))
            for k, v in times.items()}
     bare_loop, bare_wall = med["bare"]
