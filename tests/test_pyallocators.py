@@ -89,6 +89,10 @@ def test_every_object_at_its_line(tmp_path: Path, version: str) -> None:
         GROUP BY ALL""",
                         [site()]).fetchall()
     assert frees == [("pymalloc", N)]
+    # the list's 8 N bytes: one allocation, pymalloc's, not a malloc too
+    keep = at_line(con, site() - 2)
+    assert ("pymalloc", "malloc", 8 * N, 1) in keep
+    assert {f for f, *_ in keep} == {"pymalloc"}
     counters = dict(con.execute("SELECT key, value FROM meta").fetchall())
     assert '"frees_unmatched": 0' in counters["counters"]
 
