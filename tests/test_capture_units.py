@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,20 @@ def test_pymalloc_probes() -> None:
     assert probes["_PyObject_Realloc"].cookie == EventKind.REALLOC | py | 3 << 16 | 2 << 20
     assert probes["_PyObject_Free"].cookie == EventKind.FREE | py | 2 << 20
     assert probes["_PyObject_Free"].program == "mt_free"
+
+
+def test_pymalloc_stripped_is_refused(tmp_path: Path) -> None:
+    """A stripped libpython keeps its exported PyObject_Malloc, not the local functions
+    its tables point to: refused, by name."""
+    if not LIBPYTHON311.exists():
+        pytest.skip(f"no {LIBPYTHON311} here")
+    lib = tmp_path / LIBPYTHON311.name
+    subprocess.run(["strip", "--strip-all", "-o", str(lib), str(LIBPYTHON311)], check=True)
+    info = read_elf(lib)
+    assert "PyObject_Malloc" in info.functions and "_PyObject_Malloc" not in info.functions
+    assert pymalloc_refusal(lib, info) == ("no symbols of its object allocator "
+                                           "(_PyObject_Malloc ...: a stripped build, or one "
+                                           "without pymalloc)")
 
 
 def test_pymalloc_inlined_is_refused() -> None:
