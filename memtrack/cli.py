@@ -144,6 +144,10 @@ def capture(
         help="Stacks of Python code: python (the allocator, its caller, the Python "
              "frames) or mixed (every native frame, Python frames merged in).")
     ] = "python",
+    python_allocators: Annotated[str, typer.Option(
+        "--python-allocators", envvar="MEMTRACK_PYTHON_ALLOCATORS", **SWITCH,
+        help="Record every object of CPython 3.11+ (PyObject_Malloc, PyMem_Malloc ...: "
+             "family pymalloc), not only those over 512 bytes.")] = "off",
     rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", **SWITCH,
                                      help="Record resident memory (kmem:rss_stat).")] = "on",
     track_faults: Annotated[str, typer.Option(
@@ -209,6 +213,7 @@ def capture(
          stacks=on("--stacks", stacks),
          stack_budget=stack_budget, stack_copies=on("--stack-copies", stack_copies),
          python_frames=on("--python-frames", python_frames), python_stacks=python_stacks,
+         python_allocators=on("--python-allocators", python_allocators),
          rss=on("--rss", rss), track_faults=on("--track-faults", track_faults),
          modules=on("--modules", modules), start_disabled=start_disabled, control_fifo=control_fifo,
          probe_placement=probe_placement, probe_scope=probe_scope,

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import build
 
-from memtrack.capture.allocators import classify, probes_for, read_elf
+from memtrack.capture.allocators import classify, probes_for, pymalloc_refusal, read_elf
 from memtrack.capture.procfs import parse_maps
 from memtrack.elf.image import ElfReadError
 from memtrack.schema import Allocator, EventKind
@@ -49,7 +50,58 @@ def test_libc_probes_and_aliases() -> None:
     assert probes["realloc"].cookie == (EventKind.REALLOC | Allocator.LIBC << 8 | 2 << 16
                                         | 1 << 20)
     assert probes["posix_memalign"].cookie == 100 | Allocator.LIBC << 8 | 3 << 16 | 1 << 22
-    assert probes["free"].cookie == EventKind.FREE | Allocator.LIBC << 8
+    # a free's pointer: the "old" selector (its first argument)
+    assert probes["free"].cookie == EventKind.FREE | Allocator.LIBC << 8 | 1 << 20
+
+
+LIBPYTHON311 = Path.home() / ".pyenv/versions/3.11.7/lib/libpython3.11.so.1.0"
+
+
+def test_pymalloc_probes() -> None:
+    """CPython's object allocator (--python-allocators on): the functions its tables
+    point to, whose first argument is the table's ctx; none unless asked for."""
+    if not LIBPYTHON311.exists():
+        pytest.skip(f"no {LIBPYTHON311} here")
+    info = read_elf(LIBPYTHON311)
+    assert probes_for(info) == []
+    assert pymalloc_refusal(LIBPYTHON311, info) is None
+    probes = {p.name: p for p in probes_for(info, python_allocators=True)}
+    assert set(probes) == {"_PyObject_Malloc", "_PyObject_Calloc", "_PyObject_Realloc",
+                           "_PyObject_Free"}
+    assert {p.family for p in probes.values()} == {Allocator.PYMALLOC}
+    py = Allocator.PYMALLOC << 8
+    assert probes["_PyObject_Malloc"].cookie == EventKind.MALLOC | py | 2 << 16
+    assert probes["_PyObject_Calloc"].cookie == EventKind.CALLOC | py | 2 << 16 | 3 << 18
+    assert probes["_PyObject_Realloc"].cookie == EventKind.REALLOC | py | 3 << 16 | 2 << 20
+    assert probes["_PyObject_Free"].cookie == EventKind.FREE | py | 2 << 20
+    assert probes["_PyObject_Free"].program == "mt_free"
+
+
+def test_pymalloc_stripped_is_refused(tmp_path: Path) -> None:
+    """A stripped libpython keeps its exported PyObject_Malloc, not the local functions
+    its tables point to: refused, by name."""
+    if not LIBPYTHON311.exists():
+        pytest.skip(f"no {LIBPYTHON311} here")
+    lib = tmp_path / LIBPYTHON311.name
+    subprocess.run(["strip", "--strip-all", "-o", str(lib), str(LIBPYTHON311)], check=True)
+    info = read_elf(lib)
+    assert "PyObject_Malloc" in info.functions and "_PyObject_Malloc" not in info.functions
+    assert pymalloc_refusal(lib, info) == ("no symbols of its object allocator "
+                                           "(_PyObject_Malloc ...: a stripped build, or one "
+                                           "without pymalloc)")
+
+
+def test_pymalloc_inlined_is_refused() -> None:
+    """Debian's python3.11 (LTO, PGO) inlines _PyObject_Malloc where the table's
+    function is compared with it: refused, and its symbols are stripped anyway."""
+    exe = Path("/usr/bin/python3.11")
+    if not exe.exists():
+        pytest.skip(f"no {exe} here")
+    info = read_elf(exe)
+    why = pymalloc_refusal(exe, info)
+    assert why is not None and why.startswith("PyObject_Malloc compares the allocator table")
+    assert probes_for(info, python_allocators=True) == []
+    assert pymalloc_refusal(LIB / "libc.so.6", read_elf(LIB / "libc.so.6")) is None
 
 
 @pytest.mark.bpf
@@ -162,10 +214,12 @@ def test_every_shape_has_a_cookie_and_an_argument_count() -> None:
         "MT_CK_OLD": al.CK_OLD, "MT_CK_OUTP": al.CK_OUTP, "MT_CK_FLAGS": al.CK_FLAGS,
         "MT_CK_WRAPPABLE": al.CK_WRAPPABLE}
     shapes = {*al.LIBC_NAMES.values(), *al.CXX_NAMES.values(), *al.JEMALLOC_NAMES.values(),
-              *al.MIMALLOC_NAMES.values(), *al.TCMALLOC_NAMES.values()}
+              *al.MIMALLOC_NAMES.values(), *al.TCMALLOC_NAMES.values(),
+              *al.PYMALLOC_NAMES.values()}
     assert shapes <= set(al.SHAPES) and shapes <= set(al.SHAPE_ARG_REGS)
     for name, shape in al.SHAPES.items():
-        assert name.startswith("free") == (shape.kind == EventKind.FREE), name
+        assert ("free" in name) == (shape.kind == EventKind.FREE), name
+        assert shape.kind != EventKind.FREE or shape.old, name  # the pointer freed
         # every argument selector fits its two bits, every field its place
         assert all(0 <= a <= 3 for a in (shape.size, shape.mul, shape.old, shape.outp,
                                          shape.flags)), name

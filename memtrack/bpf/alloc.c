@@ -28,7 +28,8 @@
 /* Attach cookie layout (memtrack.capture.allocators.cookie): the kind in bits 0-7, the
  * allocator in bits 8-15, then 2-bit argument selectors (0: none, 1-3: the first,
  * second, third integer argument): the size, the size's multiplier (none: 1), the old
- * pointer, the out-pointer, the flags. A free's pointer is always its first argument. */
+ * pointer (a free's: the pointer it frees; CPython's _PyObject_Free takes it second),
+ * the out-pointer, the flags. */
 #define MT_CK_ALLOCATOR 8
 #define MT_CK_SIZE 16
 #define MT_CK_MUL 18
@@ -284,6 +285,6 @@ int mt_alloc(struct pt_regs *ctx) {
 int mt_free(struct pt_regs *ctx) {
     u64 ck = bpf_get_attach_cookie(ctx);
     u64 args[4] = {0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx)};
-    return mt_free_enter(ctx, (ck >> MT_CK_ALLOCATOR) & 0xff, args[1],
+    return mt_free_enter(ctx, (ck >> MT_CK_ALLOCATOR) & 0xff, mt_arg(args, ck, MT_CK_OLD),
                          mt_arg(args, ck, MT_CK_SIZE));
 }

@@ -5,8 +5,10 @@ symbol tables, so that allocators linked statically into an executable are found
 `mallocx`/`je_mallocx` = jemalloc (distro builds are unprefixed), `mi_malloc` =
 mimalloc, `tc_malloc` = tcmalloc, `malloc` with `__libc_start_main` = the C library,
 `malloc` otherwise = a program's own allocator, `operator new` alone = the C++
-runtime. Every probed function has a shape (what its arguments mean), carried to the
-BPF programs of alloc.c as the probe's attach cookie.
+runtime. CPython's object allocator (pymalloc) is probed too where asked
+(`--python-allocators on`) and its functions can be. Every probed function has a shape
+(what its arguments mean), carried to the BPF programs of alloc.c as the probe's attach
+cookie.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from pathlib import Path
 from memtrack.elf.image import ElfImage, Segments
 from memtrack.schema import Allocator, EventKind
 
-# name -> shape (SHAPES); shapes ending in "free..." are entry-only frees (alloc.c
-# mt_free), the others allocating entries (mt_alloc) paired with their return (mt_ret).
+# name -> shape (SHAPES); shapes of kind FREE are entry-only frees (alloc.c mt_free), the
+# others allocating entries (mt_alloc) paired with their return (mt_ret).
 LIBC_NAMES = {
     "malloc": "malloc", "calloc": "calloc", "realloc": "realloc",
     "reallocarray": "reallocn", "aligned_alloc": "memalign", "memalign": "memalign",
@@ -74,6 +76,14 @@ TCMALLOC_NAMES = {
     "tc_deletearray_sized": "freesized", "tc_delete_sized_aligned": "freesized",
     "tc_deletearray_sized_aligned": "freesized",
 }  # fmt: skip
+# CPython's object allocator: the functions its default PyMemAllocatorEx tables
+# (`_PyObject`, and `_PyMem`, which 3.11+ route to pymalloc) point to. The exported
+# PyObject_Malloc ... PyMem_Free call them through the table, every object allocation of
+# the interpreter too; their first argument is the table's ctx. Local symbols (.symtab):
+# a stripped interpreter has none.
+PYMALLOC_NAMES = {"_PyObject_Malloc": "objmalloc", "_PyObject_Calloc": "objcalloc",
+                  "_PyObject_Realloc": "objrealloc", "_PyObject_Free": "objfree"}
+PY_EXPORTED = "PyObject_Malloc"  # an interpreter's: where a build's inlining shows
 
 # Internal kinds of bpf/alloc.c, resolved at return into an EventKind.
 KIND_POSIX_MEMALIGN = 100  # the address is written to the out-pointer
@@ -86,8 +96,8 @@ CK_ALLOCATOR, CK_SIZE, CK_MUL, CK_OLD, CK_OUTP, CK_FLAGS, CK_WRAPPABLE = 8, 16, 
 @dataclass(frozen=True)
 class Shape:
     """What a probed function's arguments mean: the event kind and which integer
-    argument (1-3; 0 = none) holds the size, its multiplier, the old pointer, the
-    out-pointer and the flags. A free's pointer is always its first argument.
+    argument (1-3; 0 = none) holds the size, its multiplier, the old pointer (a free's:
+    the pointer freed), the out-pointer and the flags.
     `wrappable`: an unprobed wrapper may call it (memtrack.capture.wrappers), so its
     entry looks for the wrapper's call site at [sp]."""
 
@@ -103,8 +113,7 @@ class Shape:
     def arg_regs(self) -> int:
         """Integer argument registers the BPF program reads at entry: the placement
         may skip instructions that overwrite the others."""
-        return max(self.size, self.mul, self.old, self.outp, self.flags,
-                   1 if self.kind == EventKind.FREE else 0)
+        return max(self.size, self.mul, self.old, self.outp, self.flags)
 
     def cookie(self, family: Allocator) -> int:
         return (self.kind | int(family) << CK_ALLOCATOR | self.size << CK_SIZE
@@ -126,9 +135,13 @@ SHAPES = {
     "callocaligned": Shape(_K.ALIGNED_ALLOC, size=1, mul=2),
     "posixmemalign": Shape(KIND_POSIX_MEMALIGN, size=3, outp=1),
     "mallocx": Shape(KIND_MALLOCX, size=1, flags=2),
-    "free": Shape(_K.FREE),
-    "freesized": Shape(_K.FREE, size=2),
-    "freealignedsized": Shape(_K.FREE, size=3),
+    "free": Shape(_K.FREE, old=1),
+    "freesized": Shape(_K.FREE, size=2, old=1),
+    "freealignedsized": Shape(_K.FREE, size=3, old=1),
+    "objmalloc": Shape(_K.MALLOC, size=2),
+    "objcalloc": Shape(_K.CALLOC, size=2, mul=3),
+    "objrealloc": Shape(_K.REALLOC, size=3, old=2),
+    "objfree": Shape(_K.FREE, old=2),
 }
 SHAPE_ARG_REGS = {name: shape.arg_regs for name, shape in SHAPES.items()}
 
@@ -142,7 +155,8 @@ _FAMILY_NAMES = {
 }
 _MARKERS = ("mallocx", "je_mallocx", "mi_malloc", "tc_malloc", "malloc", "_Znwm",
             "__libc_start_main")
-ALL_NAMES = set().union(*_FAMILY_NAMES.values(), _MARKERS)
+ALL_NAMES = set().union(*_FAMILY_NAMES.values(), _MARKERS, PYMALLOC_NAMES, {PY_EXPORTED})
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -157,7 +171,7 @@ class Probe:
 
     @property
     def is_free(self) -> bool:
-        return self.shape.startswith("free")
+        return SHAPES[self.shape].kind == EventKind.FREE
 
     @property
     def arg_regs(self) -> int:
@@ -209,16 +223,18 @@ def classify(info: ElfInfo) -> Allocator | None:
     return None
 
 
-def probes_for(info: ElfInfo) -> list[Probe]:
+def probes_for(info: ElfInfo, *, python_allocators: bool = False) -> list[Probe]:
     """Every function of the module to probe, one per code address (aliases such as
-    tcmalloc's malloc = tc_malloc, glibc's aligned_alloc = memalign are probed once)."""
+    tcmalloc's malloc = tc_malloc, glibc's aligned_alloc = memalign are probed once);
+    with `python_allocators`, a CPython's object allocator too (pymalloc_refusal says
+    whether it can be)."""
     family = classify(info)
-    if family is None:
-        return []
-    names = _FAMILY_NAMES[family]
+    named = [(n, s, family) for n, s in _FAMILY_NAMES[family].items()] if family else []
+    if python_allocators:
+        named += [(n, s, Allocator.PYMALLOC) for n, s in PYMALLOC_NAMES.items()]
     out: list[Probe] = []
     seen: set[int] = set()
-    for name, shape in names.items():
+    for name, shape, fam in named:
         if name not in info.functions:
             continue
         vaddr, size = info.functions[name]
@@ -226,5 +242,36 @@ def probes_for(info: ElfInfo) -> list[Probe]:
         if off is None or vaddr in seen:
             continue
         seen.add(vaddr)
-        out.append(Probe(name, vaddr, size, off, shape, family))
+        out.append(Probe(name, vaddr, size, off, shape, fam))
     return out
+
+
+def pymalloc_refusal(path: str | Path, info: ElfInfo) -> str | None:
+    """Why the object allocator of the CPython in this module is not probed (None: it
+    is, or the module is no interpreter). An LTO build with profile-guided
+    optimization (Debian's python3.11) turns the call through the allocator table into
+    `if (table.malloc == _PyObject_Malloc) <its body, inlined> else call`, in
+    PyObject_Malloc and at ~190 other call sites: most objects would never reach a probe,
+    and their frees (inlined too, ~50 sites) would be unmatched."""
+    if PY_EXPORTED not in info.functions:
+        return None
+    import capstone as cs
+    from capstone import x86 as csx86
+
+    with ElfImage(path) as img:
+        code, vaddr = img.function_code(PY_EXPORTED)
+        exec_ranges = img.exec_ranges()
+    md = cs.Cs(cs.CS_ARCH_X86, cs.CS_MODE_64)
+    md.detail = True
+    for insn in md.disasm(code, vaddr):
+        if insn.mnemonic != "cmp" or len(insn.operands) != 2:
+            continue
+        op = insn.operands[1]
+        if op.type == csx86.X86_OP_IMM and any(a <= op.imm < b for a, b in exec_ranges):
+            return (f"{PY_EXPORTED} compares the allocator table with {op.imm:#x} and "
+                    "inlines that function (a build with profile-guided indirect-call "
+                    "promotion): most objects would never reach a probe")
+    if PYMALLOC_NAMES.keys() - info.functions.keys():
+        return ("no symbols of its object allocator (_PyObject_Malloc ...: a stripped build, "
+                "or one without pymalloc)")
+    return None

@@ -85,6 +85,7 @@ class CaptureOptions:
     stack_copies: bool = False  # debug: every capture's raw copy too (stack_copies.arrow)
     python_frames: bool = True  # Python frames in the stacks (with stacks on)
     python_stacks: str = "python"  # PYTHON_STACKS
+    python_allocators: bool = False  # CPython's object allocator probed (family pymalloc)
     rss: bool = True
     track_faults: bool = False
     modules: bool = True

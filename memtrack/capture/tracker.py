@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from memtrack.capture.allocators import Probe, probes_for, read_elf
+from memtrack.capture.allocators import Probe, probes_for, pymalloc_refusal, read_elf
 from memtrack.capture.core import CorePart
 from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.parts import BPF_DIR, PROBE_SCOPES, CaptureOptions, CapturePart
@@ -356,7 +356,14 @@ class Tracker:
             info = read_elf(open_path)
         except ElfReadError:
             return None
-        probes = probes_for(info)
+        python = self.options.python_allocators
+        if python:
+            why = pymalloc_refusal(open_path, info)
+            if why is not None:
+                python = False
+                self.warnings.append(f"python allocators: {mapped_path}: {why}; its objects "
+                                     "are not recorded (those over 512 bytes are, by malloc)")
+        probes = probes_for(info, python_allocators=python)
         if not probes:
             return None
         path = mapped_path

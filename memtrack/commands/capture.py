@@ -17,7 +17,8 @@ from memtrack.commands import (
 
 def run(cmd: list[str], output: Path, *, pids: list[int], duration: float | None,
         force: bool, stacks: bool, stack_budget: int,
-        stack_copies: bool, python_frames: bool, python_stacks: str, rss: bool,
+        stack_copies: bool, python_frames: bool, python_stacks: str,
+        python_allocators: bool, rss: bool,
         track_faults: bool, modules: bool,
         start_disabled: bool, control_fifo: Path | None, probe_placement: str, probe_scope: str,
         events_ring_pages: int | None, stacks_ring_pages: int | None, on_ring_full: str,
@@ -43,7 +44,8 @@ def run(cmd: list[str], output: Path, *, pids: list[int], duration: float | None
     options = CaptureOptions(
         stacks=stacks, stack_budget=stack_budget, stack_copies=stack_copies,
         python_frames=python_frames, python_stacks=python_stacks,
-        rss=rss, track_faults=track_faults, modules=modules, start_disabled=start_disabled,
+        python_allocators=python_allocators, rss=rss, track_faults=track_faults,
+        modules=modules, start_disabled=start_disabled,
         probe_placement=probe_placement, probe_scope=probe_scope, on_ring_full=on_ring_full,
         fail_on_loss=fail_on_loss,
         program_cache=program_cache, **rings)

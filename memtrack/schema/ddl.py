@@ -22,7 +22,7 @@ from memtrack.schema.enums import (
     names,
 )
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class RunError(Exception):

@@ -50,6 +50,7 @@ class Allocator(enum.IntEnum):
     TCMALLOC = 5
     SYSCALL = 6  # mmap, munmap, brk
     OTHER = 7  # a fixture's or program's own allocator that exports a known API
+    PYMALLOC = 8  # CPython's object allocator (capture --python-allocators on)
 
 
 class RssMember(enum.IntEnum):
