@@ -270,3 +270,31 @@ def test_compact_refuses_object_storage(tmp_path: Path) -> None:
         writer.compact(Remote(fs, "bucket/ds", "mock:///bucket/ds"))
     code, _, err = invoke("compact", "--dataset", tmp_path / "none")
     assert code == 2 and "not a memtrack dataset" in err and err.count("\n") == 1
+
+
+def test_a_compacted_dataset_on_object_storage(made: dict[str, Any], tmp_path: Path) -> None:
+    """A compacted dataset uploaded to object storage (pyarrow's `mock:`) reads as it
+    did, and a run appended there goes into its own batch; a compacted run is refused."""
+    import pyarrow.fs as pafs
+
+    from memtrack.schema.dataset import open_dataset
+
+    ds, scratch = made["ds"], made["dir"] / "scratch"
+    fs, _ = pafs.FileSystem.from_uri("mock:///")
+    pafs.copy_files(str(ds), "bucket/ds", pafs.LocalFileSystem(), fs)
+    remote = Remote(fs, "bucket/ds", "mock:///bucket/ds")
+    sql = "SELECT run, count(*), sum(size) FROM allocations GROUP BY run ORDER BY run"
+    con = open_dataset(remote)
+    want = con.execute(sql).fetchall()
+    con.close()
+    assert want == [(r, 3, n) for r, n in sorted(
+        (run_id(i), 1792 + (1024 if i >= 12 else 0)) for i in range(1, RUNS + 1))]
+    db = scratch / "remote.duckdb"
+    shutil.copyfile(scratch / "block2048.duckdb", db)
+    with pytest.raises(DatasetError, match="in a compacted batch"):
+        writer.append_run(remote, run_id(1), db, force=True)
+    assert writer.append_run(remote, "new", db) is False
+    assert fs.get_file_info(f"bucket/ds/allocations/batch=new/{'data.parquet'}").is_file
+    con = open_dataset(remote)
+    assert con.execute(sql).fetchall() == sorted([*want, ("new", 3, 2816)])
+    con.close()

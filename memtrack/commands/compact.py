@@ -18,6 +18,8 @@ def run(dataset: str | Path, out: TextIO) -> int:
         done = compact(dataset)
     except DatasetError as e:
         raise CommandError(str(e)) from None
+    except OSError as e:  # the disk full, a directory it may not write
+        raise CommandError(f"compact: {e.filename or dataset}: {e.strerror or e}") from None
     if not done.tables:
         out.write(f"{dataset}: nothing to compact (no run outside a compacted batch)\n")
         return 0

@@ -135,11 +135,18 @@ def check_target(root: Location | str, run_id: str, force: bool) -> None:
                 p for p in root.iterdir() if not p.name.startswith(".")):
             raise DatasetError(f"{root}: not a memtrack dataset (no {RUNS_TABLE}/ directory) "
                                "and not empty")
-    runs = list_table(root, RUNS_TABLE)
-    if run_id in _compacted_runs(runs, root.fs if isinstance(root, Remote) else None):
-        raise DatasetError(f"{root}: run {run_id!r} is already in the dataset, in a compacted "
-                           "batch: it cannot be replaced")
-    if runs is not None and runs.file(run_id) is not None and not force:
+    if isinstance(root, Remote) and not _batched(root, (RUNS_TABLE,))[RUNS_TABLE]:
+        # by run on object storage: one request, not a listing of every run
+        runs_file = f"{partition(root, RUNS_TABLE, run_id)}/{DATA_FILE}"
+        info = _remote(root, root.fs.get_file_info, runs_file)
+        exists = info.type != pafs.FileType.NotFound  # type: ignore[attr-defined]
+    else:
+        runs = list_table(root, RUNS_TABLE)
+        if run_id in _compacted_runs(runs, root.fs if isinstance(root, Remote) else None):
+            raise DatasetError(f"{root}: run {run_id!r} is already in the dataset, in a "
+                               "compacted batch: it cannot be replaced")
+        exists = runs is not None and runs.file(run_id) is not None
+    if exists and not force:
         raise DatasetError(f"{root}: run {run_id!r} is already in the dataset "
                            "(--force replaces it)")
 
@@ -190,9 +197,10 @@ def append_run(root: Location | str, run_id: str, run_db: Path, *,
         finally:
             con.close()
     root.mkdir(parents=True, exist_ok=True)
-    fds: list[int] = [_locked(root, exclusive=False)]
+    fds: list[int] = []
     staging = None
     try:
+        fds.append(_locked(root, exclusive=False))
         check_target(root, run_id, force)  # under the lock: no compaction since
         batched = _batched(root, TABLES)
         staging = Path(tempfile.mkdtemp(prefix=".append-", dir=root))
@@ -342,8 +350,9 @@ def compact(root: Location | str) -> Compaction:
     con = connect()
     out = Compaction()
     try:
-        for stale in root.glob(".compact-*"):
-            shutil.rmtree(stale)
+        for stale in root.glob(".compact-*"):  # what a compaction that stopped left
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale)
         listing = Listing(root)
         runs = listing.runs()
         stage = Path(tempfile.mkdtemp(prefix=".compact-", dir=root))
@@ -361,8 +370,8 @@ def compact(root: Location | str) -> Compaction:
             (new / BATCHED).write_text("this table is in batches: `run` is in the files "
                                        "(memtrack compact; docs/dataset.md)\n")
             files, schemas = listing.files(tf, merge, compacted=False)
-            _write_batch(con, table_dataset(tf, files, schemas, None), new / f"{BATCH}={stamp}",
-                         directory=True)
+            _write_batch(con, table_dataset(tf, files, schemas, None),
+                         new / f"{BATCH}={stamp}", directory=True)
             for f in tf.compacted:  # the batches of earlier compactions, as they are
                 batch = new / Path(f).parent.name
                 batch.mkdir(exist_ok=True)
@@ -376,8 +385,9 @@ def compact(root: Location | str) -> Compaction:
                 if tf.batched:
                     os.link(f, target)
                 else:
-                    _write_batch(con, table_dataset(tf, [f], [file_schema(f, None)], None), target)
-            before = len(files) + len(tf.compacted)
+                    _write_batch(con, table_dataset(tf, [f], [file_schema(f, None)], None),
+                                 target)
+            before = sum(1 for _ in (root / table).glob("*/*.parquet"))
             exchange(new, root / table)
             shutil.rmtree(new)  # the table's directory as it was
             after = sum(1 for p in (root / table).glob("*/*.parquet"))
