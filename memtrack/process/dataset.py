@@ -14,6 +14,12 @@ pyarrow's filesystems) is written the same way: each file written locally, uploa
 under a hidden staging directory of the dataset, then moved into place (a rename on a
 local filesystem; on object storage a copy, which creates the object whole), the
 `runs` file last, and removed first when a run is replaced.
+
+Each table is written in its directory's layout: by run (`run=ID/`, `run` in the path)
+or, once `compact` turned it into batches, as the run's own batch (`batch=ID/`, `run`
+the file's last column). `compact` merges a local dataset's runs table by table (a new
+directory built hidden, exchanged with the table's in one rename); appends hold the
+dataset directory's lock shared, compact alone.
 """
 
 from __future__ import annotations
