@@ -298,3 +298,20 @@ def test_a_compacted_dataset_on_object_storage(made: dict[str, Any], tmp_path: P
     con = open_dataset(remote)
     assert con.execute(sql).fetchall() == sorted([*want, ("new", 3, 2816)])
     con.close()
+
+
+def test_links_in_a_compacted_table_are_refused(made: dict[str, Any], tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    shutil.copytree(made["ds"], ds)
+    (batch,) = (ds / "frames").glob("batch=_c*")
+    outside = tmp_path / "outside"
+    batch.rename(outside)
+    os.symlink(outside, batch)
+    code, _, err = invoke("query", "--dataset", ds, "SELECT count(*) FROM frames")
+    assert code == 2 and err == f"memtrack: {batch}: not a directory of this dataset (a " \
+        "symbolic link, or another kind of file)\n"
+    batch.unlink()
+    batch.mkdir()
+    os.symlink(outside / "data_0.parquet", batch / "data_0.parquet")
+    code, _, err = invoke("query", "--dataset", ds, "SELECT count(*) FROM frames")
+    assert code == 2 and err.startswith(f"memtrack: {batch}/data_0.parquet: not a file of ")
