@@ -422,6 +422,20 @@ def history(
 
 
 @app.command()
+def compact(
+    dataset: Annotated[str, typer.Option(
+        "--dataset", metavar="DIR",
+        help="The local run dataset whose runs to merge (DIR/TABLE/run=ID/, or file:///DIR).")],
+) -> None:
+    """Merge the small files of a dataset's runs: each table's runs into one compacted
+    batch (DIR/TABLE/batch=_c.../), `run` then in the files; every query reads the same
+    rows before and after, and appends go on (docs/dataset.md)."""
+    from memtrack.commands import compact as cmd
+
+    call(cmd.run, dataset, out=sys.stdout)
+
+
+@app.command()
 def check(
     run: Annotated[Path, typer.Argument(help="A run database written by `memtrack process`.")],
     fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
