@@ -18,7 +18,7 @@ from typing import Any
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from support.runs import RUNS, add_run, run_id, write_bench_dataset
+from support.runs import RUNS, add_run, disk_full_at, run_id, write_bench_dataset
 from typer.testing import CliRunner
 
 from memtrack.cli import app
@@ -217,25 +217,15 @@ def test_a_compaction_that_fails_changes_no_result(made: dict[str, Any], tmp_pat
     assert engines(ds) == want_engines
 
 
-def test_a_run_left_half_written_stays_as_it_was(made: dict[str, Any], tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_left_half_written_stays_as_it_was(made: dict[str, Any], tmp_path: Path) -> None:
     """The tables of an append that failed (no `runs` row) are no run: compact keeps
     them outside its batch, in the table's new layout, for engines that read them."""
     scratch = made["dir"] / "scratch"
     ds = tmp_path / "ds"
     for i in (1, 2):
         add_run(ds, scratch, i)
-    copy = writer.copy_parquet
-
-    def failing(con: object, sql: str, path: Path) -> None:
-        if path.name == "stops":
-            raise OSError(28, "No space left on device")
-        copy(con, sql, path)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(writer, "copy_parquet", failing)
-    with pytest.raises(OSError):
+    with disk_full_at("stops"), pytest.raises(OSError):
         add_run(ds, scratch, 3)
-    monkeypatch.setattr(writer, "copy_parquet", copy)
     want, want_engines = everything(ds), engines(ds)
     assert len(want_engines["duckdb allocations"][1]) == 9  # run 3's rows, no run of it
     writer.compact(ds)

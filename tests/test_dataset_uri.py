@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.runs import disk_full_at
 from support.synth import SIZES, write_artifact, write_run
 from typer.testing import CliRunner
 
@@ -109,7 +110,7 @@ def test_a_bad_uri_is_one_line(tmp_path: Path) -> None:
     assert code == 2 and err.startswith("memtrack: nosuch://x/y: ") and err.count("\n") == 1
 
 
-def test_object_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_object_storage_path(tmp_path: Path) -> None:
     """The code path of `s3://` (no local filesystem under it: listings, moves that are
     copies) on pyarrow's in-memory filesystem (`mock:`): append, a failed append that
     leaves no run, query, a run read as its database, history."""
@@ -125,17 +126,8 @@ def test_object_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         assert writer.append_run(remote, run, db) is False
     with pytest.raises(DatasetError, match="already in the dataset"):
         writer.append_run(remote, "r1", db)
-    copy = writer.copy_parquet
-
-    def failing(con: object, query: str, path: Path) -> None:
-        if path.name == "allocations":
-            raise OSError(28, "No space left on device")
-        copy(con, query, path)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(writer, "copy_parquet", failing)
-    with pytest.raises(OSError):
+    with disk_full_at("allocations"), pytest.raises(OSError):
         writer.append_run(remote, "r3", db)
-    monkeypatch.setattr(writer, "copy_parquet", copy)
     assert run_ids(remote) == ["r1", "r2"]
     names = [i.base_name for i in fs.get_file_info(pafs.FileSelector("bucket/ds"))]
     assert sorted(names) == sorted(["runs", *writer.EXPORT_TABLES])  # no staging left

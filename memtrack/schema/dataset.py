@@ -147,6 +147,20 @@ def _not_ours(path: Path | str, kind: str) -> DatasetError:
                         "kind of file)")
 
 
+def _exists_as(path: Path | str, kind: str) -> bool:
+    """Whether `path` is a `kind` ("file" or "directory", not through a link): False
+    where nothing is; DatasetError where it cannot be read or is anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise DatasetError(f"{path}: {e.strerror or e}") from None
+    if not (stat.S_ISREG(mode) if kind == "file" else stat.S_ISDIR(mode)):
+        raise _not_ours(path, kind)
+    return True
+
+
 def _partition_name(name: str) -> tuple[str, str] | None:
     """`run=ID` or `batch=ID|_cSTAMP` as (key, value); None for any other name."""
     key, sep, value = name.partition("=")
@@ -178,15 +192,7 @@ class TableFiles:
         if run in self.not_dirs:
             raise _not_ours(part, "directory")
         f = os.path.join(part, DATA_FILE)
-        try:
-            mode = os.lstat(f).st_mode
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise DatasetError(f"{f}: {e.strerror or e}") from None
-        if not stat.S_ISREG(mode):
-            raise _not_ours(f, "file")
-        return f
+        return f if _exists_as(f, "file") else None
 
     def check(self) -> TableFiles:
         other = PARTITION if self.batched else BATCH
@@ -203,14 +209,8 @@ def list_table(root: Location, table: str) -> TableFiles | None:
     if isinstance(root, Remote):
         return _list_remote(root, table)
     d = Path(root) / table
-    try:
-        mode = os.lstat(d).st_mode
-    except FileNotFoundError:
+    if not _exists_as(d, "directory"):
         return None
-    except OSError as e:
-        raise DatasetError(f"{d}: {e.strerror or e}") from None
-    if not stat.S_ISDIR(mode):
-        raise _not_ours(d, "directory")
     tf = TableFiles(d)
     with os.scandir(d) as entries:
         for e in entries:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
+from memtrack.process import dataset as writer
 from memtrack.process.dataset import append_run
 from memtrack.schema import REGION_NAMES, RSS, EventKind
 from support import synth
@@ -97,3 +100,21 @@ def write_bench_dataset(ds: Path, scratch: Path, runs: int = RUNS) -> Path:
     for i in range(1, runs + 1):
         add_run(ds, scratch, i)
     return ds
+
+
+@contextmanager
+def disk_full_at(table: str) -> Iterator[None]:
+    """Within the block, the dataset writer's copy of `table` fails as on a full disk
+    (the tables before it are written)."""
+    copy = writer.copy_parquet
+
+    def failing(con: object, query: str, path: Path) -> None:
+        if path.name == table:
+            raise OSError(28, "No space left on device")
+        copy(con, query, path)  # type: ignore[arg-type]
+
+    writer.copy_parquet = failing  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        writer.copy_parquet = copy
