@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema.enums import CLONE_THREAD, EXIT_PROCESS, EventKind
+from memtrack.schema import clones
+from memtrack.schema.enums import CLONE_VM, EXIT_PROCESS, EndReason, EventKind
+
+END_EXEC, END_EXIT = EndReason.EXEC, EndReason.EXIT
 
 if TYPE_CHECKING:
     from memtrack.process.read import ArtifactTables
@@ -101,6 +104,11 @@ class Lifecycle:
         t = self.exits.filter(self.exits["process"])
         return t.select(["event_id", "ts", "pid", "status"])
 
+    def images(self, events: int) -> Images:
+        """Where each image ends, for event ids below `events` (memtrack.process.pair's
+        bounds on a block's life, the spill's forked children that touch their heap)."""
+        return Images(self, events)
+
     def by_pid(self) -> dict[int, list[Life]]:
         out: dict[int, list[Life]] = defaultdict(list)
         for lf in self.lives:
@@ -124,6 +132,80 @@ class Lifecycle:
                          "exit_status": lf.exit_raw, "exit_code": status["code"],
                          "exit_signal": status["signal"], "ns_pid": lf.ns_pid()})
         return pa.Table.from_pylist(rows, schema=PROCESS_ROWS)
+
+
+class Images:
+    """Where each image ends: a fork that hands its pid out again (a new process
+    starts), an exec or an exit, in event order per pid; an image is numbered by the
+    boundaries of its pid before it."""
+
+    def __init__(self, lc: Lifecycle, events: int) -> None:
+        forks, execs, exits = lc.forks, lc.execs, lc.process_exits
+        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
+                                exits["pid"].to_numpy()]).astype(np.int64)
+        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
+                                exits["event_id"].to_numpy()]).astype(np.int64)
+        b_ts = np.concatenate([forks["ts"].to_numpy(), execs["ts"].to_numpy(),
+                               exits["ts"].to_numpy()]).astype(np.uint64)
+        b_reason = np.concatenate([
+            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
+            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
+        # a fork that copies the address space (not a vfork: CLONE_VM shares it)
+        copying = np.concatenate([(forks["flags"].to_numpy() & CLONE_VM) == 0,
+                                  np.zeros(execs.num_rows + exits.num_rows, bool)])
+        self.stride = events + 1
+        key = b_pid * self.stride + b_eid
+        order = np.argsort(key, kind="stable")
+        self.key, self.pid = key[order], b_pid[order]
+        self.eid, self.ts, self.reason = b_eid[order], b_ts[order], b_reason[order]
+        self.groups = len(key) + 1  # a pid's images are fewer: (pid, image) key
+        self.attached = np.zeros(0, np.int64)  # heaps_before_attach's (pid, image) keys
+        # an exec that ends a prelude: the process's boundary before it is its fork
+        copying = copying[order]
+        self.ends_prelude = self.reason == END_EXEC
+        self.ends_prelude[1:] &= copying[:-1] & (self.pid[1:] == self.pid[:-1])
+        self.ends_prelude[:1] = False
+
+    def heaps_before_attach(self, attached: list[int], fork_ev: np.ndarray,
+                            parent: np.ndarray, child: np.ndarray) -> None:
+        """The images whose heap holds blocks allocated before the run began (`capture
+        --pid`): each attached process's first, and the image a fork of such an image
+        starts (the child's copy of that heap); `fork_ev`, `parent`, `child`: the forks
+        whose children inherit, in event order."""
+        heaps = {(pid, 0) for pid in attached}
+        if heaps:
+            for ev, p, c in zip(fork_ev.tolist(), parent.tolist(), child.tolist(),
+                                strict=True):
+                e = np.array([ev])
+                if (p, int(self.image(np.array([p]), e)[0])) in heaps:
+                    heaps.add((c, int(self.image(np.array([c]), e)[0])))
+        self.attached = np.array(sorted(p * self.groups + i for p, i in heaps), np.int64)
+
+    def before_attach(self, pid: np.ndarray, image: np.ndarray) -> np.ndarray:
+        """Whether each (pid, image) is one of heaps_before_attach's."""
+        return np.isin(pid.astype(np.int64) * self.groups + image, self.attached)
+
+    def image(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """The image of pid p that event e falls in: how many boundaries of p came at or
+        before e."""
+        return np.searchsorted(self.key, p * self.stride + e, side="right") - \
+            np.searchsorted(self.key, p * self.stride, side="left")
+
+    def in_prelude(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Whether event e of pid p falls in a prelude: after the fork that made p (not a
+        vfork) and before the exec that comes next in p."""
+        if not len(self.key):
+            return np.zeros(len(p), bool)
+        j = self.next_boundary(p, e)
+        return (j >= 0) & self.ends_prelude[np.maximum(j, 0)]
+
+    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Index into the boundaries of pid p's first one after event e, -1: none."""
+        if not len(self.key):
+            return np.full(len(p), -1, np.int64)
+        j = np.searchsorted(self.key, p * self.stride + e, side="right")
+        jc = np.minimum(j, len(self.key) - 1)
+        return np.where((j < len(self.key)) & (self.pid[jc] == p), jc, -1)
 
 
 PROCESS_ROWS = pa.schema([
@@ -165,12 +247,11 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
     eid = (picked["event_id"].to_numpy() if "event_id" in events.column_names
            else rows.astype(np.uint64))
     kind, flags = col["kind"], col["flags"]
-    fk = kind == EventKind.FORK
-    clones = pa.table({
+    fk, task, thread = clones(kind, flags, col["addr"])
+    clone_rows = pa.table({
         "event_id": pa.array(eid[fk], pa.uint64()), "ts": pa.array(col["ts"][fk], pa.uint64()),
         "pid": pa.array(col["pid"][fk], pa.uint32()), "tid": pa.array(col["tid"][fk], pa.uint32()),
-        "child": pa.array(col["addr"][fk].astype(np.uint32), pa.uint32()),
-        "thread": pa.array((flags[fk] & CLONE_THREAD) != 0),
+        "child": pa.array(task, pa.uint32()), "thread": pa.array(thread),
         "flags": pa.array(flags[fk], pa.uint64())})  # fmt: skip
     ex = kind == EventKind.EXEC
     execs = pa.table({"event_id": pa.array(eid[ex], pa.uint64()),
@@ -188,7 +269,7 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
         first_seen = dict(zip(pids.tolist(), (ts if order is None else ts[order])[first]
                               .tolist(), strict=True))
     first_seen = first_seen or {}
-    lc = Lifecycle(clones, execs, exits, [])
+    lc = Lifecycle(clone_rows, execs, exits, [])
     lc.lives = _lives(lc, processes, first_seen, root_pid, start_ns)
     return lc
 

@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.process.lifecycle import Lifecycle
+from memtrack.process.lifecycle import Images, Lifecycle
 from memtrack.process.lookup import find_sorted
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import (
@@ -112,15 +112,9 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     every bucket is matched."""
     if end_ts is None or end_ts < spill.last_ts:
         end_ts = spill.last_ts
-    bounds = _Bounds(life, spill.n)
-    fv = life.forks
-    fv = fv.filter(pa.array(((fv["flags"].to_numpy() & CLONE_VM) == 0)
-                            & np.isin(fv["event_id"].to_numpy().astype(np.int64),
-                                      np.array(sorted(spill.busy), np.int64))))
-    forks = _Forks(fv["event_id"].to_numpy().astype(np.int64),
-                   fv["ts"].to_numpy(), fv["parent"].to_numpy().astype(np.int64),
-                   fv["child"].to_numpy().astype(np.int64))
-    bounds.heaps_before_attach(attached or [], forks)
+    bounds = life.images(spill.n)
+    forks = _inheriting(life.forks, bounds, *spill.heap_touches())
+    bounds.heaps_before_attach(attached or [], forks.ev, forks.parent, forks.child)
     exits = spill.exits()
     counters = {"allocations": spill.allocations, "allocations_inherited": 0,
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
@@ -360,77 +354,27 @@ class _Forks:
     child: np.ndarray
 
 
-class _Bounds:
-    """Where each process instance ends: a fork of its pid (a child starts), an exec or
-    an exit, in event order per pid."""
-
-    def __init__(self, life: Lifecycle, n: int) -> None:
-        forks, execs, exits = life.forks, life.execs, life.process_exits
-        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
-                                exits["pid"].to_numpy()]).astype(np.int64)
-        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
-                                exits["event_id"].to_numpy()]).astype(np.int64)
-        b_ts = np.concatenate([forks["ts"].to_numpy(), execs["ts"].to_numpy(),
-                               exits["ts"].to_numpy()]).astype(np.uint64)
-        b_reason = np.concatenate([
-            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
-            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
-        # a fork that copies the address space (not a vfork: CLONE_VM shares it)
-        copying = np.concatenate([(forks["flags"].to_numpy() & CLONE_VM) == 0,
-                                  np.zeros(execs.num_rows + exits.num_rows, bool)])
-        self.stride = n + 1
-        key = b_pid * self.stride + b_eid
-        order = np.argsort(key, kind="stable")
-        self.key, self.pid = key[order], b_pid[order]
-        self.eid, self.ts, self.reason = b_eid[order], b_ts[order], b_reason[order]
-        self.groups = len(key) + 1  # instances of a process are fewer: (pid, instance) key
-        self.attached = np.zeros(0, np.int64)  # heaps_before_attach's (pid, instance) keys
-        # an exec that ends a prelude: the process's boundary before it is its fork
-        copying = copying[order]
-        self.ends_prelude = self.reason == END_EXEC
-        self.ends_prelude[1:] &= copying[:-1] & (self.pid[1:] == self.pid[:-1])
-        self.ends_prelude[:1] = False
-
-    def heaps_before_attach(self, attached: list[int], forks: _Forks) -> None:
-        """The process instances whose heap holds blocks allocated before the run began
-        (`capture --pid`): each attached process's first, and the instance a fork of
-        such an instance starts (the child's copy of that heap)."""
-        heaps = {(pid, 0) for pid in attached}
-        if heaps:
-            for ev, parent, child in zip(forks.ev.tolist(), forks.parent.tolist(),
-                                         forks.child.tolist(), strict=True):
-                p = np.array([parent]), np.array([child]), np.array([ev])
-                if (parent, int(self.instance(p[0], p[2])[0])) in heaps:
-                    heaps.add((child, int(self.instance(p[1], p[2])[0])))
-        self.attached = np.array(sorted(p * self.groups + i for p, i in heaps), np.int64)
-
-    def before_attach(self, pid: np.ndarray, inst: np.ndarray) -> np.ndarray:
-        """Whether each (process, instance) is one of heaps_before_attach's."""
-        return np.isin(pid.astype(np.int64) * self.groups + inst, self.attached)
-
-    def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """How many boundaries of process p came at or before event e."""
-        return np.searchsorted(self.key, p * self.stride + e, side="right") - \
-            np.searchsorted(self.key, p * self.stride, side="left")
-
-    def in_prelude(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """Whether event e of process p falls in a prelude: after the fork that made p
-        (not a vfork) and before the exec that comes next in p."""
-        if not len(self.key):
-            return np.zeros(len(p), bool)
-        j = self.next_boundary(p, e)
-        return (j >= 0) & self.ends_prelude[np.maximum(j, 0)]
-
-    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """Index into the boundaries of process p's first one after event e, -1: none."""
-        if not len(self.key):
-            return np.full(len(p), -1, np.int64)
-        j = np.searchsorted(self.key, p * self.stride + e, side="right")
-        jc = np.minimum(j, len(self.key) - 1)
-        return np.where((j < len(self.key)) & (self.pid[jc] == p), jc, -1)
+def _inheriting(forks: pa.Table, images: Images, t_pid: np.ndarray, t_ev: np.ndarray
+                ) -> _Forks:
+    """The forks whose children inherit their parent's blocks: those that copy the
+    address space (not a vfork: CLONE_VM shares it) and whose child touches its heap
+    before the end of the image the fork starts (`t_pid`, `t_ev`: the heap operations
+    EventSpill.heap_touches kept)."""
+    ev = forks["event_id"].to_numpy().astype(np.int64)
+    child = forks["child"].to_numpy().astype(np.int64)
+    touches = np.sort(t_pid * images.stride + t_ev)
+    j = images.next_boundary(child, ev)
+    until = np.where(j >= 0, images.eid[np.maximum(j, 0)] if len(images.eid) else 0,
+                     images.stride)
+    first = np.searchsorted(touches, child * images.stride + ev, side="right")
+    touched = first < len(touches)
+    touched[touched] = touches[first[touched]] < child[touched] * images.stride + until[touched]
+    keep = ((forks["flags"].to_numpy() & CLONE_VM) == 0) & touched
+    return _Forks(ev[keep], forks["ts"].to_numpy()[keep], forks["parent"].to_numpy()
+                  .astype(np.int64)[keep], child[keep])
 
 
-def _matched(stream: Stream, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
+def _matched(stream: Stream, bounds: Images, forks: _Forks, exits: np.ndarray,
              end_ts: int) -> Iterator[tuple[pa.Table, dict[str, int]]]:
     """The BLOCK_ROWS of one bucket and their counters: matched whole when children
     inherit (the copies need their parent's whole history), else a span of time at a
@@ -457,7 +401,7 @@ def _matched(stream: Stream, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
     stream.remove()
 
 
-def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
+def _match_bucket(ops: pa.Table, bounds: Images, forks: _Forks, exits: np.ndarray,
                   end_ts: int, carried: int = 0, until: int | None = None
                   ) -> tuple[pa.Table, dict[str, int], pa.Table]:
     """The BLOCK_ROWS of one bucket's operations (memtrack.process.spill.OPS), its
@@ -625,20 +569,20 @@ class _Matcher:
     was not recorded), else at the instance's next exec or exit (a leak), else at the
     capture's end. Events are indexed by their position."""
 
-    def __init__(self, bounds: _Bounds, f_ev: np.ndarray, f_pid: np.ndarray,
+    def __init__(self, bounds: Images, f_ev: np.ndarray, f_pid: np.ndarray,
                  f_addr: np.ndarray, by_realloc: np.ndarray) -> None:
         self.bounds = bounds
         self.copies: dict[int, list[_Blocks]] = {}  # child pid -> its copies, by fork
         self.chunks: list[_Blocks] = []  # every copy, in the order made
         self.f_ev, self.f_pid, self.f_addr, self.f_rf = f_ev, f_pid, f_addr, by_realloc
-        self.f_inst = bounds.instance(f_pid, f_ev)
+        self.f_inst = bounds.image(f_pid, f_ev)
         self.f_matched = np.zeros(len(f_ev), bool)
         self.f_after_free = np.zeros(len(f_ev), bool)  # the address's last op was a free
         self.f_last = np.zeros(len(f_ev), bool)  # the last operation of its address
 
     def allocations(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray) -> None:
         n = len(ev)
-        self.real = _Blocks(ev, pid, addr, self.bounds.instance(pid, ev),
+        self.real = _Blocks(ev, pid, addr, self.bounds.image(pid, ev),
                             np.full(n, -1, np.int64), np.arange(n, dtype=np.int64), 0,
                             np.zeros(n, np.int32), np.full(n, -1, np.int64))
         self.size = n
@@ -779,7 +723,7 @@ class _Matcher:
             copy = _Blocks(
                 np.full(k, e, np.int64), np.full(k, c, np.int64),
                 np.concatenate([blk.addr[i] for blk, i in alive]),
-                self.bounds.instance(np.full(k, c, np.int64), np.full(k, e, np.int64)),
+                self.bounds.image(np.full(k, c, np.int64), np.full(k, e, np.int64)),
                 np.concatenate([blk.base + i for blk, i in alive]),
                 np.concatenate([blk.origin[i] for blk, i in alive]), self.size,
                 np.concatenate([blk.gen[i] + 1 for blk, i in alive]),

@@ -244,7 +244,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
     summary.events = spill.n
     end_ns = m.end_ns or spill.last_ts
-    life = st.run("lifecycle", lambda: of_artifact(tables, m, spill.first_seen))
+    life = st.run("lifecycle", lambda: of_artifact(tables, m, spill.others.first_seen))
     res = st.run("rss", lambda: resident(tables, m, life))
     spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns,
                                               tables.region_labels))
