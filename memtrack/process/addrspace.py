@@ -74,5 +74,5 @@ def artifact_mappings(art: Artifact, pids: np.ndarray) -> pa.Table:
     record)."""
     sink = OtherEvents()
     tables = read_artifact(art, sink)
-    life = of_artifact(tables, art.manifest, sink.first_seen)
-    return inherited_mappings(tables.mappings, life.forks, pids)
+    lifecycle = of_artifact(tables, art.manifest, sink.first_seen)
+    return inherited_mappings(tables.mappings, lifecycle.forks, pids)

@@ -191,7 +191,7 @@ _ADDRESS_SPACE = (EventKind.MMAP, EventKind.MUNMAP, EventKind.BRK, EventKind.MAD
 _SNAPSHOT = 100  # op kind of a /proc/PID/maps snapshot
 
 
-def _ops_by_pid(events: pa.Table, mappings: pa.Table, life: Lifecycle
+def _ops_by_pid(events: pa.Table, mappings: pa.Table, lifecycle: Lifecycle
                 ) -> dict[int, list[tuple]]:
     """Each pid's operations in time order (then event order, a snapshot after the
     events of its time): its address-space events, its clones, execs and exits (the
@@ -208,7 +208,7 @@ def _ops_by_pid(events: pa.Table, mappings: pa.Table, life: Lifecycle
                    cols["pid"].tolist(), cols["flags"].tolist(), cols["addr"].tolist(),
                    cols["old_addr"].tolist(), cols["size"].tolist(), strict=True):
         ops[row[3]].append(row)
-    clones, execs, exits = life.clones, life.execs, life.exits
+    clones, execs, exits = lifecycle.clones, lifecycle.execs, lifecycle.exits
     for t, e, p, c, thread in zip(clones["ts"].to_pylist(), clones["event_id"].to_pylist(),
                                   clones["pid"].to_pylist(), clones["child"].to_pylist(),
                                   clones["thread"].to_pylist(), strict=True):
@@ -246,7 +246,7 @@ def _snapshot(space: _Space, maps: pa.Table, shift: int) -> None:
     space.resident = space.resident[mapped.contains(space.resident)]
 
 
-def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, life: Lifecycle,
+def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, lifecycle: Lifecycle,
                      *, page_size: int = 4096, thp: str = "madvise",
                      rss: pa.Table | None = None) -> AnonReplay:
     """Replay page faults and address-space events into anon RSS per process."""
@@ -256,9 +256,9 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, lif
     f_pid = faults["pid"].to_numpy()[order]
     f_page = (faults["address"].to_numpy()[order] >> np.uint64(shift)).astype(np.int64)
     f_ec = faults["error_code"].to_numpy()[order]
-    ops = _ops_by_pid(events, mappings, life)
+    ops = _ops_by_pid(events, mappings, lifecycle)
     pids = sorted(set(np.unique(f_pid).tolist()) | set(ops))
-    depth = fork_depths(life.forks)
+    depth = fork_depths(lifecycle.forks)
     pids.sort(key=lambda p: depth.get(p, 0))
     inherited: dict[int, list[tuple[int, _Space]]] = defaultdict(list)
     out_ts: list[np.ndarray] = []

@@ -4,9 +4,13 @@
 inherited address spaces, the processes and threads tables and memory_metadata.json all
 read it from there.
 
-A process *life* runs from its fork (or from when it was first seen) to its exit; a
-pid the kernel hands out again during the capture starts a second life. A child that
-never exec'd and was never snapshotted carries its parent's identity (a fork copies it).
+The words (docs/DESIGN.md, Process, step 2): a *process* runs from its fork (or
+from when it was first seen) to its exit, and a pid the kernel hands out again during
+the capture starts another process; a process runs one *image* from its fork to its
+first exec, then one after each exec (an image ends at its pid's next boundary: an
+exec, the exit, a fork that hands the pid out again); a forked child *inherits* a copy
+of its parent's address space, and with it the blocks alive in it. A child that never
+exec'd and was never snapshotted carries its parent's identity (a fork copies it).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Life:
-    """One life of a process."""
+class Process:
+    """One process: a pid from its fork (or first sight) to its exit."""
 
     pid: int
     start_ns: int | None
@@ -40,13 +44,13 @@ class Life:
     idents: list[dict[str, Any]] = field(default_factory=list)  # processes rows, in time
     execs: list[int] = field(default_factory=list)
 
-    def identity(self, by_pid: dict[int, list[Life]]) -> dict[str, Any]:
-        """comm/exe/cmdline of the life: its latest processes row, else its parent's
+    def identity(self, by_pid: dict[int, list[Process]]) -> dict[str, Any]:
+        """comm/exe/cmdline of the process: its latest processes row, else its parent's
         at the fork (up the tree until one has a row)."""
         if self.idents:
             return _ident(self.idents[-1])
         seen = {id(self)}
-        parent: Life = self
+        parent: Process = self
         start = self.start_ns or 0
         while parent.ppid is not None:
             cands = [p for p in by_pid.get(parent.ppid, []) if (p.start_ns or 0) <= start]
@@ -61,7 +65,7 @@ class Life:
 
 
     def ns_pid(self) -> int | None:
-        """The life's pid in its own pid namespace: its latest processes row that knows
+        """The process's pid in its own pid namespace: its latest processes row that knows
         it (never its parent's: that is another pid)."""
         known = [r.get("ns_pid") for r in self.idents if r.get("ns_pid") is not None]
         return known[-1] if known else None
@@ -83,12 +87,12 @@ def exit_status(raw: int | None) -> dict[str, int | None] | None:
 
 @dataclass
 class Lifecycle:
-    """The lifecycle events as tables (ts-ordered), and the process lives."""
+    """The lifecycle events as tables (ts-ordered), and the processes."""
 
     clones: pa.Table  # every FORK: event_id, ts, pid, tid (the parent), child, thread, flags
     execs: pa.Table  # event_id, ts, pid
     exits: pa.Table  # every EXIT: event_id, ts, pid, tid, status, process (whole process)
-    lives: list[Life]  # by start, then pid
+    processes: list[Process]  # by start, then pid
 
     @property
     def forks(self) -> pa.Table:
@@ -106,18 +110,18 @@ class Lifecycle:
 
     def images(self, events: int) -> Images:
         """Where each image ends, for event ids below `events` (memtrack.process.pair's
-        bounds on a block's life, the spill's forked children that touch their heap)."""
+        bounds on a block's lifetime, the spill's forked children that touch their heap)."""
         return Images(self, events)
 
-    def by_pid(self) -> dict[int, list[Life]]:
-        out: dict[int, list[Life]] = defaultdict(list)
-        for lf in self.lives:
+    def by_pid(self) -> dict[int, list[Process]]:
+        out: dict[int, list[Process]] = defaultdict(list)
+        for lf in self.processes:
             out[lf.pid].append(lf)
         return out
 
     def processes_table(self) -> pa.Table:
-        """The run database's processes rows, one per pid: its last life, named by its
-        latest processes row (any life's), else by its ancestors'."""
+        """The run database's processes rows, one per pid: its last process, named by its
+        latest processes row (any of the pid's processes'), else by its ancestors'."""
         by_pid = self.by_pid()
         last = sorted((ls[-1] for ls in by_pid.values()), key=lambda lf: (lf.start_ns or 0,
                                                                            lf.pid))
@@ -229,7 +233,7 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
               start_ns: int = 0, first_seen: dict[int, int] | None = None) -> Lifecycle:
     """The lifecycle of a capture from its events (any order; `event_id` when they have
     one, else their position) and processes rows; `root_pid` and `start_ns` (the
-    manifest's) give the root a life even when nothing else names it. `first_seen`:
+    manifest's) give the root a process even when nothing else names it. `first_seen`:
     each pid's first event's time, when `events` are not all of them (a spill's)."""
     n = events.num_rows
     ts = events["ts"].to_numpy()
@@ -270,20 +274,22 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
                               .tolist(), strict=True))
     first_seen = first_seen or {}
     lc = Lifecycle(clone_rows, execs, exits, [])
-    lc.lives = _lives(lc, processes, first_seen, root_pid, start_ns)
+    lc.processes = _processes(lc, processes, first_seen, root_pid, start_ns)
     return lc
 
 
-def _lives(lc: Lifecycle, processes: pa.Table | None, first_seen: dict[int, int],
-           root_pid: int, start_ns: int) -> list[Life]:
-    """The lives: forks start them, exits end them, execs and processes rows (who each
-    process was, at start and after each exec) fall in the life that holds them."""
-    lives: dict[int, list[Life]] = defaultdict(list)
+def _processes(lc: Lifecycle, rows_table: pa.Table | None, first_seen: dict[int, int],
+               root_pid: int, start_ns: int) -> list[Process]:
+    """The processes: forks start them, exits end them, execs and processes rows (who
+    each process was, at start and after each exec) fall in the process that holds
+    them."""
+    of_pid: dict[int, list[Process]] = defaultdict(list)
 
-    def current(pid: int, ts: int) -> Life:
-        if not lives[pid] or (lives[pid][-1].exit_ns is not None and lives[pid][-1].exit_ns < ts):
-            lives[pid].append(Life(pid, None))
-        return lives[pid][-1]
+    def current(pid: int, ts: int) -> Process:
+        last = of_pid[pid][-1] if of_pid[pid] else None
+        if last is None or (last.exit_ns is not None and last.exit_ns < ts):
+            of_pid[pid].append(Process(pid, None))
+        return of_pid[pid][-1]
 
     forks, pexits, execs = lc.forks, lc.process_exits, lc.execs
     steps = [(e, t, 0, p, c, 0) for e, t, p, c in zip(
@@ -298,32 +304,32 @@ def _lives(lc: Lifecycle, processes: pa.Table | None, first_seen: dict[int, int]
     steps.sort(key=lambda x: (x[1], x[0]))  # in time, then in event order
     for _, ts, what, pid, child, status in steps:
         if what == 0:
-            if lives[child] and lives[child][-1].exit_ns is None \
-                    and lives[child][-1].start_ns is None:
-                life = lives[child][-1]  # seen (processes row) before its fork event
-                life.start_ns, life.ppid = ts, pid
+            if of_pid[child] and of_pid[child][-1].exit_ns is None \
+                    and of_pid[child][-1].start_ns is None:
+                proc = of_pid[child][-1]  # seen (processes row) before its fork event
+                proc.start_ns, proc.ppid = ts, pid
             else:
-                lives[child].append(Life(child, ts, ppid=pid))
+                of_pid[child].append(Process(child, ts, ppid=pid))
         elif what == 1:
             current(pid, ts).execs.append(ts)
         else:
-            life = current(pid, ts)
-            life.exit_ns, life.exit_raw = ts, status
-    rows = processes.sort_by([("ts", "ascending")]).to_pylist() if processes is not None \
+            proc = current(pid, ts)
+            proc.exit_ns, proc.exit_raw = ts, status
+    rows = rows_table.sort_by([("ts", "ascending")]).to_pylist() if rows_table is not None \
         else []
     for row in rows:
         pid = row["pid"]
-        cands = [lf for lf in lives[pid] if lf.start_ns is None or lf.start_ns <= row["ts"]]
-        life = cands[-1] if cands else current(pid, row["ts"])
-        if life.ppid is None and row["ppid"]:
-            life.ppid = row["ppid"]
-        life.idents.append(row)
-    if root_pid and not lives[root_pid]:
-        lives[root_pid].append(Life(root_pid, start_ns or None))
+        cands = [lf for lf in of_pid[pid] if lf.start_ns is None or lf.start_ns <= row["ts"]]
+        proc = cands[-1] if cands else current(pid, row["ts"])
+        if proc.ppid is None and row["ppid"]:
+            proc.ppid = row["ppid"]
+        proc.idents.append(row)
+    if root_pid and not of_pid[root_pid]:
+        of_pid[root_pid].append(Process(root_pid, start_ns or None))
     for pid, ts in first_seen.items():  # a pid only its events name
-        if not lives[pid]:
-            lives[pid].append(Life(pid, ts))
-    out = [lf for ls in lives.values() for lf in ls]
+        if not of_pid[pid]:
+            of_pid[pid].append(Process(pid, ts))
+    out = [lf for ls in of_pid.values() for lf in ls]
     for lf in out:
         if lf.start_ns is None:
             seen = [t for t in (lf.idents[0]["ts"] if lf.idents else None,

@@ -256,10 +256,10 @@ class RunDatabase:
         con.execute(INSERTS[name])
         con.unregister(f"src_{name}")
 
-    def lives(self, life: Lifecycle) -> None:
-        """Load processes (each pid's last life) and threads (after `events`)."""
-        for name, tbl in (("processes", life.processes_table()), ("clones", life.clones),
-                          ("exits", life.exits)):
+    def processes(self, lifecycle: Lifecycle) -> None:
+        """Load processes (each pid's last process) and threads (after `events`)."""
+        for name, tbl in (("processes", lifecycle.processes_table()),
+                          ("clones", lifecycle.clones), ("exits", lifecycle.exits)):
             self.copy_in(f"src_{name}", tbl)
         self.con.execute(INSERTS["processes"])
         self.con.execute(INSERTS["threads"])

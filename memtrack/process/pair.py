@@ -11,8 +11,9 @@ Rules (docs/DESIGN.md, Process):
   until then (its prelude): its copies and its own blocks there are matched, then left
   out (no rows, no heap changes; counted as allocations_before_exec);
 - an allocation's lifetime ends at the first later free of the same address in the same
-  process; a process instance is bounded by fork (a child starts), exec and exit, so a
-  reused pid never pairs with its predecessor's blocks;
+  image (a process's, from its fork or exec to its next exec or exit; a fork that hands
+  the pid out again starts another process), so a reused pid never pairs with its
+  predecessor's blocks;
 - an allocation never freed ends at its process's exec or exit, or at the capture's end
   (a leak); one whose address is handed out again before any free ends there ("reused":
   a free that was not recorded, counted);
@@ -76,7 +77,7 @@ class Pairing:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
+def pair(events: pa.Table, lifecycle: Lifecycle, end_ts: int | None = None, *,
          buckets: int | None = None) -> Pairing:
     """Pair the allocations and frees of `events` (time-ordered, with event_id their
     position: memtrack.process.read) within the process lives of `life`
@@ -90,12 +91,12 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
         spill.add(batch)
     allocations: list[pa.Table] = []
     timeline: list[pa.Table] = []
-    counters = pair_spilled(spill, life, end_ts, allocations.append, timeline.append)
+    counters = pair_spilled(spill, lifecycle, end_ts, allocations.append, timeline.append)
     return Pairing(pa.concat_tables([ALLOCATIONS.empty_table(), *allocations]),
                    pa.concat_tables([HEAP_TIMELINE.empty_table(), *timeline]), counters)
 
 
-def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
+def pair_spilled(spill: EventSpill, lifecycle: Lifecycle, end_ts: int | None,
                  allocations: Callable[[pa.Table], None],
                  timeline: Callable[[pa.Table], None], progress: Advance = no_progress,
                  attached: list[int] | None = None
@@ -112,9 +113,9 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
     every bucket is matched."""
     if end_ts is None or end_ts < spill.last_ts:
         end_ts = spill.last_ts
-    bounds = life.images(spill.n)
-    forks = _inheriting(life.forks, bounds, *spill.heap_touches())
-    bounds.heaps_before_attach(attached or [], forks.ev, forks.parent, forks.child)
+    images = lifecycle.images(spill.n)
+    forks = _inheriting(lifecycle.forks, images, *spill.heap_touches())
+    images.heaps_before_attach(attached or [], forks.ev, forks.parent, forks.child)
     exits = spill.exits()
     counters = {"allocations": spill.allocations, "allocations_inherited": 0,
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
@@ -132,7 +133,7 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
         # a bucket too big is split again by address where children inherit, else
         # matched a span of time at a time
         for stream in (split(bucket, spill) if len(forks.ev) else [bucket]):
-            for rows, got in _matched(stream, bounds, forks, exits, end_ts):
+            for rows, got in _matched(stream, images, forks, exits, end_ts):
                 for name, v in got.items():
                     counters[name] += v
                 _changes(rows, changes, span)
@@ -374,7 +375,7 @@ def _inheriting(forks: pa.Table, images: Images, t_pid: np.ndarray, t_ev: np.nda
                   .astype(np.int64)[keep], child[keep])
 
 
-def _matched(stream: Stream, bounds: Images, forks: _Forks, exits: np.ndarray,
+def _matched(stream: Stream, images: Images, forks: _Forks, exits: np.ndarray,
              end_ts: int) -> Iterator[tuple[pa.Table, dict[str, int]]]:
     """The BLOCK_ROWS of one bucket and their counters: matched whole when children
     inherit (the copies need their parent's whole history), else a span of time at a
@@ -385,7 +386,7 @@ def _matched(stream: Stream, bounds: Images, forks: _Forks, exits: np.ndarray,
         ops = stream.table()
         stream.remove()
         if ops.num_rows:
-            rows, got, _ = _match_bucket(ops, bounds, forks, exits, end_ts)
+            rows, got, _ = _match_bucket(ops, images, forks, exits, end_ts)
             yield rows, got
         return
     carry = OPS.empty_table()
@@ -394,14 +395,14 @@ def _matched(stream: Stream, bounds: Images, forks: _Forks, exits: np.ndarray,
     while span is not None:
         after = next(spans, None)
         until = None if after is None else int(pc.min(after.column("event_id")).as_py())
-        rows, got, carry = _match_bucket(pa.concat_tables([carry, span]), bounds, forks,
+        rows, got, carry = _match_bucket(pa.concat_tables([carry, span]), images, forks,
                                          exits, end_ts, carried=carry.num_rows, until=until)
         yield rows, got
         span = after
     stream.remove()
 
 
-def _match_bucket(ops: pa.Table, bounds: Images, forks: _Forks, exits: np.ndarray,
+def _match_bucket(ops: pa.Table, images: Images, forks: _Forks, exits: np.ndarray,
                   end_ts: int, carried: int = 0, until: int | None = None
                   ) -> tuple[pa.Table, dict[str, int], pa.Table]:
     """The BLOCK_ROWS of one bucket's operations (memtrack.process.spill.OPS), its
@@ -418,15 +419,15 @@ def _match_bucket(ops: pa.Table, bounds: Images, forks: _Forks, exits: np.ndarra
     fi = fi[np.argsort(ev[fi], kind="stable")]
     f_ev, f_rf = ev[fi], col["kind"][fi] == EventKind.REALLOC
     old_f = fi < carried  # a carried free: its address's last operation so far
-    m = _Matcher(bounds, f_ev, col["pid"][fi], col["addr"][fi], f_rf)
+    m = _Matcher(images, f_ev, col["pid"][fi], col["addr"][fi], f_rf)
     m.allocations(ev[bi], col["pid"][bi], col["addr"][bi])
     m.inherit(forks)
     lone = ~m.f_matched & ~f_rf & ~old_f
     at_exit = _thread_exit_frees(f_ev[lone], m.f_after_free[lone], col["tid"][fi][lone],
                                  col["pid"][fi][lone], exits)
     # a free of an address no operation of the run touched, in a heap older than the run
-    unknown = ~m.f_after_free[lone] & ~at_exit & bounds.before_attach(
-        col["pid"][fi][lone], m.f_inst[lone])
+    unknown = ~m.f_after_free[lone] & ~at_exit & images.before_attach(
+        col["pid"][fi][lone], m.f_image[lone])
     counters = {"frees_unmatched": int((~m.f_matched & ~old_f).sum()),
                 "frees_at_thread_exit": int(at_exit.sum()),
                 "frees_before_attach": int(unknown.sum())}
@@ -437,18 +438,18 @@ def _match_bucket(ops: pa.Table, bounds: Images, forks: _Forks, exits: np.ndarra
     carry = ops.slice(0, 0)
     if until is not None:  # the blocks that may end after this span, the last frees
         final = (b.free >= 0) | (b.reason == END_REUSED) | ((b.end >= 0) & (b.end < until))
-        j = bounds.next_boundary(col["pid"][fi], f_ev)
-        goes_on = j < 0  # no boundary ends the free's process instance, or one after
-        if len(bounds.eid):
-            goes_on |= bounds.eid[np.maximum(j, 0)] >= until
+        j = images.next_boundary(col["pid"][fi], f_ev)
+        goes_on = j < 0  # no boundary ends the free's image, or one after
+        if len(images.eid):
+            goes_on |= images.eid[np.maximum(j, 0)] >= until
         live = m.f_last & goes_on
         carry = ops.take(pa.array(np.concatenate([bi[~final], fi[live]])))
     del m
     inherited = b.src >= 0
     o = bi[b.origin]  # each block's allocation, as a row of ops
     # an event's time: the frees', the allocations', the boundaries' and the forks'
-    t_key = np.concatenate([f_ev, ev[bi], bounds.eid, forks.ev])
-    t_val = np.concatenate([col["ts"][fi], col["ts"][bi], bounds.ts, forks.ts])
+    t_key = np.concatenate([f_ev, ev[bi], images.eid, forks.ev])
+    t_val = np.concatenate([col["ts"][fi], col["ts"][bi], images.ts, forks.ts])
     t_key, first = np.unique(t_key, return_index=True)
     t_val = t_val[first]
 
@@ -465,7 +466,7 @@ def _match_bucket(ops: pa.Table, bounds: Images, forks: _Forks, exits: np.ndarra
     temporary = has_free & ~inherited & (col["prev"][fi][at_free] == b.ev if len(fi)
                                          else False)
     # a prelude's blocks (its own and its copies) are in no process's figures
-    kept = final & ~bounds.in_prelude(b.pid, b.ev)
+    kept = final & ~images.in_prelude(b.pid, b.ev)
     counters.update({
         "allocations_inherited": int((inherited & kept).sum()),
         "allocations_before_exec": int((final[:nr] & ~kept[:nr]).sum()),
@@ -542,14 +543,14 @@ class _Blocks:
     ev: np.ndarray  # event index where the block starts in its process
     pid: np.ndarray
     addr: np.ndarray
-    inst: np.ndarray  # process instance (_Matcher.instance)
+    image: np.ndarray  # the image of the block's pid (Images.image)
     src: np.ndarray  # index of the block copied, -1 for an allocation
     origin: np.ndarray  # index of the allocation copied (itself for an allocation)
     base: int
     gen: np.ndarray  # 0 for an allocation, else its source's + 1
     src_fork: np.ndarray  # the fork that made the block copied (-1: an allocation)
     fork: int = -1  # the fork that made these copies (-1: allocations)
-    end: np.ndarray = field(init=False)  # event index where the block's life ends, -1
+    end: np.ndarray = field(init=False)  # event index where the block's lifetime ends, -1
     free: np.ndarray = field(init=False)  # event index of the free that ended it, -1
     reason: np.ndarray = field(init=False)  # EndReason
 
@@ -561,28 +562,27 @@ class _Blocks:
 
 class _Matcher:
     """Blocks (allocations, and the copies a forked child inherits) matched with the
-    frees that end them, process life by process life.
+    frees that end them, image by image.
 
-    A block's life in its process ends at the first later free of its address in the
-    same process instance (a process instance is bounded by fork: a child starts,
-    exec and exit), or where that address is handed out again (`reused`: a free that
-    was not recorded), else at the instance's next exec or exit (a leak), else at the
-    capture's end. Events are indexed by their position."""
+    A block's lifetime ends at the first later free of its address in the same image
+    (lifecycle.Images), or where that address is handed out again (`reused`: a free
+    that was not recorded), else at the image's end: an exec or exit (a leak), else at
+    the capture's end. Events are indexed by their position."""
 
-    def __init__(self, bounds: Images, f_ev: np.ndarray, f_pid: np.ndarray,
+    def __init__(self, images: Images, f_ev: np.ndarray, f_pid: np.ndarray,
                  f_addr: np.ndarray, by_realloc: np.ndarray) -> None:
-        self.bounds = bounds
+        self.images = images
         self.copies: dict[int, list[_Blocks]] = {}  # child pid -> its copies, by fork
         self.chunks: list[_Blocks] = []  # every copy, in the order made
         self.f_ev, self.f_pid, self.f_addr, self.f_rf = f_ev, f_pid, f_addr, by_realloc
-        self.f_inst = bounds.image(f_pid, f_ev)
+        self.f_image = images.image(f_pid, f_ev)
         self.f_matched = np.zeros(len(f_ev), bool)
         self.f_after_free = np.zeros(len(f_ev), bool)  # the address's last op was a free
         self.f_last = np.zeros(len(f_ev), bool)  # the last operation of its address
 
     def allocations(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray) -> None:
         n = len(ev)
-        self.real = _Blocks(ev, pid, addr, self.bounds.image(pid, ev),
+        self.real = _Blocks(ev, pid, addr, self.images.image(pid, ev),
                             np.full(n, -1, np.int64), np.arange(n, dtype=np.int64), 0,
                             np.zeros(n, np.int32), np.full(n, -1, np.int64))
         self.size = n
@@ -613,30 +613,30 @@ class _Matcher:
             return np.concatenate([getattr(blk, name)[slice(None) if i is None else i]
                                    for blk, i in parts])
 
-        b_pid, b_inst, b_addr, b_ev = (gather(name) for name in ("pid", "inst", "addr", "ev"))
+        b_pid, b_image, b_addr, b_ev = (gather(name) for name in ("pid", "image", "addr", "ev"))
         nb = len(b_ev)
         end = np.full(nb, -1, np.int64)
         free = np.full(nb, -1, np.int64)
         reason = np.full(nb, END_END, np.uint8)
         buckets = max(1, (nb + len(frees)) // BUCKET_OPS)
         if buckets == 1:
-            self.match_ops(b_pid, b_inst, b_addr, b_ev, np.arange(nb), frees, end, free, reason)
+            self.match_ops(b_pid, b_image, b_addr, b_ev, np.arange(nb), frees, end, free, reason)
         else:
             b_bucket = ((b_addr >> np.uint64(4)) % np.uint64(buckets)).astype(np.int32)
             f_bucket = ((self.f_addr[frees] >> np.uint64(4)) % np.uint64(buckets)).astype(
                 np.int32)
             for k in range(buckets):
                 bi = np.flatnonzero(b_bucket == k)
-                self.match_ops(b_pid[bi], b_inst[bi], b_addr[bi], b_ev[bi], bi,
+                self.match_ops(b_pid[bi], b_image[bi], b_addr[bi], b_ev[bi], bi,
                                frees[f_bucket == k], end, free, reason)
                 del bi
             del b_bucket, f_bucket
-        # Never freed: bounded by the next exec/exit of the process instance, if any.
+        # Never freed: bounded by the end of the image, if any.
         open_ = np.flatnonzero(end < 0)
-        j = self.bounds.next_boundary(b_pid[open_], b_ev[open_])
+        j = self.images.next_boundary(b_pid[open_], b_ev[open_])
         hit = j >= 0
-        end[open_[hit]] = self.bounds.eid[j[hit]]
-        reason[open_[hit]] = self.bounds.reason[j[hit]]
+        end[open_[hit]] = self.images.eid[j[hit]]
+        reason[open_[hit]] = self.images.reason[j[hit]]
         del open_, j, hit
         o = 0
         for blk, i in parts:
@@ -647,24 +647,24 @@ class _Matcher:
                 end[o:o + len(i)], free[o:o + len(i)], reason[o:o + len(i)])
             o += len(i)
 
-    def match_ops(self, b_pid: np.ndarray, b_inst: np.ndarray, b_addr: np.ndarray,
+    def match_ops(self, b_pid: np.ndarray, b_image: np.ndarray, b_addr: np.ndarray,
                   b_ev: np.ndarray, b_ref: np.ndarray, frees: np.ndarray, end: np.ndarray,
                   free: np.ndarray, reason: np.ndarray) -> None:
         """Match blocks with frees that hold every operation of their addresses: each
-        block ends at the next operation on its (pid, instance, address), a free (or a
+        block ends at the next operation on its (pid, image, address), a free (or a
         realloc's free) or another block (reused). b_ref: each block's index into end,
         free and reason, which this fills, with f_matched and f_after_free."""
         nb = len(b_ev)
         op_ev = np.concatenate([b_ev, self.f_ev[frees]])
         op_sub = np.concatenate([np.ones(nb, np.int8), np.zeros(len(frees), np.int8)])
         # event order first (a free before the block of its event), then a stable sort
-        # by (pid, instance, address): one or two sorts, not five
+        # by (pid, image, address): one or two sorts, not five
         order = np.argsort(op_ev * 2 + op_sub, kind="stable")
         s_ev, s_sub = op_ev[order], op_sub[order]
         del op_ev, op_sub
-        groups = self.bounds.groups
-        group = np.concatenate([b_pid * groups + b_inst,
-                                self.f_pid[frees] * groups + self.f_inst[frees]])[order]
+        groups = self.images.groups
+        group = np.concatenate([b_pid * groups + b_image,
+                                self.f_pid[frees] * groups + self.f_image[frees]])[order]
         s_addr = np.concatenate([b_addr, self.f_addr[frees]])[order]
         if len(group) and (group == group[0]).all():
             by = np.argsort(s_addr, kind="stable")
@@ -723,7 +723,7 @@ class _Matcher:
             copy = _Blocks(
                 np.full(k, e, np.int64), np.full(k, c, np.int64),
                 np.concatenate([blk.addr[i] for blk, i in alive]),
-                self.bounds.image(np.full(k, c, np.int64), np.full(k, e, np.int64)),
+                self.images.image(np.full(k, c, np.int64), np.full(k, e, np.int64)),
                 np.concatenate([blk.base + i for blk, i in alive]),
                 np.concatenate([blk.origin[i] for blk, i in alive]), self.size,
                 np.concatenate([blk.gen[i] + 1 for blk, i in alive]),
@@ -742,7 +742,7 @@ class _Matcher:
         if not self.chunks:
             return self.real, fork
         out = _Blocks(*(np.concatenate([getattr(b, f) for b in every])
-                        for f in ("ev", "pid", "addr", "inst", "src", "origin")), 0,
+                        for f in ("ev", "pid", "addr", "image", "src", "origin")), 0,
                       *(np.concatenate([getattr(b, f) for b in every])
                         for f in ("gen", "src_fork")))
         out.end = np.concatenate([b.end for b in every])

@@ -244,14 +244,14 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
     summary.events = spill.n
     end_ns = m.end_ns or spill.last_ts
-    life = st.run("lifecycle", lambda: of_artifact(tables, m, spill.others.first_seen))
-    res = st.run("rss", lambda: resident(tables, m, life))
+    lifecycle = st.run("lifecycle", lambda: of_artifact(tables, m, spill.others.first_seen))
+    res = st.run("rss", lambda: resident(tables, m, lifecycle))
     spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns,
                                               tables.region_labels))
     summary.add(spans.counters)
 
     store = ModuleStore(artifact_path, host_modules=host_modules)
-    spaces = inherited_mappings(tables.mappings, life.forks,
+    spaces = inherited_mappings(tables.mappings, lifecycle.forks,
                                 tables.stacks.index.column("pid").to_numpy())
     work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
                           store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
@@ -281,7 +281,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         rows = Aside(db)
         try:
             counters = pair_spilled(
-                spill, life, m.end_ns or None, partial(rows.insert, "allocations"),
+                spill, lifecycle, m.end_ns or None, partial(rows.insert, "allocations"),
                 partial(rows.insert, "heap_timeline"), progress,
                 [a["pid"] for a in m.attached])
         finally:
@@ -291,7 +291,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.allocations = counters["allocations"]
     with st.stage("load"):
         spill.remove()
-        db.lives(life)
+        db.processes(lifecycle)
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)
         db.table("regions", spans.regions)
@@ -327,7 +327,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.frames_by_method = loaded.frames_by_method
     summary.unknown_frames = loaded.unknown_frames
     summary.metadata = st.run("metadata", lambda: metadata.write(
-        metadata.build(art.path, m, life, res), metadata.path_for(summary.out_db)))
+        metadata.build(art.path, m, lifecycle, res), metadata.path_for(summary.out_db)))
 
 
 def allocator_functions(probes: Any) -> list[str]:
