@@ -14,6 +14,7 @@ from support import synth
 from test_process_jobs import checksums
 from test_process_jobs import synth as synth_artifact
 
+import memtrack.process.match as match_module
 import memtrack.process.pair as pair_module
 import memtrack.process.pipeline as pipeline
 import memtrack.process.spill as spill_module
@@ -67,10 +68,10 @@ def test_spans_of_time_pair_as_whole(seed: int, monkeypatch: pytest.MonkeyPatch)
     ev = pa.Table.from_batches(ev.to_batches(max_chunksize=97))  # spans end at batches
     whole = pair(ev, life, buckets=2)
     spans = []
-    match = pair_module._match_bucket
-    monkeypatch.setattr(pair_module, "_match_bucket", lambda *a, **k: spans.append(
+    match = match_module.match_bucket
+    monkeypatch.setattr(match_module, "match_bucket", lambda *a, **k: spans.append(
         k.get("carried", 0)) or match(*a, **k))
-    monkeypatch.setattr(pair_module, "OPS_PER_BUCKET", 50)
+    monkeypatch.setattr(match_module, "OPS_PER_BUCKET", 50)
     cut = pair(ev, life, buckets=2)
     assert len(spans) > 20 and max(spans) > 0  # spans, with blocks carried between them
     assert cut.allocations.equals(whole.allocations)
@@ -86,7 +87,7 @@ def test_one_address_again_and_again(monkeypatch: pytest.MonkeyPatch) -> None:
     ev = sort_events(synth.events_table(rows))
     ev = pa.Table.from_batches(ev.to_batches(max_chunksize=64))
     whole = pair(ev, lifecycle(ev))
-    monkeypatch.setattr(pair_module, "OPS_PER_BUCKET", 100)
+    monkeypatch.setattr(match_module, "OPS_PER_BUCKET", 100)
     cut = pair(ev, lifecycle(ev))
     assert cut.allocations.equals(whole.allocations) and cut.counters == whole.counters
     reasons = cut.allocations["end_reason"].to_pylist()

@@ -15,7 +15,8 @@ import pyarrow.compute as pc
 
 from memtrack.process.decode import StackRecords
 from memtrack.process.progress import Advance, no_progress
-from memtrack.process.spill import EventSpill, OutOfOrder, rechunk
+from memtrack.process.spill import EventSpill, OutOfOrder
+from memtrack.process.streams import rechunk
 from memtrack.schema import EVENTS, table_file
 from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError, TableRead
 from memtrack.schema.ddl import connect

@@ -24,13 +24,13 @@ lists in memory for a table already in memory (`pair` on a table, the tests).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.lookup import find_sorted
+from memtrack.process.lookup import Carry
+from memtrack.process.streams import Stream
 from memtrack.schema import EVENTS
 from memtrack.schema.enums import EventKind
 
@@ -87,97 +87,6 @@ def split(stream: Stream, spill: EventSpill, level: int = 1) -> list[Stream]:
             parts[k].write(batch.slice(at[k], at[k + 1] - at[k]))
     stream.remove()
     return [s for p in parts for s in split(p, spill, level + 1)]
-
-
-class Stream:
-    """Record batches of one schema, in a file (uncompressed IPC, read back with plain
-    reads, so that nothing of it stays mapped) or in memory."""
-
-    def __init__(self, schema: pa.Schema, path: Path | None) -> None:
-        self.schema, self.path, self.rows = schema, path, 0
-        self.parts: list[pa.RecordBatch] = []
-        self.writer: pa.ipc.RecordBatchStreamWriter | None = None
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        if not batch.num_rows:
-            return
-        self.rows += batch.num_rows
-        if self.path is None:
-            self.parts.append(batch)
-            return
-        if self.writer is None:
-            self.writer = pa.ipc.new_stream(pa.OSFile(str(self.path), "wb"), self.schema)
-        self.writer.write_batch(batch)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-    def batches(self) -> Iterator[pa.RecordBatch]:
-        self.close()
-        if self.path is None:
-            yield from self.parts
-        elif self.rows:
-            with pa.OSFile(str(self.path)) as f:
-                yield from pa.ipc.open_stream(f)
-
-    def table(self) -> pa.Table:
-        return pa.Table.from_batches(list(self.batches()), schema=self.schema)
-
-    def remove(self) -> None:
-        """Let go of what the stream holds."""
-        self.close()
-        self.parts = []
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-
-    def chunks(self, rows: int = 1 << 20) -> Iterator[pa.Table]:
-        """The batches gathered into tables of about `rows` (DuckDB's insert of a
-        table costs ~30 ms however small)."""
-        yield from rechunk(self.batches(), self.schema, rows)
-
-
-def rechunk(batches: Iterable[pa.RecordBatch], schema: pa.Schema, rows: int = 1 << 20
-            ) -> Iterator[pa.Table]:
-    """Record batches gathered into tables of at least `rows` (the last: the rest)."""
-    held: list[pa.RecordBatch] = []
-    n = 0
-    for b in batches:
-        held.append(b)
-        n += b.num_rows
-        if n >= rows:
-            yield pa.Table.from_batches(held, schema=schema)
-            held, n = [], 0
-    if held:
-        yield pa.Table.from_batches(held, schema=schema)
-
-
-class Carry:
-    """A value per key carried from batch to batch, the newest kept (keys sorted)."""
-
-    def __init__(self) -> None:
-        self.keys: np.ndarray | None = None
-        self.values = np.zeros(0, np.int64)
-
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each key's value, and whether it has one (the value is 0 where not)."""
-        if self.keys is None or not len(self.keys) or not len(keys):
-            return np.zeros(len(keys), np.int64), np.zeros(len(keys), bool)
-        j, found = find_sorted(self.keys, keys)
-        return np.where(found, self.values[j], 0), found
-
-    def update(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Keep the last value of each key of `keys` (sorted; a key's values in order)."""
-        if not len(keys):
-            return
-        last = np.flatnonzero(np.append(keys[1:] != keys[:-1], True))
-        if self.keys is None:
-            self.keys, self.values = keys[last], values[last].astype(np.int64)
-            return
-        both = np.concatenate([keys[last], self.keys])
-        self.keys, at = np.unique(both, return_index=True)  # the batch's first: the newest
-        self.values = np.concatenate([values[last], self.values])[at]
 
 
 class _Threads:
