@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.process.lifecycle import Lifecycle, fork_depths
+from memtrack.process.lookup import key_bounds
 from memtrack.schema.enums import (
     FAULT_PRESENT,
     FAULT_WRITE,
@@ -272,8 +273,7 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, lif
         for p in np.unique(mp).tolist():
             maps_by_pid[p] = mappings.filter(pa.array(mp == p))
     by_pid = np.argsort(f_pid, kind="stable")
-    bounds = np.searchsorted(f_pid[by_pid], np.array(pids, dtype=f_pid.dtype), side="left")
-    ends = np.searchsorted(f_pid[by_pid], np.array(pids, dtype=f_pid.dtype), side="right")
+    bounds, ends = key_bounds(f_pid[by_pid], np.array(pids, dtype=f_pid.dtype))
     for pid, lo, hi in zip(pids, bounds.tolist(), ends.tolist(), strict=True):
         idx = by_pid[lo:hi]
         ts, page, ec = f_ts[idx], f_page[idx], f_ec[idx]

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.process.lookup import Carry
+from memtrack.process.lookup import Carry, group_bounds
 from memtrack.process.streams import Stream
 from memtrack.schema.stages import HEAP_TIMELINE
 
@@ -17,7 +17,7 @@ from memtrack.schema.stages import HEAP_TIMELINE
 CHANGES = pa.schema([("event_id", pa.int64()), ("pid", pa.int64()), ("ts", pa.uint64()),
                      ("delta", pa.int64())])
 
-def write_changes(rows: pa.Table, ranges: list[Stream], span: int) -> None:
+def write_changes(rows: pa.Table, ranges: list[Stream], per_range: int) -> None:
     """A bucket's changes, each to the stream of its event's range."""
     ev = rows.column("event_id").to_numpy().astype(np.int64)
     end_col = rows.column("end_event_id")
@@ -34,9 +34,7 @@ def write_changes(rows: pa.Table, ranges: list[Stream], span: int) -> None:
         ranges[0].write(pa.RecordBatch.from_arrays(
             [pa.array(e), pa.array(p), pa.array(t), pa.array(d)], schema=CHANGES))
         return
-    r = e // span
-    order = np.argsort(r, kind="stable")
-    bounds = np.searchsorted(r[order], np.arange(len(ranges) + 1))
+    order, bounds = group_bounds(e // per_range, len(ranges))
     for k in np.flatnonzero(np.diff(bounds)).tolist():
         i = order[bounds[k]:bounds[k + 1]]
         ranges[k].write(pa.RecordBatch.from_arrays(

@@ -1,6 +1,8 @@
 """Lookups in sorted keys, the idioms the stages share: the exact lookup
-(`find_sorted`: `searchsorted`, the index clamped into the keys, the key compared), and
-a value per key carried from batch to batch (`Carry`)."""
+(`find_sorted`: `searchsorted`, the index clamped into the keys, the key compared), each
+group's rows (`group_bounds`: rows put in the order of a small group number, each
+group's [start, end); `key_bounds`: each key's [start, end) in sorted keys), and a
+value per key carried from batch to batch (`Carry`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,21 @@ def find_sorted(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nd
         return np.zeros(len(values), np.int64), np.zeros(len(values), bool)
     i = np.minimum(np.searchsorted(keys, values), len(keys) - 1)
     return i, keys[i] == values
+
+
+def group_bounds(groups: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows by group (`groups`: each row's, 0 <= group < count): the order that puts
+    them in group order (stable: a group's rows keep their order) and the bounds in it,
+    group k's rows being order[bounds[k]:bounds[k + 1]]."""
+    order = np.argsort(groups, kind="stable")
+    return order, np.searchsorted(groups[order], np.arange(count + 1))
+
+
+def key_bounds(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `values` runs in `keys` (ascending): [start, end), empty where it
+    is not there."""
+    return np.searchsorted(keys, values, side="left"), np.searchsorted(keys, values,
+                                                                       side="right")
 
 
 class Carry:

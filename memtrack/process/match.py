@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.process.lifecycle import Images
+from memtrack.process.lookup import key_bounds
 from memtrack.process.spill import OPS, OPS_PER_BUCKET
-from memtrack.process.streams import Stream, rechunk
+from memtrack.process.streams import Stream, as_pieces
 from memtrack.schema.enums import EndReason, EventKind
 from memtrack.schema.stages import ALLOCATIONS
 
@@ -49,10 +50,10 @@ def allocation_rows(t: pa.Table, realloc_of: pa.Array, inherited_from: pa.Array)
 def matched(stream: Stream, images: Images, forks: Forks, exits: np.ndarray,
              end_ts: int) -> Iterator[tuple[pa.Table, dict[str, int]]]:
     """The BLOCK_ROWS of one bucket and their counters: matched whole when children
-    inherit (the inherited blocks need their parent's whole history), else a span of time at a
+    inherit (the inherited blocks need their parent's whole history), else a piece of time at a
     time (about OPS_PER_BUCKET operations: an address handed out again and again, as a
     malloc/free loop's, is in one bucket however many its operations), the blocks still
-    open and each address's last free carried from one span to the next."""
+    open and each address's last free carried from one piece to the next."""
     if len(forks.ev) or stream.rows <= 2 * OPS_PER_BUCKET:
         ops = stream.table()
         stream.remove()
@@ -61,15 +62,15 @@ def matched(stream: Stream, images: Images, forks: Forks, exits: np.ndarray,
             yield rows, got
         return
     carry = OPS.empty_table()
-    spans = rechunk(stream.batches(), OPS, OPS_PER_BUCKET)  # the batches are in time order
-    span = next(spans, None)
-    while span is not None:
-        after = next(spans, None)
+    pieces = as_pieces(stream.batches(), OPS, OPS_PER_BUCKET)  # the batches are in time order
+    piece = next(pieces, None)
+    while piece is not None:
+        after = next(pieces, None)
         until = None if after is None else int(pc.min(after.column("event_id")).as_py())
-        rows, got, carry = match_bucket(pa.concat_tables([carry, span]), images, forks,
+        rows, got, carry = match_bucket(pa.concat_tables([carry, piece]), images, forks,
                                          exits, end_ts, carried=carry.num_rows, until=until)
         yield rows, got
-        span = after
+        piece = after
     stream.remove()
 
 
@@ -77,9 +78,9 @@ def match_bucket(ops: pa.Table, images: Images, forks: Forks, exits: np.ndarray,
                   end_ts: int, carried: int = 0, until: int | None = None
                   ) -> tuple[pa.Table, dict[str, int], pa.Table]:
     """The BLOCK_ROWS of one bucket's operations (memtrack.process.spill.OPS), its
-    counters, and what the next span of time needs (OPS rows). Matched a span at a time
-    (no forks whose children inherit): the first `carried` rows are the previous span's
-    open blocks and last frees, `until` the next span's first event (None: the last);
+    counters, and what the next piece of time needs (OPS rows). Matched a piece at a time
+    (no forks whose children inherit): the first `carried` rows are the previous piece's
+    open blocks and last frees, `until` the next piece's first event (None: the last);
     a block still open that may end after it is carried on, not a row yet."""
     col = {c: ops.column(c).to_numpy() for c in (
         "event_id", "pid", "tid", "ts", "kind", "addr", "alloc_id", "prev")}  # fmt: skip
@@ -107,7 +108,7 @@ def match_bucket(ops: pa.Table, images: Images, forks: Forks, exits: np.ndarray,
     nr = len(bi)
     final = np.ones(len(b.ev), bool)
     carry = ops.slice(0, 0)
-    if until is not None:  # the blocks that may end after this span, the last frees
+    if until is not None:  # the blocks that may end after this piece, the last frees
         final = (b.free >= 0) | (b.reason == END_REUSED) | ((b.end >= 0) & (b.end < until))
         j = images.next_boundary(col["pid"][fi], f_ev)
         goes_on = j < 0  # no boundary ends the free's image, or one after
@@ -267,10 +268,10 @@ class Matcher:
             self.pid_sorted = self.real.pid[self.by_pid]
             self.f_by_pid = np.lexsort((self.f_ev, self.f_pid))
             self.f_pid_sorted = self.f_pid[self.f_by_pid]
-        lo, hi = np.searchsorted(self.pid_sorted, [p, p + 1])
+        lo, hi = key_bounds(self.pid_sorted, p)
         parts = [(self.real, self.by_pid[lo:hi])]
         parts += [(c, np.arange(len(c.ev))) for c in self.inherited.get(p, [])]
-        flo, fhi = np.searchsorted(self.f_pid_sorted, [p, p + 1])
+        flo, fhi = key_bounds(self.f_pid_sorted, p)
         return parts, self.f_by_pid[flo:fhi]
 
     def match(self, parts: list[tuple[Blocks, np.ndarray | None]], frees: np.ndarray) -> None:

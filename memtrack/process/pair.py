@@ -25,7 +25,7 @@ How: the heap operations come in buckets by address (memtrack.process.spill), an
 bucket is matched on its own with numpy (an address's blocks, frees and inherited blocks
 all fall in one); its rows go to streams by event range, which are put in order one
 range at a time, where what crosses buckets is joined: a realloc's link to the block it
-freed, the inherited blocks' ids, the heap timeline. Memory holds a bucket (a span of time of a
+freed, the inherited blocks' ids, the heap timeline. Memory holds a bucket (a piece of a
 bucket too big) or a range at a time, and the inherited blocks (memtrack.process.inherit).
 """
 
@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 from memtrack.process.heap_timeline import CHANGES, HeapTimeline, write_changes
 from memtrack.process.inherit import InheritedIds, inherited_rows, inheriting
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.process.lookup import find_sorted
+from memtrack.process.lookup import find_sorted, group_bounds
 from memtrack.process.match import BLOCK_ROWS, END_REALLOC, allocation_rows, matched
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import EventSpill, buckets_for, split
@@ -107,8 +107,8 @@ def pair_spilled(spill: EventSpill, lifecycle: Lifecycle, end_ts: int | None,
                 "frees_at_thread_exit": 0, "frees_before_attach": 0,
                 "allocations_reused_without_free": 0, "allocations_before_exec": 0,
                 "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
-    span = max(RANGE_EVENTS, -(-spill.n // MAX_RANGES))  # events of a range
-    ranges = -(-spill.n // span)
+    per_range = max(RANGE_EVENTS, -(-spill.n // MAX_RANGES))  # events of a range
+    ranges = -(-spill.n // per_range)
     changes = spill.streams(CHANGES, "changes", ranges)
     blocks = spill.streams(BLOCK_ROWS, "blocks", ranges)
     freed = spill.streams(REALLOC_FREED, "freed", ranges)
@@ -116,19 +116,19 @@ def pair_spilled(spill: EventSpill, lifecycle: Lifecycle, end_ts: int | None,
     steps = len(spill.ops) + ranges
     for k, bucket in enumerate(spill.ops):
         # a bucket too big is split again by address where children inherit, else
-        # matched a span of time at a time
+        # matched a piece (of time) at a time
         for stream in (split(bucket, spill) if len(forks.ev) else [bucket]):
             for rows, got in matched(stream, images, forks, exits, end_ts):
                 for name, v in got.items():
                     counters[name] += v
-                write_changes(rows, changes, span)
+                write_changes(rows, changes, per_range)
                 real = rows.column("fork").null_count == rows.num_rows
                 if not real:
                     is_inherited = pc.is_valid(rows.column("fork"))
                     inherited.append(rows.filter(is_inherited))
                 _by_range(rows if real else rows.filter(pc.invert(is_inherited)),
-                          rows.column("event_id").to_numpy() if real else None, blocks, span)
-                _realloc_freed(rows, freed, span)
+                          rows.column("event_id").to_numpy() if real else None, blocks, per_range)
+                _realloc_freed(rows, freed, per_range)
                 del rows
         progress(k + 1, steps, buckets=k + 1)
     counters["frees_unmatched"] -= counters["frees_at_thread_exit"] + \
@@ -154,22 +154,20 @@ REALLOC_FREED = pa.schema([("event_id", pa.int64()), ("alloc_id", pa.int64()),
                            ("fork", pa.int64()), ("origin", pa.int64())])
 
 
-def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream], span: int
+def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream], per_range: int
               ) -> None:
     """Rows to the streams of their event's range (`ev`: the rows' event ids)."""
     if not rows.num_rows:
         return
     ev = rows.column("event_id").to_numpy() if ev is None else ev
-    r = (ev // span).astype(np.int64)
-    order = np.argsort(r, kind="stable")
-    at = np.searchsorted(r[order], np.arange(len(streams) + 1))
+    order, at = group_bounds((ev // per_range).astype(np.int64), len(streams))
     rows = rows.take(pa.array(order))
     for k in np.flatnonzero(np.diff(at)).tolist():
         for b in rows.slice(at[k], at[k + 1] - at[k]).to_batches():
             streams[k].write(b)
 
 
-def _realloc_freed(rows: pa.Table, streams: list[Stream], span: int) -> None:
+def _realloc_freed(rows: pa.Table, streams: list[Stream], per_range: int) -> None:
     """The blocks of a bucket that a realloc freed, by the realloc's event."""
     reason = rows.column("end_reason").to_numpy()
     i = np.flatnonzero(reason == END_REALLOC)
@@ -182,7 +180,7 @@ def _realloc_freed(rows: pa.Table, streams: list[Stream], span: int) -> None:
         "fork": pc.fill_null(t.column("fork"), -1),
         "origin": pc.fill_null(t.column("origin").cast(pa.int64()), 0),
     }, schema=REALLOC_FREED)
-    _by_range(out, None, streams, span)
+    _by_range(out, None, streams, per_range)
 
 
 def _range_rows(blocks: Stream, freed: Stream, inherited_ids: InheritedIds) -> pa.Table:

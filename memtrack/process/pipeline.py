@@ -162,7 +162,7 @@ def process(
     host_modules: bool | None = None,
     cache_dir: Path | str | None = None,
     progress: bool | ProgressSink | None = None,
-    chunk_bytes: int | None = None,
+    piece_bytes: int | None = None,
     labels: dict[str, str] | None = None,
     jobs: int | None = None,
     python_frames: bool = True,
@@ -176,7 +176,7 @@ def process(
     cache_dir: the symbol and CFI caches (per module), None for none.
     progress: where the stages are (memtrack.process.progress): True draws it on stderr
     (TerminalProgress), None only when stderr is a terminal, False nowhere; or a sink.
-    chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
+    piece_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
     labels: what the user says of the run (`--label commit=...`), kept in meta.
     jobs: processes that decode and unwind stack records, and DuckDB's threads (None:
@@ -207,7 +207,7 @@ def process(
                            buckets_for(_events_estimate(art)))
         try:
             _process(art, db, spill, summary, st, host_modules=host_modules,
-                     cache=Path(cache_dir) if cache_dir else None, chunk_bytes=chunk_bytes,
+                     cache=Path(cache_dir) if cache_dir else None, piece_bytes=piece_bytes,
                      labels=labels, jobs=jobs, python_frames=python_frames,
                      parquet_dir=Path(parquet_dir) if parquet_dir else None)
         except BaseException:
@@ -228,7 +228,7 @@ def _events_estimate(art: Artifact) -> int:
 
 
 def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary,
-             st: Stages, *, host_modules: bool, cache: Path | None, chunk_bytes: int | None,
+             st: Stages, *, host_modules: bool, cache: Path | None, piece_bytes: int | None,
              labels: dict[str, str] | None, jobs: int, python_frames: bool,
              parquet_dir: Path | None) -> None:
     """The stages, in the order that holds the least at a time: the events go to the
@@ -254,7 +254,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     spaces = inherited_mappings(tables.mappings, lifecycle.forks,
                                 tables.stacks.index.column("pid").to_numpy())
     work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
-                          store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
+                          store, piece_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
     summary.add(work.counters)
     summary.warn(work.problems)
     unwound = work.unwound

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from memtrack.process.anon_replay import AnonReplay, reconstruct_anon, thp_mode
 from memtrack.process.lifecycle import Lifecycle, fork_depths
+from memtrack.process.lookup import key_bounds
 from memtrack.process.read import ArtifactTables
 from memtrack.schema.enums import RssCause, RssMember
 from memtrack.schema.manifest import Manifest
@@ -97,7 +98,7 @@ def _value_at(eff: dict[str, np.ndarray], pid: int, member: int, ts: int) -> int
     """The effective value of (pid, member) as of ts, from _effective's sorted rows."""
     part = eff["pid"].astype(np.int64) * 8 + eff["member"]
     key = pid * 8 + member
-    lo, hi = np.searchsorted(part, [key, key + 1])
+    lo, hi = key_bounds(part, key)
     i = lo + int(np.searchsorted(eff["ts"][lo:hi], ts, side="right")) - 1
     return int(eff["bytes"][i]) if i >= lo else None
 

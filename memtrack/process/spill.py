@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.lookup import Carry
+from memtrack.process.lookup import Carry, group_bounds
 from memtrack.process.streams import Stream
 from memtrack.schema import EVENTS
 from memtrack.schema.enums import EventKind
@@ -79,9 +79,7 @@ def split(stream: Stream, spill: EventSpill, level: int = 1) -> list[Stream]:
     n = buckets_for(stream.rows)
     parts = spill.streams(OPS, f"{stream.path.stem if stream.path else 'ops'}.{level}", n)
     for batch in stream.batches():
-        b = bucket_of(batch.column("addr").to_numpy(), n, level)
-        order = np.argsort(b, kind="stable")
-        at = np.searchsorted(b[order], np.arange(n + 1))
+        order, at = group_bounds(bucket_of(batch.column("addr").to_numpy(), n, level), n)
         batch = batch.take(pa.array(order))
         for k in np.flatnonzero(np.diff(at)).tolist():
             parts[k].write(batch.slice(at[k], at[k + 1] - at[k]))
@@ -244,9 +242,9 @@ class EventSpill:
         op_prev = np.concatenate([np.full(len(a), -1, np.int64), prev[f]])
         bounds = [0, len(at)]
         if self.buckets > 1:  # in bucket order
-            b = bucket_of(op_addr, self.buckets)
-            order = np.argsort(b, kind="stable")  # a radix sort: uint16
-            bounds = np.searchsorted(b[order], np.arange(self.buckets + 1)).tolist()
+            # a radix sort: uint16
+            order, at_bucket = group_bounds(bucket_of(op_addr, self.buckets), self.buckets)
+            bounds = at_bucket.tolist()
             at, op_addr, op_id, op_prev = at[order], op_addr[order], op_id[order], op_prev[order]
         take = pa.array(at)
         ops = pa.RecordBatch.from_arrays([

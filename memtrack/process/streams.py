@@ -53,13 +53,13 @@ class Stream:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 
-    def chunks(self, rows: int = 1 << 20) -> Iterator[pa.Table]:
+    def pieces(self, rows: int = 1 << 20) -> Iterator[pa.Table]:
         """The batches gathered into tables of about `rows` (DuckDB's insert of a
         table costs ~30 ms however small)."""
-        yield from rechunk(self.batches(), self.schema, rows)
+        yield from as_pieces(self.batches(), self.schema, rows)
 
 
-def rechunk(batches: Iterable[pa.RecordBatch], schema: pa.Schema, rows: int = 1 << 20
+def as_pieces(batches: Iterable[pa.RecordBatch], schema: pa.Schema, rows: int = 1 << 20
             ) -> Iterator[pa.Table]:
     """Record batches gathered into tables of at least `rows` (the last: the rest)."""
     held: list[pa.RecordBatch] = []
