@@ -129,10 +129,13 @@ class OtherEvents:
             self.parts.append(pa.Table.from_batches([batch]).take(pa.array(other)).add_column(
                 0, "event_id", pa.array((other + self.n).astype(np.uint64))))
         pid, ts = batch.column("pid").to_numpy(), batch.column("ts").to_numpy()
-        order = np.lexsort((ts, pid))  # the events need not be in time order here
-        pids, at = np.unique(pid[order], return_index=True)
-        for p, t in zip(pids.tolist(), ts[order][at].tolist(), strict=True):
-            self.first_seen[p] = min(self.first_seen.get(p, t), t)
+        if len(pid):  # each pid's earliest (`info` reads events in file order, not time)
+            order = np.argsort(pid, kind="stable")
+            ps = pid[order]
+            start = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+            earliest = np.minimum.reduceat(ts[order], start)
+            for p, t in zip(ps[start].tolist(), earliest.tolist(), strict=True):
+                self.first_seen[p] = min(self.first_seen.get(p, t), t)
         self.n += batch.num_rows
 
     def other_events(self) -> pa.Table:
