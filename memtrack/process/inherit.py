@@ -29,7 +29,7 @@ class Forks:
 
 
 def inheriting(forks: pa.Table, images: Images, t_pid: np.ndarray, t_ev: np.ndarray
-                ) -> Forks:
+               ) -> Forks:
     """The forks whose children inherit their parent's blocks: those that copy the
     address space (not a vfork: CLONE_VM shares it) and whose child touches its heap
     before the end of the image the fork starts (`t_pid`, `t_ev`: the heap operations
@@ -44,8 +44,8 @@ def inheriting(forks: pa.Table, images: Images, t_pid: np.ndarray, t_ev: np.ndar
     touched = first < len(touches)
     touched[touched] = touches[first[touched]] < child[touched] * images.stride + until[touched]
     keep = ((forks["flags"].to_numpy() & CLONE_VM) == 0) & touched
-    return Forks(ev[keep], forks["ts"].to_numpy()[keep], forks["parent"].to_numpy()
-                  .astype(np.int64)[keep], child[keep])
+    parent = forks["parent"].to_numpy().astype(np.int64)
+    return Forks(ev[keep], forks["ts"].to_numpy()[keep], parent[keep], child[keep])
 
 
 def inherited_rows(parts: list[pa.Table], allocations: int) -> tuple[pa.Table, InheritedIds]:

@@ -60,7 +60,7 @@ class Stream:
 
 
 def as_pieces(batches: Iterable[pa.RecordBatch], schema: pa.Schema, rows: int = 1 << 20
-            ) -> Iterator[pa.Table]:
+              ) -> Iterator[pa.Table]:
     """Record batches gathered into tables of at least `rows` (the last: the rest)."""
     held: list[pa.RecordBatch] = []
     n = 0
