@@ -52,6 +52,11 @@ def test_buckets_pair_as_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(spill_module, "OPS_PER_BUCKET", 40)
     again = pair(ev, life, buckets=2)
     assert again.allocations.equals(a) and again.counters == one.counters
+    # a match too big for one sort: cut by address within the bucket
+    monkeypatch.setattr(match_module, "BUCKET_OPS", 30)
+    cut = pair(ev, life, buckets=1)
+    assert cut.allocations.equals(a) and cut.counters == one.counters
+    assert cut.heap_timeline.equals(one.heap_timeline)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.process.lifecycle import Images
-from memtrack.process.lookup import key_bounds
+from memtrack.process.lookup import group_bounds, key_bounds
 from memtrack.process.spill import OPS, OPS_PER_BUCKET
 from memtrack.process.streams import Stream, as_pieces
 from memtrack.schema.enums import EndReason, EventKind
@@ -294,15 +294,19 @@ class Matcher:
         if buckets == 1:
             self.match_ops(b_pid, b_image, b_addr, b_ev, np.arange(nb), frees, end, free, reason)
         else:
-            b_bucket = ((b_addr >> np.uint64(4)) % np.uint64(buckets)).astype(np.int32)
-            f_bucket = ((self.f_addr[frees] >> np.uint64(4)) % np.uint64(buckets)).astype(
-                np.int32)
+            # by address (16-byte aligned), not by the spill's hash: that one's top bits
+            # are the same for every address of the spill's bucket
+            b_order, b_at = group_bounds(
+                ((b_addr >> np.uint64(4)) % np.uint64(buckets)).astype(np.int32), buckets)
+            f_order, f_at = group_bounds(
+                ((self.f_addr[frees] >> np.uint64(4)) % np.uint64(buckets)).astype(np.int32),
+                buckets)
             for k in range(buckets):
-                bi = np.flatnonzero(b_bucket == k)
+                bi = b_order[b_at[k]:b_at[k + 1]]
                 self.match_ops(b_pid[bi], b_image[bi], b_addr[bi], b_ev[bi], bi,
-                               frees[f_bucket == k], end, free, reason)
+                               frees[f_order[f_at[k]:f_at[k + 1]]], end, free, reason)
                 del bi
-            del b_bucket, f_bucket
+            del b_order, f_order
         # Never freed: bounded by the end of the image, if any.
         open_ = np.flatnonzero(end < 0)
         j = self.images.next_boundary(b_pid[open_], b_ev[open_])
