@@ -48,9 +48,9 @@ def events(live: int, children: int, fork_flags: int) -> pa.Table:
 
 
 def timed(ev: pa.Table) -> tuple[float, int, int]:
-    life = lifecycle(ev)
+    lc = lifecycle(ev)
     t0 = time.perf_counter()
-    p = pair(ev, life)
+    p = pair(ev, lc)
     return time.perf_counter() - t0, p.allocations.num_rows, p.counters["frees_unmatched"]
 
 

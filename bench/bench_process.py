@@ -67,21 +67,21 @@ _RUN = """
 import sys, time
 from memtrack.process.pipeline import process
 t0 = time.perf_counter()
-process(sys.argv[1], sys.argv[2], progress=False, chunk_bytes=int(sys.argv[3]))
+process(sys.argv[1], sys.argv[2], progress=False, piece_bytes=int(sys.argv[3]))
 print(time.perf_counter() - t0)
 """
 
 
-def peak_run(art: Path, out: Path, chunk_bytes: int) -> tuple[float, float]:
+def peak_run(art: Path, out: Path, piece_bytes: int) -> tuple[float, float]:
     """(seconds, peak RSS in MiB) of `process` in a process of its own."""
-    p = subprocess.Popen([sys.executable, "-c", _RUN, str(art), str(out), str(chunk_bytes)],
+    p = subprocess.Popen([sys.executable, "-c", _RUN, str(art), str(out), str(piece_bytes)],
                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert p.stdout is not None
     sec = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode:
-        raise SystemExit(f"process (chunk_bytes={chunk_bytes}) failed: {p.returncode}")
+        raise SystemExit(f"process (piece_bytes={piece_bytes}) failed: {p.returncode}")
     return float(sec), usage.ru_maxrss / 1024
 
 

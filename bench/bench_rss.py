@@ -112,11 +112,11 @@ def main() -> None:
     maps = art.read("mappings").table
     t_read = time.perf_counter() - t0
     t0 = time.perf_counter()
-    life = lifecycle(ev)
-    effective_rss(rss, life)
+    lc = lifecycle(ev)
+    effective_rss(rss, lc)
     t_tl = time.perf_counter() - t0
     t0 = time.perf_counter()
-    reconstruct_anon(faults, ev, maps, life, page_size=art.manifest.host.page_size)
+    reconstruct_anon(faults, ev, maps, lc, page_size=art.manifest.host.page_size)
     t_rp = time.perf_counter() - t0
     print(f"processing: {rss.num_rows:,} rss rows, {faults.num_rows:,} faults")
     print(f"  read tables        {t_read * 1e3:8.1f} ms   x1.00")

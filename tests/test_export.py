@@ -51,7 +51,7 @@ def test_folded(run_db: Path, tmp_path: Path) -> None:
     assert lines["parent (100);[truncated];thread_fn"] == "300"
     assert lines["child (200);[truncated];thread_fn"] == "64"
     assert sum(int(v) for v in lines.values()) == sum(SIZES)
-    # by default a process is its name: the two lives of pid 200 (child, child2) and
+    # by default a process is its name: the two processes of pid 200 (child, child2) and
     # another run's processes match
     plain = dict(ln.rsplit(" ", 1) for ln in export(run_db, tmp_path, "folded")
                  .read_text().splitlines())

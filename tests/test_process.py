@@ -103,7 +103,7 @@ def test_lifecycle_tables(run: duckdb.DuckDBPyConnection) -> None:
     assert procs[1][:3] == (200, 100, "child2") and procs[1][5:] == (2600, None, 9)
     threads = q(run, "SELECT pid, tid, events FROM threads ORDER BY tid")
     assert threads == [(100, 100, 11), (100, 101, 1), (200, 200, 4)]
-    # rss: pid 100's own updates; each pid 200 life seeded from its parent at the fork
+    # rss: pid 100's own updates; each pid 200 process seeded from its parent at the fork
     # (anon 64 KiB since 1400), reset at its exit
     assert q(run, "SELECT ts, bytes, cause::VARCHAR FROM rss WHERE member = 'anon' "
                   "AND pid = 100 ORDER BY ts") == [(1000, 4096, "update"), (1400, 65536, "update")]
@@ -195,7 +195,7 @@ def test_older_database_refused(tmp_path: Path) -> None:
         open_run(plain)
 
 
-# The synthetic run with plain forks: each pid 200 life (both allocate or free) gets a
+# The synthetic run with plain forks: each pid 200 process (both allocate or free) gets a
 # copy of the blocks alive in pid 100 at its fork, D and E both times; alloc_ids after
 # the calls' (A B F C D E G H X): {alloc_id: (the block copied, fork ts, end, end ts)}
 INHERITED = {9: (4, 1800, "exit", 2000), 10: (5, 1800, "free", 1950),
@@ -213,7 +213,7 @@ def forked(tmp_path_factory: pytest.TempPathFactory) -> duckdb.DuckDBPyConnectio
     s = process(art, d / "f.duckdb", progress=False)
     assert s.allocations == len(SIZES)
     assert s.counters["allocations_inherited"] == len(INHERITED)
-    # the child's free of E's address ends its copy; 0xDEAD and the second life's free
+    # the child's free of E's address ends its copy; 0xDEAD and the second process's free
     # of G's address stay unmatched
     assert s.counters["frees_unmatched"] == UNMATCHED_FREES - 1
     con = open_run(d / "f.duckdb")
@@ -253,7 +253,7 @@ def test_inherited_heap_peak_leaks(forked: duckdb.DuckDBPyConnection) -> None:
     de = 4096 + 1000  # the copies of D and E at each fork
     assert child == [(1800, de), (1900, de + 64), (1950, 4096 + 64), (2000, 0), (2300, de),
                      (2500, de + 128), (2600, 0)]
-    # the second life's peak after X's malloc: its copies of D and E, and X
+    # the second process's peak after X's malloc: its copies of D and E, and X
     assert q(forked, "SELECT peak_ts, peak_bytes FROM heap_peak WHERE pid = 200") == [
         (2500, de + 128)]
     assert q(forked, "SELECT alloc_id FROM peak WHERE pid = 200 ORDER BY 1") == [

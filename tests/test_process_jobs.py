@@ -51,7 +51,7 @@ def test_tables_equal_whatever_jobs(artifact: Path, tmp_path: Path) -> None:
     one = process(artifact, tmp_path / "one.duckdb", progress=False, jobs=1)
     # two workers, and pieces of 1 MiB: 6,000 stacks of ~1.5 KiB are cut into several
     two = process(artifact, tmp_path / "two.duckdb", progress=False, jobs=2,
-                  chunk_bytes=1 << 20)
+                  piece_bytes=1 << 20)
     assert one.stacks == two.stacks == 6_000
     assert one.counters == two.counters
     a, b = checksums(tmp_path / "one.duckdb"), checksums(tmp_path / "two.duckdb")

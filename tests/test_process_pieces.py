@@ -67,12 +67,12 @@ def test_lowered_piece_size_same_tables(small_synth: Path, tmp_path: Path,
         return out
 
     monkeypatch.setattr(parallel, "decode_table", spy)
-    process(small_synth, tmp_path / "small.duckdb", progress=False, jobs=1, chunk_bytes=bound)
+    process(small_synth, tmp_path / "small.duckdb", progress=False, jobs=1, piece_bytes=bound)
     assert len(seen) > 10
     assert all(copies <= bound or n == 1 for n, copies, _ in seen)
     assert all(stack <= bound + 8 * (n + 1) for n, _, stack in seen)  # + offsets
     seen.clear()
-    process(small_synth, tmp_path / "one.duckdb", progress=False, jobs=1, chunk_bytes=1 << 40)
+    process(small_synth, tmp_path / "one.duckdb", progress=False, jobs=1, piece_bytes=1 << 40)
     assert len(seen) == 1
     assert checksums(tmp_path / "small.duckdb") == checksums(tmp_path / "one.duckdb")
 

@@ -36,7 +36,7 @@ def test_stages_in_order_counts_to_their_totals(small_synth: Path, tmp_path: Pat
     rec = Recorder()
     # pieces of 256 KiB: 1,500 stacks of ~1 KiB are unwound in several
     summary = process(small_synth, tmp_path / "r.duckdb", progress=rec, jobs=2,
-                      chunk_bytes=256 << 10, cache_dir=None)
+                      piece_bytes=256 << 10, cache_dir=None)
     bounds = [e[:2] for e in rec.log if e[0] != "advance"]
     assert bounds == [(what, s) for s in STAGES for what in ("start", "finish")]
     current = None

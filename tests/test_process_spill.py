@@ -14,6 +14,7 @@ from support import synth
 from test_process_jobs import checksums
 from test_process_jobs import synth as synth_artifact
 
+import memtrack.process.match as match_module
 import memtrack.process.pair as pair_module
 import memtrack.process.pipeline as pipeline
 import memtrack.process.spill as spill_module
@@ -32,25 +33,30 @@ def test_buckets_pair_as_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None
     child's copies of its parent's blocks, copies of copies, the heap timeline's running
     sum) comes out as with one bucket and one range."""
     ev = sort_events(synth.random_events(seed))
-    life = lifecycle(ev)
-    one = pair(ev, life, buckets=1)
+    lc = lifecycle(ev)
+    one = pair(ev, lc, buckets=1)
     a = one.allocations
     assert one.counters["allocations_inherited"] > 0
     assert a["realloc_of"].null_count < a.num_rows
     monkeypatch.setattr(pair_module, "RANGE_EVENTS", 300)  # ten ranges
     for buckets in (1, 4, 64):
-        many = pair(ev, life, buckets=buckets)
+        many = pair(ev, lc, buckets=buckets)
         assert many.allocations.equals(a), buckets
         assert many.heap_timeline.equals(one.heap_timeline), buckets
         assert many.counters == one.counters, buckets
     # events handed to the spill in small batches: what it carries from one to the next
     # (each thread's last heap event, last allocation and free before its exit)
-    small = pair(pa.Table.from_batches(ev.to_batches(max_chunksize=37)), life, buckets=4)
+    small = pair(pa.Table.from_batches(ev.to_batches(max_chunksize=37)), lc, buckets=4)
     assert small.allocations.equals(a) and small.counters == one.counters
     # a bucket too big where children inherit: split again by another hash of the address
     monkeypatch.setattr(spill_module, "OPS_PER_BUCKET", 40)
-    again = pair(ev, life, buckets=2)
+    again = pair(ev, lc, buckets=2)
     assert again.allocations.equals(a) and again.counters == one.counters
+    # a match too big for one sort: cut by address within the bucket
+    monkeypatch.setattr(match_module, "BUCKET_OPS", 30)
+    cut = pair(ev, lc, buckets=1)
+    assert cut.allocations.equals(a) and cut.counters == one.counters
+    assert cut.heap_timeline.equals(one.heap_timeline)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -63,15 +69,15 @@ def test_spans_of_time_pair_as_whole(seed: int, monkeypatch: pytest.MonkeyPatch)
     flags[ev.column("kind").to_numpy() == EventKind.FORK] |= CLONE_VM
     ev = sort_events(ev.set_column(ev.schema.get_field_index("flags"), "flags",
                                    pa.array(flags)))
-    life = lifecycle(ev)
+    lc = lifecycle(ev)
     ev = pa.Table.from_batches(ev.to_batches(max_chunksize=97))  # spans end at batches
-    whole = pair(ev, life, buckets=2)
+    whole = pair(ev, lc, buckets=2)
     spans = []
-    match = pair_module._match_bucket
-    monkeypatch.setattr(pair_module, "_match_bucket", lambda *a, **k: spans.append(
+    match = match_module.match_bucket
+    monkeypatch.setattr(match_module, "match_bucket", lambda *a, **k: spans.append(
         k.get("carried", 0)) or match(*a, **k))
-    monkeypatch.setattr(pair_module, "OPS_PER_BUCKET", 50)
-    cut = pair(ev, life, buckets=2)
+    monkeypatch.setattr(match_module, "OPS_PER_BUCKET", 50)
+    cut = pair(ev, lc, buckets=2)
     assert len(spans) > 20 and max(spans) > 0  # spans, with blocks carried between them
     assert cut.allocations.equals(whole.allocations)
     assert cut.heap_timeline.equals(whole.heap_timeline)
@@ -86,7 +92,7 @@ def test_one_address_again_and_again(monkeypatch: pytest.MonkeyPatch) -> None:
     ev = sort_events(synth.events_table(rows))
     ev = pa.Table.from_batches(ev.to_batches(max_chunksize=64))
     whole = pair(ev, lifecycle(ev))
-    monkeypatch.setattr(pair_module, "OPS_PER_BUCKET", 100)
+    monkeypatch.setattr(match_module, "OPS_PER_BUCKET", 100)
     cut = pair(ev, lifecycle(ev))
     assert cut.allocations.equals(whole.allocations) and cut.counters == whole.counters
     reasons = cut.allocations["end_reason"].to_pylist()

@@ -14,7 +14,7 @@ from support.stackrecords import SP0, regions_kept, ring_record
 from support.synth import END_NS
 
 from memtrack.capture.stackring import records_to_batches
-from memtrack.process.decode import decode_chunks
+from memtrack.process.decode import decode_pieces
 from memtrack.process.pipeline import process
 from memtrack.report.folded import folded
 from memtrack.report.reader import RunReader
@@ -131,9 +131,9 @@ def test_process_in_tiny_runs_equals_the_default(tmp_path: Path) -> None:
     every run) writes the same run database."""
     exe = build_fixture(["unwind/chain.c"], VARIANTS["O2"], "chain-O2")
     art, n = repeated_artifact(run_snaps([str(exe)], tmp_path), tmp_path / "a.memtrack", 5)
-    assert len(list(decode_chunks(Artifact.open(art), 1))) == n == 15
+    assert len(list(decode_pieces(Artifact.open(art), 1))) == n == 15
     whole = process(art, tmp_path / "whole.duckdb", progress=False)
-    tiny = process(art, tmp_path / "tiny.duckdb", progress=False, chunk_bytes=1)
+    tiny = process(art, tmp_path / "tiny.duckdb", progress=False, piece_bytes=1)
     assert whole.stacks == tiny.stacks == 3
     assert whole.counters["decode_mismatch"] == 0
     assert whole.counters["stack_records"] == 15

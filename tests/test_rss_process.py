@@ -268,10 +268,10 @@ def test_reused_pid_gets_a_second_life(tmp_path: Path) -> None:
     w.write("rss", r)
     w.close()
     procs = memory_metadata(Artifact.open(tmp_path / "r.memtrack"))["processes"]
-    lives = [(p["start_ns"], p["exit_ns"], p["exit_status"], p["peak_rss"]["anon"])
-             for p in procs if p["pid"] == 101]
-    assert lives == [(2, 5, {"code": 0, "signal": None}, {"bytes": 50 * P, "ts": 3}),
-                     (8, 12, {"code": None, "signal": 9}, {"bytes": 20 * P, "ts": 9})]
+    of_101 = [(p["start_ns"], p["exit_ns"], p["exit_status"], p["peak_rss"]["anon"])
+              for p in procs if p["pid"] == 101]
+    assert of_101 == [(2, 5, {"code": 0, "signal": None}, {"bytes": 50 * P, "ts": 3}),
+                      (8, 12, {"code": None, "signal": 9}, {"bytes": 20 * P, "ts": 9})]
 
 
 def test_info_and_process_agree_on_peak_rss(tmp_path: Path) -> None:

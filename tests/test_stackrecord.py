@@ -18,7 +18,7 @@ from support.stackrecords import (
 )
 
 from memtrack.capture.stackring import records_to_batches
-from memtrack.process.decode import decode_chunks, decode_table
+from memtrack.process.decode import decode_pieces, decode_table
 from memtrack.schema import STACK_COPIES, STACKS
 from memtrack.schema.stackrecord import CALLEE_SAVED
 
@@ -194,24 +194,24 @@ def test_decoded_stacks_are_split_into_binary_chunks_and_multi_chunk_payloads_re
 
 
 @pytest.mark.parametrize("max_bytes", [1, 4000, 20000, 1 << 30])
-def test_decode_chunks_equals_decoding_whole(max_bytes: int) -> None:
+def test_decode_pieces_equals_decoding_whole(max_bytes: int) -> None:
     rng = np.random.default_rng(11)
     stacks, _ = skeleton_table(rng, 40)
     whole = decode_table(stacks)
-    runs = list(decode_chunks(stacks, max_bytes))
+    pieces = list(decode_pieces(stacks, max_bytes))
     sizes = np.split(stacks.column("copy_len").to_numpy(),
-                     np.cumsum([r.counters["stack_records"] for r in runs])[:-1])
+                     np.cumsum([r.counters["stack_records"] for r in pieces])[:-1])
     assert all(s.sum() <= max_bytes or s.size == 1 for s in sizes)
-    assert pa.concat_tables([r.table for r in runs]).equals(whole.table)
-    assert {k: sum(r.counters[k] for r in runs) for k in whole.counters} == whole.counters
+    assert pa.concat_tables([r.table for r in pieces]).equals(whole.table)
+    assert {k: sum(r.counters[k] for r in pieces) for k in whole.counters} == whole.counters
 
 
-def test_decode_chunks_of_an_empty_table_and_bad_sizes() -> None:
-    runs = list(decode_chunks(STACKS.empty_table()))
-    assert [r.table.num_rows for r in runs] == [0]
-    assert runs[0].counters["stack_records"] == 0
+def test_decode_pieces_of_an_empty_table_and_bad_sizes() -> None:
+    pieces = list(decode_pieces(STACKS.empty_table()))
+    assert [r.table.num_rows for r in pieces] == [0]
+    assert pieces[0].counters["stack_records"] == 0
     with pytest.raises(ValueError, match="max_bytes must be positive"):
-        next(decode_chunks(STACKS.empty_table(), 0))
+        next(decode_pieces(STACKS.empty_table(), 0))
 
 
 @settings(max_examples=80, deadline=None)

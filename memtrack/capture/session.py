@@ -65,9 +65,9 @@ from memtrack.capture.regions import Regions
 from memtrack.capture.ringbuf import RingReader
 from memtrack.capture.status import StatusLine
 from memtrack.capture.stops import ATTACH, Pauses, StopRegistry
-from memtrack.schema import PROCESSES, RSS, STOPS, EventKind, is_loss
+from memtrack.schema import PROCESSES, RSS, STOPS, clones, is_loss
 from memtrack.schema.artifact import ArtifactWriter
-from memtrack.schema.enums import CLONE_THREAD, RssMember
+from memtrack.schema.enums import RssMember
 from memtrack.schema.manifest import Clock, ExitStatus, Host
 
 if TYPE_CHECKING:
@@ -484,9 +484,10 @@ class Session:
 
     def _note_forks(self, rec: np.ndarray) -> None:
         """processes.arrow rows for new child processes (they start as their parent)."""
-        forks = rec[(rec["kind"] == EventKind.FORK) & ((rec["flags"] & CLONE_THREAD) == 0)]
+        at, task, thread = clones(rec["kind"], rec["flags"], rec["addr"])
+        forks = rec[at[~thread]]
         for ts, parent, child in zip(forks["ts"].tolist(), forks["pid"].tolist(),
-                                     forks["addr"].tolist(), strict=True):
+                                     task[~thread].tolist(), strict=True):
             # the parent as it was at the fork: the writer may see the fork after the
             # parent's exec was recorded (sh -c 'cmd1; exec cmd2' forks then execs)
             comm, exe, cmdline = self._identity_at(parent, ts)

@@ -30,7 +30,6 @@ class EventTally:
     def __init__(self) -> None:
         self.n = 0
         self.kinds = np.zeros(256, np.int64)
-        self.first_seen: dict[int, int] = {}
         self.others = OtherEvents()
         self.hashes: list[tuple[np.ndarray, np.ndarray]] = []  # per batch: (hash, count)
         self.alloc_hashes: list[tuple[np.ndarray, np.ndarray]] = []
@@ -42,19 +41,14 @@ class EventTally:
         self.hashes.append(np.unique(h, return_counts=True))
         self.alloc_hashes.append(np.unique(h[np.isin(kind, [int(k) for k in ALLOC_KINDS])],
                                            return_counts=True))
-        pid, ts = batch.column("pid").to_numpy(), batch.column("ts").to_numpy()
-        order = np.lexsort((ts, pid))  # the events need not be in time order here
-        pids, at = np.unique(pid[order], return_index=True)
-        for p, t in zip(pids.tolist(), ts[order][at].tolist(), strict=True):
-            self.first_seen[p] = min(self.first_seen.get(p, t), t)
-        self.others.add(batch, kind, self.n)
+        self.others.add(batch)
         self.n += batch.num_rows
         if len(self.hashes) > 64:  # the counts stay one entry per distinct hash
             self.hashes = [_merged(self.hashes)]
             self.alloc_hashes = [_merged(self.alloc_hashes)]
 
     def other_events(self) -> pa.Table:
-        return self.others.table()
+        return self.others.other_events()
 
     def close(self) -> None:
         self.hashes = [_merged(self.hashes)]
@@ -98,7 +92,7 @@ def collect_info(path: Path, *, accept_damaged: bool = False) -> dict[str, Any]:
         "event_kinds": kinds,
         "losses": m.losses,
         "modules": art.modules(),
-        "peak_rss": peak_rss(art, read, tally.first_seen),
+        "peak_rss": peak_rss(art, read, tally.others.first_seen),
         "stack_records": stack_records(read.stacks, tally, read.py_stacks),
         "warnings": art.warnings,
     }

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 
 from memtrack.commands import CommandError
 from memtrack.process.addrspace import artifact_mappings
-from memtrack.process.decode import decode_chunks
+from memtrack.process.decode import decode_pieces
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.symbolize import default_cache_dir, symbolize_frames
@@ -19,11 +19,11 @@ from memtrack.symbolize.modules import ModuleStore, host_modules_for
 
 
 def find_record(art: Artifact, stack_hash: int) -> pa.Table | None:
-    """The decoded records of one stack hash, decoding run by run (a record needs its
+    """The decoded records of one stack hash, decoding piece by piece (a record needs its
     thread's chain back to a keyframe, not the whole artifact at once)."""
     want = pa.scalar(stack_hash, pa.uint64())
-    for run in decode_chunks(art):
-        rows = run.table.filter(pc.equal(run.table.column("stack_hash"), want))
+    for piece in decode_pieces(art):
+        rows = piece.table.filter(pc.equal(piece.table.column("stack_hash"), want))
         if rows.num_rows:
             return rows
     return None

@@ -16,11 +16,11 @@ import bisect
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from memtrack.process.lifecycle import lifecycle
+from memtrack.process.lifecycle import of_artifact
+from memtrack.process.read import read_artifact
+from memtrack.process.spill import OtherEvents
 from memtrack.schema.artifact import Artifact
-from memtrack.schema.enums import EventKind
 
 
 def inherited_mappings(mappings: pa.Table, forks: pa.Table, pids: np.ndarray) -> pa.Table:
@@ -70,7 +70,9 @@ def inherited_mappings(mappings: pa.Table, forks: pa.Table, pids: np.ndarray) ->
 
 def artifact_mappings(art: Artifact, pids: np.ndarray) -> pa.Table:
     """An artifact's snapshots and the inherited ones of its forked children among
-    `pids`, from its events' forks alone (`memtrack unwind` on one record)."""
-    events = art.read("events").table
-    forks = events.filter(pc.equal(events.column("kind"), int(EventKind.FORK)))
-    return inherited_mappings(art.read("mappings").table, lifecycle(forks).forks, pids)
+    `pids`, from the lifecycle stage as `process` runs it (`memtrack unwind` on one
+    record)."""
+    sink = OtherEvents()
+    tables = read_artifact(art, sink)
+    lifecycle = of_artifact(tables, art.manifest, sink.first_seen)
+    return inherited_mappings(tables.mappings, lifecycle.forks, pids)

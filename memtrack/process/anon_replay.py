@@ -16,9 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from memtrack.process.lifecycle import Lifecycle, fork_depths
+from memtrack.process.lookup import key_bounds
 from memtrack.schema.enums import (
-    CLONE_THREAD,
-    EXIT_PROCESS,
     FAULT_PRESENT,
     FAULT_WRITE,
     MADV_COLLAPSE,
@@ -188,28 +187,47 @@ class AnonReplay:
     huge_windows: int = 0  # 2 MiB windows taken as transparent huge pages
 
 
-_OPS = {EventKind.MMAP, EventKind.MUNMAP, EventKind.BRK, EventKind.MADVISE, EventKind.MREMAP,
-        EventKind.FORK, EventKind.EXEC, EventKind.EXIT}
+_ADDRESS_SPACE = (EventKind.MMAP, EventKind.MUNMAP, EventKind.BRK, EventKind.MADVISE,
+                  EventKind.MREMAP)
 _SNAPSHOT = 100  # op kind of a /proc/PID/maps snapshot
 
 
-def _ops_by_pid(events: pa.Table, mappings: pa.Table) -> dict[int, list[tuple]]:
+def _ops_by_pid(events: pa.Table, mappings: pa.Table, lifecycle: Lifecycle
+                ) -> dict[int, list[tuple]]:
+    """Each pid's operations in time order (then event order, a snapshot after the
+    events of its time): its address-space events, its clones, execs and exits (the
+    lifecycle's: a FORK's addr is the new task; a FORK's or an EXIT's flags 1 when it
+    starts or ends a whole process), its snapshots. (ts, event_id, kind, pid, flags,
+    addr, old_addr, size)."""
     kind = events["kind"].to_numpy()
-    sel = np.isin(kind, [int(k) for k in _OPS])
+    sel = np.flatnonzero(np.isin(kind, [int(k) for k in _ADDRESS_SPACE]))
     cols = {c: events[c].to_numpy()[sel] for c in ("ts", "pid", "kind", "flags", "addr",
                                                     "old_addr", "size")}
+    eid = events["event_id"].to_numpy()[sel] if "event_id" in events.column_names else sel
     ops: dict[int, list[tuple]] = defaultdict(list)
-    for row in zip(cols["ts"].tolist(), cols["kind"].tolist(), cols["pid"].tolist(),
-                   cols["flags"].tolist(), cols["addr"].tolist(), cols["old_addr"].tolist(),
-                   cols["size"].tolist(), strict=True):
-        ops[row[2]].append(row)
+    for row in zip(cols["ts"].tolist(), eid.tolist(), cols["kind"].tolist(),
+                   cols["pid"].tolist(), cols["flags"].tolist(), cols["addr"].tolist(),
+                   cols["old_addr"].tolist(), cols["size"].tolist(), strict=True):
+        ops[row[3]].append(row)
+    clones, execs, exits = lifecycle.clones, lifecycle.execs, lifecycle.exits
+    for t, e, p, c, thread in zip(clones["ts"].to_pylist(), clones["event_id"].to_pylist(),
+                                  clones["pid"].to_pylist(), clones["child"].to_pylist(),
+                                  clones["thread"].to_pylist(), strict=True):
+        ops[p].append((t, e, EventKind.FORK, p, int(not thread), c, 0, 0))
+    for t, e, p in zip(execs["ts"].to_pylist(), execs["event_id"].to_pylist(),
+                       execs["pid"].to_pylist(), strict=True):
+        ops[p].append((t, e, EventKind.EXEC, p, 0, 0, 0, 0))
+    for t, e, p, whole in zip(exits["ts"].to_pylist(), exits["event_id"].to_pylist(),
+                              exits["pid"].to_pylist(), exits["process"].to_pylist(),
+                              strict=True):
+        ops[p].append((t, e, EventKind.EXIT, p, int(whole), 0, 0, 0))
     if mappings.num_rows:
         keys = pa.table({"ts": mappings["ts"], "pid": mappings["pid"]}).group_by(
             ["ts", "pid"]).aggregate([]).to_pylist()
         for k in keys:
-            ops[k["pid"]].append((k["ts"], _SNAPSHOT, k["pid"], 0, 0, 0, 0))
+            ops[k["pid"]].append((k["ts"], 0, _SNAPSHOT, k["pid"], 0, 0, 0, 0))
     for v in ops.values():
-        v.sort(key=lambda r: (r[0], r[1] == _SNAPSHOT))
+        v.sort(key=lambda r: (r[0], r[2] == _SNAPSHOT, r[1]))
     return ops
 
 
@@ -229,7 +247,7 @@ def _snapshot(space: _Space, maps: pa.Table, shift: int) -> None:
     space.resident = space.resident[mapped.contains(space.resident)]
 
 
-def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, life: Lifecycle,
+def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, lifecycle: Lifecycle,
                      *, page_size: int = 4096, thp: str = "madvise",
                      rss: pa.Table | None = None) -> AnonReplay:
     """Replay page faults and address-space events into anon RSS per process."""
@@ -239,9 +257,9 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, lif
     f_pid = faults["pid"].to_numpy()[order]
     f_page = (faults["address"].to_numpy()[order] >> np.uint64(shift)).astype(np.int64)
     f_ec = faults["error_code"].to_numpy()[order]
-    ops = _ops_by_pid(events, mappings)
+    ops = _ops_by_pid(events, mappings, lifecycle)
     pids = sorted(set(np.unique(f_pid).tolist()) | set(ops))
-    depth = fork_depths(life.forks)
+    depth = fork_depths(lifecycle.forks)
     pids.sort(key=lambda p: depth.get(p, 0))
     inherited: dict[int, list[tuple[int, _Space]]] = defaultdict(list)
     out_ts: list[np.ndarray] = []
@@ -255,8 +273,7 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, lif
         for p in np.unique(mp).tolist():
             maps_by_pid[p] = mappings.filter(pa.array(mp == p))
     by_pid = np.argsort(f_pid, kind="stable")
-    bounds = np.searchsorted(f_pid[by_pid], np.array(pids, dtype=f_pid.dtype), side="left")
-    ends = np.searchsorted(f_pid[by_pid], np.array(pids, dtype=f_pid.dtype), side="right")
+    bounds, ends = key_bounds(f_pid[by_pid], np.array(pids, dtype=f_pid.dtype))
     for pid, lo, hi in zip(pids, bounds.tolist(), ends.tolist(), strict=True):
         idx = by_pid[lo:hi]
         ts, page, ec = f_ts[idx], f_page[idx], f_ec[idx]
@@ -283,17 +300,17 @@ def reconstruct_anon(faults: pa.Table, events: pa.Table, mappings: pa.Table, lif
                     notes.add(THP_NOTE)
             if k == len(plist):
                 break
-            t, kind, _, flags, addr, old_addr, size = plist[k]
+            t, _, kind, _, flags, addr, old_addr, size = plist[k]
             before = len(space.resident)
             if kind == _SNAPSHOT:
                 m = maps_by_pid[pid]
                 _snapshot(space, m.filter(pa.array(m["ts"].to_numpy() == t)), shift)
             else:
                 _apply(space, kind, flags, addr, old_addr, size, shift, thp, notes)
-                if kind == EventKind.FORK and not flags & CLONE_THREAD:
-                    inherited[int(addr) & 0xFFFFFFFF].append((t, space))
+                if kind == EventKind.FORK and flags:
+                    inherited[addr].append((t, space))
                     space = space.copy()
-                if kind == EventKind.EXIT and flags & EXIT_PROCESS:
+                if kind == EventKind.EXIT and flags:
                     space.resident = space.resident[:0]
             if len(space.resident) != before or kind in (EventKind.EXEC, EventKind.EXIT):
                 rows.add(np.array([t], np.uint64), np.array([len(space.resident)]))

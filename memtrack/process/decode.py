@@ -6,9 +6,9 @@ rebuilt copy (vectorized across records) and compares with the kernel's hash. A 
 whose payload does not parse (`decode_bad_payload`) or whose skeleton does not hash to
 its hash (`decode_mismatch`, counting both) is dropped.
 
-`decode_chunks` rebuilds a bounded number of bytes at a time (the records in file order,
-cut into runs of at most `max_bytes` of copies); records stand alone, so the runs decode
-exactly as the whole table would.
+`decode_pieces` rebuilds a bounded number of bytes at a time (the records in file order,
+cut into pieces of at most `max_bytes` of copies); records stand alone, so the pieces
+decode exactly as the whole table would.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class DecodedRecords:
     kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their rows
 
 
-DEFAULT_MAX_BYTES = 64 << 20  # rebuilt stack bytes per piece (decode_chunks, unwind)
+DEFAULT_MAX_BYTES = 64 << 20  # rebuilt stack bytes per piece (decode_pieces, unwind)
 
 
 def piece_ends(copy_len: np.ndarray, max_bytes: int, most: int | None = None) -> list[int]:
@@ -126,14 +126,14 @@ def decode(artifact: Artifact) -> DecodedRecords:
     return decode_table(artifact.read("stacks", required=False).table)
 
 
-def decode_chunks(source: Artifact | pa.Table | StackRecords,
+def decode_pieces(source: Artifact | pa.Table | StackRecords,
                   max_bytes: int = DEFAULT_MAX_BYTES, rows: np.ndarray | None = None
                   ) -> Iterator[DecodedRecords]:
     """Decode an artifact's (or a STACKS table's, or some `rows` of stack records') records
-    in runs of consecutive records whose copies add up to at most `max_bytes` (a run
-    holds one record at least). The runs' tables, concatenated, are decode_table's table
-    and their counters sum to its counters; only one run's records and rebuilt bytes are
-    held at a time. An artifact's records are those process reads
+    in pieces of consecutive records whose copies add up to at most `max_bytes` (a piece
+    holds one record at least). The pieces' tables, concatenated, are decode_table's
+    table and their counters sum to its counters; only one piece's records and rebuilt
+    bytes are held at a time. An artifact's records are those process reads
     (memtrack.process.read.ROW_RULES: a copy_len beyond the budget indexed past the
     copy)."""
     from memtrack.process.read import checked
@@ -152,7 +152,7 @@ def decode_chunks(source: Artifact | pa.Table | StackRecords,
         out = decode_table(piece)
         del piece
         yield out
-        del out  # not held while the next run is decoded
+        del out  # not held while the next piece is decoded
 
 
 def _binary_parts(arr: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:

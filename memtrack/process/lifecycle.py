@@ -4,9 +4,13 @@
 inherited address spaces, the processes and threads tables and memory_metadata.json all
 read it from there.
 
-A process *life* runs from its fork (or from when it was first seen) to its exit; a
-pid the kernel hands out again during the capture starts a second life. A child that
-never exec'd and was never snapshotted carries its parent's identity (a fork copies it).
+The words (docs/DESIGN.md, Process, step 2): a *process* runs from its fork (or
+from when it was first seen) to its exit, and a pid the kernel hands out again during
+the capture starts another process; a process runs one *image* from its fork to its
+first exec, then one after each exec (an image ends at its pid's next boundary: an
+exec, the exit, a fork that hands the pid out again); a forked child *inherits* a copy
+of its parent's address space, and with it the blocks alive in it. A child that never
+exec'd and was never snapshotted carries its parent's identity (a fork copies it).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema.enums import CLONE_THREAD, EXIT_PROCESS, EventKind
+from memtrack.schema import clones
+from memtrack.schema.enums import CLONE_VM, EXIT_PROCESS, EndReason, EventKind
+
+END_EXEC, END_EXIT = EndReason.EXEC, EndReason.EXIT
 
 if TYPE_CHECKING:
     from memtrack.process.read import ArtifactTables
@@ -26,8 +33,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Life:
-    """One life of a process."""
+class Process:
+    """One process: a pid from its fork (or first sight) to its exit."""
 
     pid: int
     start_ns: int | None
@@ -37,13 +44,13 @@ class Life:
     idents: list[dict[str, Any]] = field(default_factory=list)  # processes rows, in time
     execs: list[int] = field(default_factory=list)
 
-    def identity(self, by_pid: dict[int, list[Life]]) -> dict[str, Any]:
-        """comm/exe/cmdline of the life: its latest processes row, else its parent's
+    def identity(self, by_pid: dict[int, list[Process]]) -> dict[str, Any]:
+        """comm/exe/cmdline of the process: its latest processes row, else its parent's
         at the fork (up the tree until one has a row)."""
         if self.idents:
             return _ident(self.idents[-1])
         seen = {id(self)}
-        parent: Life = self
+        parent: Process = self
         start = self.start_ns or 0
         while parent.ppid is not None:
             cands = [p for p in by_pid.get(parent.ppid, []) if (p.start_ns or 0) <= start]
@@ -58,7 +65,7 @@ class Life:
 
 
     def ns_pid(self) -> int | None:
-        """The life's pid in its own pid namespace: its latest processes row that knows
+        """The process's pid in its own pid namespace: its latest processes row that knows
         it (never its parent's: that is another pid)."""
         known = [r.get("ns_pid") for r in self.idents if r.get("ns_pid") is not None]
         return known[-1] if known else None
@@ -80,12 +87,12 @@ def exit_status(raw: int | None) -> dict[str, int | None] | None:
 
 @dataclass
 class Lifecycle:
-    """The lifecycle events as tables (ts-ordered), and the process lives."""
+    """The lifecycle events as tables (ts-ordered), and the processes."""
 
     clones: pa.Table  # every FORK: event_id, ts, pid, tid (the parent), child, thread, flags
     execs: pa.Table  # event_id, ts, pid
     exits: pa.Table  # every EXIT: event_id, ts, pid, tid, status, process (whole process)
-    lives: list[Life]  # by start, then pid
+    processes: list[Process]  # by start, then pid
 
     @property
     def forks(self) -> pa.Table:
@@ -101,15 +108,20 @@ class Lifecycle:
         t = self.exits.filter(self.exits["process"])
         return t.select(["event_id", "ts", "pid", "status"])
 
-    def by_pid(self) -> dict[int, list[Life]]:
-        out: dict[int, list[Life]] = defaultdict(list)
-        for lf in self.lives:
+    def images(self, events: int) -> Images:
+        """Where each image ends, for event ids below `events` (memtrack.process.pair's
+        bounds on a block's lifetime, the spill's forked children that touch their heap)."""
+        return Images(self, events)
+
+    def by_pid(self) -> dict[int, list[Process]]:
+        out: dict[int, list[Process]] = defaultdict(list)
+        for lf in self.processes:
             out[lf.pid].append(lf)
         return out
 
     def processes_table(self) -> pa.Table:
-        """The run database's processes rows, one per pid: its last life, named by its
-        latest processes row (any life's), else by its ancestors'."""
+        """The run database's processes rows, one per pid: its last process, named by its
+        latest processes row (any of the pid's processes'), else by its ancestors'."""
         by_pid = self.by_pid()
         last = sorted((ls[-1] for ls in by_pid.values()), key=lambda lf: (lf.start_ns or 0,
                                                                            lf.pid))
@@ -124,6 +136,80 @@ class Lifecycle:
                          "exit_status": lf.exit_raw, "exit_code": status["code"],
                          "exit_signal": status["signal"], "ns_pid": lf.ns_pid()})
         return pa.Table.from_pylist(rows, schema=PROCESS_ROWS)
+
+
+class Images:
+    """Where each image ends: a fork that hands its pid out again (a new process
+    starts), an exec or an exit, in event order per pid; an image is numbered by the
+    boundaries of its pid before it."""
+
+    def __init__(self, lc: Lifecycle, events: int) -> None:
+        forks, execs, exits = lc.forks, lc.execs, lc.process_exits
+        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
+                                exits["pid"].to_numpy()]).astype(np.int64)
+        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
+                                exits["event_id"].to_numpy()]).astype(np.int64)
+        b_ts = np.concatenate([forks["ts"].to_numpy(), execs["ts"].to_numpy(),
+                               exits["ts"].to_numpy()]).astype(np.uint64)
+        b_reason = np.concatenate([
+            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
+            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
+        # a fork that copies the address space (not a vfork: CLONE_VM shares it)
+        copying = np.concatenate([(forks["flags"].to_numpy() & CLONE_VM) == 0,
+                                  np.zeros(execs.num_rows + exits.num_rows, bool)])
+        self.stride = events + 1
+        key = b_pid * self.stride + b_eid
+        order = np.argsort(key, kind="stable")
+        self.key, self.pid = key[order], b_pid[order]
+        self.eid, self.ts, self.reason = b_eid[order], b_ts[order], b_reason[order]
+        self.groups = len(key) + 1  # a pid's images are fewer: (pid, image) key
+        self.attached = np.zeros(0, np.int64)  # heaps_before_attach's (pid, image) keys
+        # an exec that ends a prelude: the process's boundary before it is its fork
+        copying = copying[order]
+        self.ends_prelude = self.reason == END_EXEC
+        self.ends_prelude[1:] &= copying[:-1] & (self.pid[1:] == self.pid[:-1])
+        self.ends_prelude[:1] = False
+
+    def heaps_before_attach(self, attached: list[int], fork_ev: np.ndarray,
+                            parent: np.ndarray, child: np.ndarray) -> None:
+        """The images whose heap holds blocks allocated before the run began (`capture
+        --pid`): each attached process's first, and the image a fork of such an image
+        starts (the child's copy of that heap); `fork_ev`, `parent`, `child`: the forks
+        whose children inherit, in event order."""
+        heaps = {(pid, 0) for pid in attached}
+        if heaps:
+            for ev, p, c in zip(fork_ev.tolist(), parent.tolist(), child.tolist(),
+                                strict=True):
+                e = np.array([ev])
+                if (p, int(self.image(np.array([p]), e)[0])) in heaps:
+                    heaps.add((c, int(self.image(np.array([c]), e)[0])))
+        self.attached = np.array(sorted(p * self.groups + i for p, i in heaps), np.int64)
+
+    def before_attach(self, pid: np.ndarray, image: np.ndarray) -> np.ndarray:
+        """Whether each (pid, image) is one of heaps_before_attach's."""
+        return np.isin(pid.astype(np.int64) * self.groups + image, self.attached)
+
+    def image(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """The image of pid p that event e falls in: how many boundaries of p came at or
+        before e."""
+        return np.searchsorted(self.key, p * self.stride + e, side="right") - \
+            np.searchsorted(self.key, p * self.stride, side="left")
+
+    def in_prelude(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Whether event e of pid p falls in a prelude: after the fork that made p (not a
+        vfork) and before the exec that comes next in p."""
+        if not len(self.key):
+            return np.zeros(len(p), bool)
+        j = self.next_boundary(p, e)
+        return (j >= 0) & self.ends_prelude[np.maximum(j, 0)]
+
+    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Index into the boundaries of pid p's first one after event e, -1: none."""
+        if not len(self.key):
+            return np.full(len(p), -1, np.int64)
+        j = np.searchsorted(self.key, p * self.stride + e, side="right")
+        jc = np.minimum(j, len(self.key) - 1)
+        return np.where((j < len(self.key)) & (self.pid[jc] == p), jc, -1)
 
 
 PROCESS_ROWS = pa.schema([
@@ -147,7 +233,7 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
               start_ns: int = 0, first_seen: dict[int, int] | None = None) -> Lifecycle:
     """The lifecycle of a capture from its events (any order; `event_id` when they have
     one, else their position) and processes rows; `root_pid` and `start_ns` (the
-    manifest's) give the root a life even when nothing else names it. `first_seen`:
+    manifest's) give the root a process even when nothing else names it. `first_seen`:
     each pid's first event's time, when `events` are not all of them (a spill's)."""
     n = events.num_rows
     ts = events["ts"].to_numpy()
@@ -165,12 +251,11 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
     eid = (picked["event_id"].to_numpy() if "event_id" in events.column_names
            else rows.astype(np.uint64))
     kind, flags = col["kind"], col["flags"]
-    fk = kind == EventKind.FORK
-    clones = pa.table({
+    fk, task, thread = clones(kind, flags, col["addr"])
+    clone_rows = pa.table({
         "event_id": pa.array(eid[fk], pa.uint64()), "ts": pa.array(col["ts"][fk], pa.uint64()),
         "pid": pa.array(col["pid"][fk], pa.uint32()), "tid": pa.array(col["tid"][fk], pa.uint32()),
-        "child": pa.array(col["addr"][fk].astype(np.uint32), pa.uint32()),
-        "thread": pa.array((flags[fk] & CLONE_THREAD) != 0),
+        "child": pa.array(task, pa.uint32()), "thread": pa.array(thread),
         "flags": pa.array(flags[fk], pa.uint64())})  # fmt: skip
     ex = kind == EventKind.EXEC
     execs = pa.table({"event_id": pa.array(eid[ex], pa.uint64()),
@@ -188,21 +273,23 @@ def lifecycle(events: pa.Table, processes: pa.Table | None = None, *, root_pid: 
         first_seen = dict(zip(pids.tolist(), (ts if order is None else ts[order])[first]
                               .tolist(), strict=True))
     first_seen = first_seen or {}
-    lc = Lifecycle(clones, execs, exits, [])
-    lc.lives = _lives(lc, processes, first_seen, root_pid, start_ns)
+    lc = Lifecycle(clone_rows, execs, exits, [])
+    lc.processes = _processes(lc, processes, first_seen, root_pid, start_ns)
     return lc
 
 
-def _lives(lc: Lifecycle, processes: pa.Table | None, first_seen: dict[int, int],
-           root_pid: int, start_ns: int) -> list[Life]:
-    """The lives: forks start them, exits end them, execs and processes rows (who each
-    process was, at start and after each exec) fall in the life that holds them."""
-    lives: dict[int, list[Life]] = defaultdict(list)
+def _processes(lc: Lifecycle, rows_table: pa.Table | None, first_seen: dict[int, int],
+               root_pid: int, start_ns: int) -> list[Process]:
+    """The processes: forks start them, exits end them, execs and processes rows (who
+    each process was, at start and after each exec) fall in the process that holds
+    them."""
+    of_pid: dict[int, list[Process]] = defaultdict(list)
 
-    def current(pid: int, ts: int) -> Life:
-        if not lives[pid] or (lives[pid][-1].exit_ns is not None and lives[pid][-1].exit_ns < ts):
-            lives[pid].append(Life(pid, None))
-        return lives[pid][-1]
+    def current(pid: int, ts: int) -> Process:
+        last = of_pid[pid][-1] if of_pid[pid] else None
+        if last is None or (last.exit_ns is not None and last.exit_ns < ts):
+            of_pid[pid].append(Process(pid, None))
+        return of_pid[pid][-1]
 
     forks, pexits, execs = lc.forks, lc.process_exits, lc.execs
     steps = [(e, t, 0, p, c, 0) for e, t, p, c in zip(
@@ -217,32 +304,32 @@ def _lives(lc: Lifecycle, processes: pa.Table | None, first_seen: dict[int, int]
     steps.sort(key=lambda x: (x[1], x[0]))  # in time, then in event order
     for _, ts, what, pid, child, status in steps:
         if what == 0:
-            if lives[child] and lives[child][-1].exit_ns is None \
-                    and lives[child][-1].start_ns is None:
-                life = lives[child][-1]  # seen (processes row) before its fork event
-                life.start_ns, life.ppid = ts, pid
+            if of_pid[child] and of_pid[child][-1].exit_ns is None \
+                    and of_pid[child][-1].start_ns is None:
+                proc = of_pid[child][-1]  # seen (processes row) before its fork event
+                proc.start_ns, proc.ppid = ts, pid
             else:
-                lives[child].append(Life(child, ts, ppid=pid))
+                of_pid[child].append(Process(child, ts, ppid=pid))
         elif what == 1:
             current(pid, ts).execs.append(ts)
         else:
-            life = current(pid, ts)
-            life.exit_ns, life.exit_raw = ts, status
-    rows = processes.sort_by([("ts", "ascending")]).to_pylist() if processes is not None \
+            proc = current(pid, ts)
+            proc.exit_ns, proc.exit_raw = ts, status
+    rows = rows_table.sort_by([("ts", "ascending")]).to_pylist() if rows_table is not None \
         else []
     for row in rows:
         pid = row["pid"]
-        cands = [lf for lf in lives[pid] if lf.start_ns is None or lf.start_ns <= row["ts"]]
-        life = cands[-1] if cands else current(pid, row["ts"])
-        if life.ppid is None and row["ppid"]:
-            life.ppid = row["ppid"]
-        life.idents.append(row)
-    if root_pid and not lives[root_pid]:
-        lives[root_pid].append(Life(root_pid, start_ns or None))
+        cands = [lf for lf in of_pid[pid] if lf.start_ns is None or lf.start_ns <= row["ts"]]
+        proc = cands[-1] if cands else current(pid, row["ts"])
+        if proc.ppid is None and row["ppid"]:
+            proc.ppid = row["ppid"]
+        proc.idents.append(row)
+    if root_pid and not of_pid[root_pid]:
+        of_pid[root_pid].append(Process(root_pid, start_ns or None))
     for pid, ts in first_seen.items():  # a pid only its events name
-        if not lives[pid]:
-            lives[pid].append(Life(pid, ts))
-    out = [lf for ls in lives.values() for lf in ls]
+        if not of_pid[pid]:
+            of_pid[pid].append(Process(pid, ts))
+    out = [lf for ls in of_pid.values() for lf in ls]
     for lf in out:
         if lf.start_ns is None:
             seen = [t for t in (lf.idents[0]["ts"] if lf.idents else None,

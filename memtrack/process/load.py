@@ -206,7 +206,7 @@ class RunDatabase:
         self.copy_in("src_stack_frames", stack_frames)
         self.con.execute(STACKS_SQL)
         ids = self.con.execute("SELECT stack_hash, stack_id FROM stacks").to_arrow_table()
-        # sorted once by hash: every chunk of events and allocations looks its hashes up
+        # sorted once by hash: every piece of events and allocations looks its hashes up
         self.stack_ids = ids.take(pa.array(np.argsort(ids.column("stack_hash").to_numpy())))
         return self.con.execute(KNOWN_SQL).to_arrow_table()
 
@@ -232,34 +232,34 @@ class RunDatabase:
             WHERE f.inline_depth = 0 AND f.reason IS NOT NULL""").fetchone()[0]  # type: ignore[index]
         return out
 
-    def events(self, chunks: Iterable[pa.Table], *, aside: bool = False) -> None:
+    def events(self, pieces: Iterable[pa.Table], *, aside: bool = False) -> None:
         """Load the events (time-ordered, event_id first; after `stacks`: each with its
         stack's id), a table at a time. aside: on a connection of its own, so that
         another thread may go on with this one meanwhile (the events table is all it
         touches)."""
         con = self.con.cursor() if aside else self.con
         try:
-            for chunk in chunks:
-                self.insert(con, "events", chunk)
+            for piece in pieces:
+                self.insert(con, "events", piece)
         finally:
             if aside:
                 con.close()
 
-    def insert(self, con: duckdb.DuckDBPyConnection, name: str, chunk: pa.Table) -> None:
+    def insert(self, con: duckdb.DuckDBPyConnection, name: str, piece: pa.Table) -> None:
         """Load the next rows of events, allocations (ALLOCATIONS, by alloc_id) or the
         heap timeline (HEAP_TIMELINE, in event order) on `con`; after `stacks`: each
         event and allocation with its stack's id."""
         if name != "heap_timeline":
             assert self.stack_ids is not None, "stacks first"
-            chunk = with_stack_ids(chunk, self.stack_ids)
-        con.register(f"src_{name}", chunk)
+            piece = with_stack_ids(piece, self.stack_ids)
+        con.register(f"src_{name}", piece)
         con.execute(INSERTS[name])
         con.unregister(f"src_{name}")
 
-    def lives(self, life: Lifecycle) -> None:
-        """Load processes (each pid's last life) and threads (after `events`)."""
-        for name, tbl in (("processes", life.processes_table()), ("clones", life.clones),
-                          ("exits", life.exits)):
+    def processes(self, lifecycle: Lifecycle) -> None:
+        """Load processes (each pid's last process) and threads (after `events`)."""
+        for name, tbl in (("processes", lifecycle.processes_table()),
+                          ("clones", lifecycle.clones), ("exits", lifecycle.exits)):
             self.copy_in(f"src_{name}", tbl)
         self.con.execute(INSERTS["processes"])
         self.con.execute(INSERTS["threads"])
@@ -323,16 +323,16 @@ def remove_leftovers(out_db: Path) -> None:
 
 class Aside:
     """Inserts into a run database on a connection of its own, in a thread, so that the
-    caller goes on while one runs; the next waits for it (chunks never pile up)."""
+    caller goes on while one runs; the next waits for it (pieces never pile up)."""
 
     def __init__(self, db: RunDatabase) -> None:
         self.db, self.con = db, db.con.cursor()
         self.pool = ThreadPoolExecutor(1)
         self.pending: Future[None] | None = None
 
-    def insert(self, name: str, chunk: pa.Table) -> None:
+    def insert(self, name: str, piece: pa.Table) -> None:
         self.wait()
-        self.pending = self.pool.submit(self.db.insert, self.con, name, chunk)
+        self.pending = self.pool.submit(self.db.insert, self.con, name, piece)
 
     def wait(self) -> None:
         pending, self.pending = self.pending, None

@@ -1,6 +1,6 @@
 """memory_metadata.json: who each traced process was, and its peak resident memory.
 
-One entry per process life (memtrack.process.lifecycle): a pid that the kernel hands
+One entry per process (memtrack.process.lifecycle): a pid that the kernel hands
 out again during the capture gets a second entry. Peaks come from the RSS stage
 (memtrack.process.rss) and, with --track-faults, the anon replay
 (memtrack.process.anon_replay). Times are CLOCK_MONOTONIC ns as in the artifact;
@@ -26,11 +26,11 @@ from memtrack.schema.manifest import Manifest
 METADATA_VERSION = 1
 
 
-def build(artifact: Path | str, manifest: Manifest, life: Lifecycle, res: Resident
+def build(artifact: Path | str, manifest: Manifest, lifecycle: Lifecycle, res: Resident
           ) -> dict[str, Any]:
     """The content of memory_metadata.json as plain data, from the stages' results."""
     m = manifest
-    by_pid = life.by_pid()
+    by_pid = lifecycle.by_pid()
     peaks = peaks_by_pid(rss_peaks(res.rss))
     tl_pid = res.rss["pid"].to_numpy()
     tl_ts = res.rss["ts"].to_numpy()
@@ -38,32 +38,32 @@ def build(artifact: Path | str, manifest: Manifest, life: Lifecycle, res: Reside
     root_exit = dict(m.exit_status.__dict__) if m.exit_status.code is not None \
         or m.exit_status.signal is not None else None
     processes = []
-    for lf in life.lives:
+    for proc in lifecycle.processes:
         entry: dict[str, Any] = {
-            "pid": lf.pid,
-            "ppid": lf.ppid,
-            **lf.identity(by_pid),
-            "start_ns": lf.start_ns,
-            "exit_ns": lf.exit_ns,
-            "exit_status": exit_status(lf.exit_raw) if lf.exit_raw is not None
-            or lf.pid != m.root_pid else root_exit,
-            "exec_ns": lf.execs,
+            "pid": proc.pid,
+            "ppid": proc.ppid,
+            **proc.identity(by_pid),
+            "start_ns": proc.start_ns,
+            "exit_ns": proc.exit_ns,
+            "exit_status": exit_status(proc.exit_raw) if proc.exit_raw is not None
+            or proc.pid != m.root_pid else root_exit,
+            "exec_ns": proc.execs,
             "history": [
                 {"ts": r["ts"], "comm": r["comm"], "exe": r["exe"], "cmdline": r["cmdline"]}
-                for r in lf.idents
+                for r in proc.idents
             ],
         }
-        pk = peaks.get(lf.pid, {})
-        if len(by_pid[lf.pid]) > 1:
-            # pid reused: take the peaks of this life's own span only
-            lo, hi = lf.start_ns or 0, lf.exit_ns if lf.exit_ns is not None else 2**64 - 1
-            span = (tl_pid == lf.pid) & (tl_ts >= lo) & (tl_ts <= hi)
-            pk = peaks_by_pid(rss_peaks(res.rss.filter(pa.array(span)))).get(lf.pid, {})
+        pk = peaks.get(proc.pid, {})
+        if len(by_pid[proc.pid]) > 1:
+            # pid reused: take the peaks of this process's own span only
+            lo, hi = proc.start_ns or 0, proc.exit_ns if proc.exit_ns is not None else 2**64 - 1
+            span = (tl_pid == proc.pid) & (tl_ts >= lo) & (tl_ts <= hi)
+            pk = peaks_by_pid(rss_peaks(res.rss.filter(pa.array(span)))).get(proc.pid, {})
         entry["peak_rss"] = pk
         if res.replay is not None:
             entry["anon_replay"] = {
-                "peak": res.replay.peaks.get(lf.pid),
-                "caveats": res.replay.caveats.get(lf.pid, []),
+                "peak": res.replay.peaks.get(proc.pid),
+                "caveats": res.replay.caveats.get(proc.pid, []),
             }
         processes.append(entry)
     return {
@@ -96,8 +96,8 @@ def write(data: dict[str, Any], path: Path | str) -> Path:
 def memory_metadata(art: Artifact) -> dict[str, Any]:
     """memory_metadata.json of an artifact, through the same stages `process` runs."""
     tables = read_artifact(art)
-    life = of_artifact(tables, art.manifest)
-    return build(art.path, art.manifest, life, resident(tables, art.manifest, life))
+    lifecycle = of_artifact(tables, art.manifest)
+    return build(art.path, art.manifest, lifecycle, resident(tables, art.manifest, lifecycle))
 
 
 def write_memory_metadata(art: Artifact, path: Path | str) -> Path:

@@ -5,14 +5,15 @@ Rules (docs/DESIGN.md, Process):
 - a realloc is the free of its old block (old_addr) followed, in the same event, by a
   new allocation linked to the old one (`realloc_of`);
 - a forked child that allocates or frees before its exec or exit inherits a copy of
-  every block alive in its parent at the fork (`inherited_from`: the parent's block):
-  its frees end the copies, the parent's frees the originals;
+  every block alive in its parent at the fork (an inherited block, `inherited_from`:
+  the parent's block): its frees end the inherited blocks, the parent's the originals;
 - a forked child (not a vfork) whose next boundary is an exec runs its parent's program
-  until then (its prelude): its copies and its own blocks there are matched, then left
+  until then (its prelude): its inherited and its own blocks there are matched, then left
   out (no rows, no heap changes; counted as allocations_before_exec);
 - an allocation's lifetime ends at the first later free of the same address in the same
-  process; a process instance is bounded by fork (a child starts), exec and exit, so a
-  reused pid never pairs with its predecessor's blocks;
+  image (a process's, from its fork or exec to its next exec or exit; a fork that hands
+  the pid out again starts another process), so a reused pid never pairs with its
+  predecessor's blocks;
 - an allocation never freed ends at its process's exec or exit, or at the capture's end
   (a leak); one whose address is handed out again before any free ends there ("reused":
   a free that was not recorded, counted);
@@ -21,62 +22,47 @@ Rules (docs/DESIGN.md, Process):
   exit (thread_exit_frees), counted apart.
 
 How: the heap operations come in buckets by address (memtrack.process.spill), and each
-bucket is matched on its own with numpy (an address's blocks, frees and inherited copies
+bucket is matched on its own with numpy (an address's blocks, frees and inherited blocks
 all fall in one); its rows go to streams by event range, which are put in order one
 range at a time, where what crosses buckets is joined: a realloc's link to the block it
-freed, the copies' ids, the heap timeline. Memory holds a bucket (a span of time of a
-bucket too big) or a range at a time, and the inherited copies.
+freed, the inherited blocks' ids, the heap timeline. Memory holds a bucket (a piece of a
+bucket too big) or a range at a time, and the inherited blocks (memtrack.process.inherit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.process.heap_timeline import CHANGES, HeapTimeline, write_changes
+from memtrack.process.inherit import InheritedIds, inherited_rows, inheriting
 from memtrack.process.lifecycle import Lifecycle
-from memtrack.process.lookup import find_sorted
+from memtrack.process.lookup import find_sorted, group_bounds
+from memtrack.process.match import BLOCK_ROWS, END_REALLOC, allocation_rows, matched
 from memtrack.process.progress import Advance, no_progress
-from memtrack.process.spill import (
-    OPS,
-    OPS_PER_BUCKET,
-    Carry,
-    EventSpill,
-    Stream,
-    buckets_for,
-    rechunk,
-    split,
-)
-from memtrack.schema.enums import CLONE_VM, EndReason, EventKind
+from memtrack.process.spill import EventSpill, buckets_for, split
+from memtrack.process.streams import Stream
+from memtrack.schema.enums import EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
 
-END_FREE, END_REALLOC, END_REUSED, END_EXEC, END_EXIT, END_END = EndReason
-BUCKET_OPS = 1 << 20  # blocks and frees sorted at a time within a bucket (by address)
+RANGE_EVENTS = 1 << 20  # events whose rows are put in order at a time, at least
+MAX_RANGES = 128  # a range's three streams are open files: ranges grow, not their number
 
-# A bucket's rows: ALLOCATIONS without what crosses buckets; an inherited copy has no
-# alloc_id yet but the key it is made from: the fork that made it (its index among the
-# forks whose children inherit, in event order), its generation (1: a copy of the
-# parent's own allocation) and the allocation it copies (origin); a copy of a copy
-# names the fork that made the copy it copies (src_fork).
-BLOCK_ROWS = pa.schema([
-    ("alloc_id", pa.uint64()), *[f for f in ALLOCATIONS if f.name not in (
-        "alloc_id", "realloc_of", "inherited_from")],
-    ("fork", pa.int64()), ("gen", pa.int32()), ("origin", pa.uint64()),
-    ("src_fork", pa.int64()),
-])  # fmt: skip
+
 
 
 @dataclass
 class Pairing:
-    allocations: pa.Table  # ALLOCATIONS: the allocations in event order, then the copies
+    allocations: pa.Table  # ALLOCATIONS: the allocations in event order, then the inherited
     heap_timeline: pa.Table  # HEAP_TIMELINE: heap bytes per process after each change
     counters: dict[str, int] = field(default_factory=dict)
 
 
-def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
+def pair(events: pa.Table, lifecycle: Lifecycle, end_ts: int | None = None, *,
          buckets: int | None = None) -> Pairing:
     """Pair the allocations and frees of `events` (time-ordered, with event_id their
     position: memtrack.process.read) within the process lives of `life`
@@ -90,12 +76,12 @@ def pair(events: pa.Table, life: Lifecycle, end_ts: int | None = None, *,
         spill.add(batch)
     allocations: list[pa.Table] = []
     timeline: list[pa.Table] = []
-    counters = pair_spilled(spill, life, end_ts, allocations.append, timeline.append)
+    counters = pair_spilled(spill, lifecycle, end_ts, allocations.append, timeline.append)
     return Pairing(pa.concat_tables([ALLOCATIONS.empty_table(), *allocations]),
                    pa.concat_tables([HEAP_TIMELINE.empty_table(), *timeline]), counters)
 
 
-def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
+def pair_spilled(spill: EventSpill, lifecycle: Lifecycle, end_ts: int | None,
                  allocations: Callable[[pa.Table], None],
                  timeline: Callable[[pa.Table], None], progress: Advance = no_progress,
                  attached: list[int] | None = None
@@ -107,88 +93,81 @@ def pair_spilled(spill: EventSpill, life: Lifecycle, end_ts: int | None,
 
     A bucket's rows go to streams by their event's range (RANGE_EVENTS events or more):
     the allocations and, for each realloc, the block it freed; a range at a time, they are
-    put in order and the realloc's link made. The inherited copies (the blocks alive at
+    put in order and the realloc's link made. The inherited blocks (the blocks alive at
     a fork whose child touches its heap) are kept in memory and given their ids once
     every bucket is matched."""
     if end_ts is None or end_ts < spill.last_ts:
         end_ts = spill.last_ts
-    bounds = _Bounds(life, spill.n)
-    fv = life.forks
-    fv = fv.filter(pa.array(((fv["flags"].to_numpy() & CLONE_VM) == 0)
-                            & np.isin(fv["event_id"].to_numpy().astype(np.int64),
-                                      np.array(sorted(spill.busy), np.int64))))
-    forks = _Forks(fv["event_id"].to_numpy().astype(np.int64),
-                   fv["ts"].to_numpy(), fv["parent"].to_numpy().astype(np.int64),
-                   fv["child"].to_numpy().astype(np.int64))
-    bounds.heaps_before_attach(attached or [], forks)
+    images = lifecycle.images(spill.n)
+    forks = inheriting(lifecycle.forks, images, *spill.heap_touches())
+    images.heaps_before_attach(attached or [], forks.ev, forks.parent, forks.child)
     exits = spill.exits()
     counters = {"allocations": spill.allocations, "allocations_inherited": 0,
                 "frees": spill.frees, "reallocs": 0, "frees_unmatched": 0,
                 "frees_at_thread_exit": 0, "frees_before_attach": 0,
                 "allocations_reused_without_free": 0, "allocations_before_exec": 0,
                 "allocations_not_freed": 0, "failed_allocations": spill.failed_allocations}
-    span = max(RANGE_EVENTS, -(-spill.n // MAX_RANGES))  # events of a range
-    ranges = -(-spill.n // span)
+    per_range = max(RANGE_EVENTS, -(-spill.n // MAX_RANGES))  # events of a range
+    ranges = -(-spill.n // per_range)
     changes = spill.streams(CHANGES, "changes", ranges)
     blocks = spill.streams(BLOCK_ROWS, "blocks", ranges)
     freed = spill.streams(REALLOC_FREED, "freed", ranges)
-    copies: list[pa.Table] = []
+    inherited: list[pa.Table] = []
     steps = len(spill.ops) + ranges
     for k, bucket in enumerate(spill.ops):
         # a bucket too big is split again by address where children inherit, else
-        # matched a span of time at a time
+        # matched a piece (of time) at a time
         for stream in (split(bucket, spill) if len(forks.ev) else [bucket]):
-            for rows, got in _matched(stream, bounds, forks, exits, end_ts):
+            for rows, got in matched(stream, images, forks, exits, end_ts):
                 for name, v in got.items():
                     counters[name] += v
-                _changes(rows, changes, span)
+                write_changes(rows, changes, per_range)
                 real = rows.column("fork").null_count == rows.num_rows
                 if not real:
-                    is_copy = pc.is_valid(rows.column("fork"))
-                    copies.append(rows.filter(is_copy))
-                _by_range(rows if real else rows.filter(pc.invert(is_copy)),
-                          rows.column("event_id").to_numpy() if real else None, blocks, span)
-                _realloc_freed(rows, freed, span)
+                    is_inherited = pc.is_valid(rows.column("fork"))
+                    inherited.append(rows.filter(is_inherited))
+                _by_range(rows if real else rows.filter(pc.invert(is_inherited)),
+                          rows.column("event_id").to_numpy() if real else None, blocks, per_range)
+                _realloc_freed(rows, freed, per_range)
                 del rows
         progress(k + 1, steps, buckets=k + 1)
     counters["frees_unmatched"] -= counters["frees_at_thread_exit"] + \
         counters["frees_before_attach"]
-    copy_rows, copy_ids = _copies(copies, spill.allocations)
-    del copies
-    heap = _Carry()
+    inherited_table, inherited_ids = inherited_rows(inherited, spill.allocations)
+    del inherited
+    heap = HeapTimeline()
     for k in range(ranges):
-        allocations(_range_rows(blocks[k], freed[k], copy_ids))
+        allocations(_range_rows(blocks[k], freed[k], inherited_ids))
         blocks[k].remove()
         freed[k].remove()
         timeline(heap.timeline(changes[k].table()))
         changes[k].remove()
         progress(len(spill.ops) + k + 1, steps, buckets=len(spill.ops), ranges=k + 1)
-    if copy_rows.num_rows:
-        allocations(copy_rows)
+    if inherited_table.num_rows:
+        allocations(inherited_table)
     return counters
 
 
-# For a realloc: the block its event freed (alloc_id, or a copy's key: fork, origin).
+# For a realloc: the block its event freed (alloc_id, or an inherited block's key: fork,
+# origin).
 REALLOC_FREED = pa.schema([("event_id", pa.int64()), ("alloc_id", pa.int64()),
                            ("fork", pa.int64()), ("origin", pa.int64())])
 
 
-def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream], span: int
+def _by_range(rows: pa.Table, ev: np.ndarray | None, streams: list[Stream], per_range: int
               ) -> None:
     """Rows to the streams of their event's range (`ev`: the rows' event ids)."""
     if not rows.num_rows:
         return
     ev = rows.column("event_id").to_numpy() if ev is None else ev
-    r = (ev // span).astype(np.int64)
-    order = np.argsort(r, kind="stable")
-    at = np.searchsorted(r[order], np.arange(len(streams) + 1))
+    order, at = group_bounds((ev // per_range).astype(np.int64), len(streams))
     rows = rows.take(pa.array(order))
     for k in np.flatnonzero(np.diff(at)).tolist():
         for b in rows.slice(at[k], at[k + 1] - at[k]).to_batches():
             streams[k].write(b)
 
 
-def _realloc_freed(rows: pa.Table, streams: list[Stream], span: int) -> None:
+def _realloc_freed(rows: pa.Table, streams: list[Stream], per_range: int) -> None:
     """The blocks of a bucket that a realloc freed, by the realloc's event."""
     reason = rows.column("end_reason").to_numpy()
     i = np.flatnonzero(reason == END_REALLOC)
@@ -201,52 +180,10 @@ def _realloc_freed(rows: pa.Table, streams: list[Stream], span: int) -> None:
         "fork": pc.fill_null(t.column("fork"), -1),
         "origin": pc.fill_null(t.column("origin").cast(pa.int64()), 0),
     }, schema=REALLOC_FREED)
-    _by_range(out, None, streams, span)
+    _by_range(out, None, streams, per_range)
 
 
-def _copies(parts: list[pa.Table], allocations: int) -> tuple[pa.Table, _CopyIds]:
-    """The copies' ALLOCATIONS rows, by alloc_id (after the allocations: by fork, then
-    generation, then the allocation copied), each inherited_from its source (a first
-    copy: the parent's allocation; a copy of a copy: that copy)."""
-    t = pa.concat_tables([BLOCK_ROWS.empty_table(), *parts])
-    fork, gen = t.column("fork").to_numpy(), t.column("gen").to_numpy()
-    origin = t.column("origin").to_numpy()
-    order = np.lexsort((origin, gen, fork))
-    t, fork, gen, origin = t.take(pa.array(order)), fork[order], gen[order], origin[order]
-    own = np.arange(allocations, allocations + len(fork), dtype=np.int64)
-    ids = _CopyIds(fork, origin, own, allocations + 1)  # origin < allocations
-    src = np.where(gen > 1, t.column("src_fork").fill_null(-1).to_numpy(), -1)
-    parent = np.where(gen == 1, -1, ids.of(src, origin))
-    # a first copy, or a copy of a prelude's copy (in no table): the allocation copied
-    parent = np.where(parent < 0, origin.astype(np.int64), parent)
-    t = t.set_column(0, "alloc_id", pa.array(own.astype(np.uint64)))
-    return _allocation_rows(t, pa.nulls(t.num_rows, pa.uint64()),
-                            pa.array(parent.astype(np.uint64))), ids
-
-
-class _CopyIds:
-    """The copies' ids by key (fork, origin): fork * stride + origin, sorted."""
-
-    def __init__(self, fork: np.ndarray, origin: np.ndarray, ids: np.ndarray,
-                 stride: int) -> None:
-        self.stride = stride
-        key = fork.astype(np.int64) * stride + origin.astype(np.int64)
-        order = np.argsort(key)
-        self.key, self.ids = key[order], ids[order]
-
-    def of(self, fork: np.ndarray, origin: np.ndarray) -> np.ndarray:
-        """Each (fork, origin)'s copy id, -1 where there is none."""
-        out = np.full(len(fork), -1, np.int64)
-        if not len(self.key) or not len(fork):
-            return out
-        key = fork.astype(np.int64) * self.stride + origin.astype(np.int64)
-        j, hit = find_sorted(self.key, key)
-        hit &= fork >= 0
-        out[hit] = self.ids[j[hit]]
-        return out
-
-
-def _range_rows(blocks: Stream, freed: Stream, copy_ids: _CopyIds) -> pa.Table:
+def _range_rows(blocks: Stream, freed: Stream, inherited_ids: InheritedIds) -> pa.Table:
     """One range's allocations (ALLOCATIONS, by alloc_id: in event order), each realloc
     linked to the block its event freed."""
     t = blocks.table()
@@ -257,11 +194,11 @@ def _range_rows(blocks: Stream, freed: Stream, copy_ids: _CopyIds) -> pa.Table:
     realloc_of = np.full(t.num_rows, -1, np.int64)
     if f.num_rows:
         old = f.column("alloc_id").to_numpy()
-        copy = old < 0
-        if copy.any():
+        inherited = old < 0
+        if inherited.any():
             old = old.copy()
-            old[copy] = copy_ids.of(f.column("fork").to_numpy()[copy],
-                                    f.column("origin").to_numpy()[copy])
+            old[inherited] = inherited_ids.of(f.column("fork").to_numpy()[inherited],
+                                              f.column("origin").to_numpy()[inherited])
         f_ev = f.column("event_id").to_numpy()
         order = np.argsort(f_ev, kind="stable")
         f_ev, old = f_ev[order], old[order]
@@ -270,540 +207,7 @@ def _range_rows(blocks: Stream, freed: Stream, copy_ids: _CopyIds) -> pa.Table:
         j, hit = find_sorted(f_ev, ev)
         hit &= is_r
         realloc_of[hit] = old[j[hit]]
-    return _allocation_rows(t, pa.array(realloc_of.astype(np.uint64), mask=realloc_of < 0),
+    return allocation_rows(t, pa.array(realloc_of.astype(np.uint64), mask=realloc_of < 0),
                             pa.nulls(t.num_rows, pa.uint64()))
-
-
-def _allocation_rows(t: pa.Table, realloc_of: pa.Array, inherited_from: pa.Array) -> pa.Table:
-    cols = {name: t.column(name) for name in ALLOCATIONS.names
-            if name not in ("realloc_of", "inherited_from")}
-    cols["realloc_of"], cols["inherited_from"] = realloc_of, inherited_from
-    return pa.table({name: cols[name] for name in ALLOCATIONS.names}, schema=ALLOCATIONS)
-
-
-# A change of a process's heap bytes: +size at a block's start, -size where it ends.
-CHANGES = pa.schema([("event_id", pa.int64()), ("pid", pa.int64()), ("ts", pa.uint64()),
-                     ("delta", pa.int64())])
-RANGE_EVENTS = 1 << 20  # events whose rows are put in order at a time, at least
-MAX_RANGES = 128  # a range's three streams are open files: ranges grow, not their number
-
-
-def _changes(rows: pa.Table, ranges: list[Stream], span: int) -> None:
-    """A bucket's changes, each to the stream of its event's range."""
-    ev = rows.column("event_id").to_numpy().astype(np.int64)
-    end_col = rows.column("end_event_id")
-    ended = pc.is_valid(end_col).to_numpy(zero_copy_only=False)
-    end = pc.fill_null(end_col, 0).to_numpy()  # not a float array with NaNs
-    size = rows.column("size").to_numpy().astype(np.int64)
-    pid = rows.column("pid").to_numpy().astype(np.int64)
-    e = np.concatenate([ev, end[ended].astype(np.int64)])
-    t = np.concatenate([rows.column("ts").to_numpy(),
-                        rows.column("end_ts").to_numpy()[ended]])
-    d = np.concatenate([size, -size[ended]])
-    p = np.concatenate([pid, pid[ended]])
-    if len(ranges) == 1:
-        ranges[0].write(pa.RecordBatch.from_arrays(
-            [pa.array(e), pa.array(p), pa.array(t), pa.array(d)], schema=CHANGES))
-        return
-    r = e // span
-    order = np.argsort(r, kind="stable")
-    bounds = np.searchsorted(r[order], np.arange(len(ranges) + 1))
-    for k in np.flatnonzero(np.diff(bounds)).tolist():
-        i = order[bounds[k]:bounds[k + 1]]
-        ranges[k].write(pa.RecordBatch.from_arrays(
-            [pa.array(e[i]), pa.array(p[i]), pa.array(t[i]), pa.array(d[i])], schema=CHANGES))
-
-
-class _Carry:
-    """Each process's heap bytes so far, across the ranges of changes."""
-
-    def __init__(self) -> None:
-        self.bytes = Carry()
-
-    def timeline(self, changes: pa.Table) -> pa.Table:
-        """HEAP_TIMELINE rows of one range of changes: one per (pid, event) that changed,
-        in event order (then pid)."""
-        if not changes.num_rows:
-            return HEAP_TIMELINE.empty_table()
-        e, p = changes.column("event_id").to_numpy(), changes.column("pid").to_numpy()
-        d, t = changes.column("delta").to_numpy(), changes.column("ts").to_numpy()
-        order = np.lexsort((p, e))
-        e, p, d, t = e[order], p[order], d[order], t[order]
-        first = np.ones(len(e), bool)
-        first[1:] = (e[1:] != e[:-1]) | (p[1:] != p[:-1])
-        at = np.flatnonzero(first)
-        e, p, t, d = e[at], p[at], t[at], np.add.reduceat(d, at)
-        by_pid = np.argsort(p, kind="stable")
-        ps, ds = p[by_pid], d[by_pid]
-        run = np.cumsum(ds)
-        start = np.ones(len(ps), bool)
-        start[1:] = ps[1:] != ps[:-1]
-        begin = np.maximum.accumulate(np.where(start, np.arange(len(ps)), 0))
-        heap = run - np.where(begin > 0, run[np.maximum(begin - 1, 0)], 0)
-        heap += self.bytes.get(ps)[0]
-        self.bytes.update(ps, heap)
-        out = np.empty(len(heap), np.int64)
-        out[by_pid] = heap
-        return pa.table({"pid": pa.array(p.astype(np.uint32)),
-                         "event_id": pa.array(e.astype(np.uint64)), "ts": pa.array(t),
-                         "delta": pa.array(d), "heap_bytes": pa.array(out)},
-                        schema=HEAP_TIMELINE)
-
-
-@dataclass
-class _Forks:
-    """The forks whose children inherit their parent's blocks, in event order."""
-
-    ev: np.ndarray
-    ts: np.ndarray
-    parent: np.ndarray
-    child: np.ndarray
-
-
-class _Bounds:
-    """Where each process instance ends: a fork of its pid (a child starts), an exec or
-    an exit, in event order per pid."""
-
-    def __init__(self, life: Lifecycle, n: int) -> None:
-        forks, execs, exits = life.forks, life.execs, life.process_exits
-        b_pid = np.concatenate([forks["child"].to_numpy(), execs["pid"].to_numpy(),
-                                exits["pid"].to_numpy()]).astype(np.int64)
-        b_eid = np.concatenate([forks["event_id"].to_numpy(), execs["event_id"].to_numpy(),
-                                exits["event_id"].to_numpy()]).astype(np.int64)
-        b_ts = np.concatenate([forks["ts"].to_numpy(), execs["ts"].to_numpy(),
-                               exits["ts"].to_numpy()]).astype(np.uint64)
-        b_reason = np.concatenate([
-            np.full(forks.num_rows, END_EXIT), np.full(execs.num_rows, END_EXEC),
-            np.full(exits.num_rows, END_EXIT)])  # fmt: skip
-        # a fork that copies the address space (not a vfork: CLONE_VM shares it)
-        copying = np.concatenate([(forks["flags"].to_numpy() & CLONE_VM) == 0,
-                                  np.zeros(execs.num_rows + exits.num_rows, bool)])
-        self.stride = n + 1
-        key = b_pid * self.stride + b_eid
-        order = np.argsort(key, kind="stable")
-        self.key, self.pid = key[order], b_pid[order]
-        self.eid, self.ts, self.reason = b_eid[order], b_ts[order], b_reason[order]
-        self.groups = len(key) + 1  # instances of a process are fewer: (pid, instance) key
-        self.attached = np.zeros(0, np.int64)  # heaps_before_attach's (pid, instance) keys
-        # an exec that ends a prelude: the process's boundary before it is its fork
-        copying = copying[order]
-        self.ends_prelude = self.reason == END_EXEC
-        self.ends_prelude[1:] &= copying[:-1] & (self.pid[1:] == self.pid[:-1])
-        self.ends_prelude[:1] = False
-
-    def heaps_before_attach(self, attached: list[int], forks: _Forks) -> None:
-        """The process instances whose heap holds blocks allocated before the run began
-        (`capture --pid`): each attached process's first, and the instance a fork of
-        such an instance starts (the child's copy of that heap)."""
-        heaps = {(pid, 0) for pid in attached}
-        if heaps:
-            for ev, parent, child in zip(forks.ev.tolist(), forks.parent.tolist(),
-                                         forks.child.tolist(), strict=True):
-                p = np.array([parent]), np.array([child]), np.array([ev])
-                if (parent, int(self.instance(p[0], p[2])[0])) in heaps:
-                    heaps.add((child, int(self.instance(p[1], p[2])[0])))
-        self.attached = np.array(sorted(p * self.groups + i for p, i in heaps), np.int64)
-
-    def before_attach(self, pid: np.ndarray, inst: np.ndarray) -> np.ndarray:
-        """Whether each (process, instance) is one of heaps_before_attach's."""
-        return np.isin(pid.astype(np.int64) * self.groups + inst, self.attached)
-
-    def instance(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """How many boundaries of process p came at or before event e."""
-        return np.searchsorted(self.key, p * self.stride + e, side="right") - \
-            np.searchsorted(self.key, p * self.stride, side="left")
-
-    def in_prelude(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """Whether event e of process p falls in a prelude: after the fork that made p
-        (not a vfork) and before the exec that comes next in p."""
-        if not len(self.key):
-            return np.zeros(len(p), bool)
-        j = self.next_boundary(p, e)
-        return (j >= 0) & self.ends_prelude[np.maximum(j, 0)]
-
-    def next_boundary(self, p: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """Index into the boundaries of process p's first one after event e, -1: none."""
-        if not len(self.key):
-            return np.full(len(p), -1, np.int64)
-        j = np.searchsorted(self.key, p * self.stride + e, side="right")
-        jc = np.minimum(j, len(self.key) - 1)
-        return np.where((j < len(self.key)) & (self.pid[jc] == p), jc, -1)
-
-
-def _matched(stream: Stream, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
-             end_ts: int) -> Iterator[tuple[pa.Table, dict[str, int]]]:
-    """The BLOCK_ROWS of one bucket and their counters: matched whole when children
-    inherit (the copies need their parent's whole history), else a span of time at a
-    time (about OPS_PER_BUCKET operations: an address handed out again and again, as a
-    malloc/free loop's, is in one bucket however many its operations), the blocks still
-    open and each address's last free carried from one span to the next."""
-    if len(forks.ev) or stream.rows <= 2 * OPS_PER_BUCKET:
-        ops = stream.table()
-        stream.remove()
-        if ops.num_rows:
-            rows, got, _ = _match_bucket(ops, bounds, forks, exits, end_ts)
-            yield rows, got
-        return
-    carry = OPS.empty_table()
-    spans = rechunk(stream.batches(), OPS, OPS_PER_BUCKET)  # the batches are in time order
-    span = next(spans, None)
-    while span is not None:
-        after = next(spans, None)
-        until = None if after is None else int(pc.min(after.column("event_id")).as_py())
-        rows, got, carry = _match_bucket(pa.concat_tables([carry, span]), bounds, forks,
-                                         exits, end_ts, carried=carry.num_rows, until=until)
-        yield rows, got
-        span = after
-    stream.remove()
-
-
-def _match_bucket(ops: pa.Table, bounds: _Bounds, forks: _Forks, exits: np.ndarray,
-                  end_ts: int, carried: int = 0, until: int | None = None
-                  ) -> tuple[pa.Table, dict[str, int], pa.Table]:
-    """The BLOCK_ROWS of one bucket's operations (memtrack.process.spill.OPS), its
-    counters, and what the next span of time needs (OPS rows). Matched a span at a time
-    (no forks whose children inherit): the first `carried` rows are the previous span's
-    open blocks and last frees, `until` the next span's first event (None: the last);
-    a block still open that may end after it is carried on, not a row yet."""
-    col = {c: ops.column(c).to_numpy() for c in (
-        "event_id", "pid", "tid", "ts", "kind", "addr", "alloc_id", "prev")}  # fmt: skip
-    ev, is_block = col["event_id"], col["alloc_id"] >= 0
-    bi = np.flatnonzero(is_block)
-    bi = bi[np.argsort(ev[bi], kind="stable")]
-    fi = np.flatnonzero(~is_block)
-    fi = fi[np.argsort(ev[fi], kind="stable")]
-    f_ev, f_rf = ev[fi], col["kind"][fi] == EventKind.REALLOC
-    old_f = fi < carried  # a carried free: its address's last operation so far
-    m = _Matcher(bounds, f_ev, col["pid"][fi], col["addr"][fi], f_rf)
-    m.allocations(ev[bi], col["pid"][bi], col["addr"][bi])
-    m.inherit(forks)
-    lone = ~m.f_matched & ~f_rf & ~old_f
-    at_exit = _thread_exit_frees(f_ev[lone], m.f_after_free[lone], col["tid"][fi][lone],
-                                 col["pid"][fi][lone], exits)
-    # a free of an address no operation of the run touched, in a heap older than the run
-    unknown = ~m.f_after_free[lone] & ~at_exit & bounds.before_attach(
-        col["pid"][fi][lone], m.f_inst[lone])
-    counters = {"frees_unmatched": int((~m.f_matched & ~old_f).sum()),
-                "frees_at_thread_exit": int(at_exit.sum()),
-                "frees_before_attach": int(unknown.sum())}
-    del lone
-    b, fork = m.gathered()
-    nr = len(bi)
-    final = np.ones(len(b.ev), bool)
-    carry = ops.slice(0, 0)
-    if until is not None:  # the blocks that may end after this span, the last frees
-        final = (b.free >= 0) | (b.reason == END_REUSED) | ((b.end >= 0) & (b.end < until))
-        j = bounds.next_boundary(col["pid"][fi], f_ev)
-        goes_on = j < 0  # no boundary ends the free's process instance, or one after
-        if len(bounds.eid):
-            goes_on |= bounds.eid[np.maximum(j, 0)] >= until
-        live = m.f_last & goes_on
-        carry = ops.take(pa.array(np.concatenate([bi[~final], fi[live]])))
-    del m
-    inherited = b.src >= 0
-    o = bi[b.origin]  # each block's allocation, as a row of ops
-    # an event's time: the frees', the allocations', the boundaries' and the forks'
-    t_key = np.concatenate([f_ev, ev[bi], bounds.eid, forks.ev])
-    t_val = np.concatenate([col["ts"][fi], col["ts"][bi], bounds.ts, forks.ts])
-    t_key, first = np.unique(t_key, return_index=True)
-    t_val = t_val[first]
-
-    def ts_of(e: np.ndarray) -> np.ndarray:
-        return t_val[np.searchsorted(t_key, e)]
-
-    b_ts = np.where(inherited, ts_of(b.ev), col["ts"][o])
-    has_free, has_end = b.free >= 0, b.end >= 0
-    free_ts = np.where(has_free, ts_of(np.where(has_free, b.free, t_key[0])), 0)
-    end_ts_a = np.where(has_end, ts_of(np.where(has_end, b.end, t_key[0])), np.uint64(end_ts))
-    at_free = np.searchsorted(f_ev, np.where(has_free, b.free, 0))
-    at_free = np.minimum(at_free, max(len(fi) - 1, 0))
-    free_tid = np.where(has_free, col["tid"][fi][at_free] if len(fi) else 0, 0)
-    temporary = has_free & ~inherited & (col["prev"][fi][at_free] == b.ev if len(fi)
-                                         else False)
-    # a prelude's blocks (its own and its copies) are in no process's figures
-    kept = final & ~bounds.in_prelude(b.pid, b.ev)
-    counters.update({
-        "allocations_inherited": int((inherited & kept).sum()),
-        "allocations_before_exec": int((final[:nr] & ~kept[:nr]).sum()),
-        "reallocs": int(((col["kind"][bi] == EventKind.REALLOC) & (bi >= carried)).sum()),
-        "allocations_reused_without_free": int(((b.reason == END_REUSED) & final).sum()),
-        "allocations_not_freed": int(((b.reason[:nr] >= END_EXEC) & kept[:nr]).sum()),
-    })
-
-    def nullable(values: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
-        dtype = {pa.uint64(): np.uint64, pa.uint32(): np.uint32, pa.int64(): np.int64,
-                 pa.int32(): np.int32}[typ]
-        return pa.array(np.asarray(values).astype(dtype), type=typ, mask=~valid)
-
-    at_origin = pa.array(o)
-    rows = pa.table({
-        "alloc_id": nullable(col["alloc_id"][o], ~inherited, pa.uint64()),
-        "event_id": pa.array(b.ev.astype(np.uint64)),
-        "pid": pa.array(b.pid.astype(np.uint32)),
-        "tid": pa.array(np.where(inherited, b.pid, col["tid"][o]).astype(np.uint32)),
-        "ts": pa.array(b_ts.astype(np.uint64)),
-        "kind": pa.array(col["kind"][o]),
-        "allocator": ops.column("allocator").take(at_origin),
-        "addr": pa.array(col["addr"][o]),
-        "size": ops.column("size").take(at_origin),
-        "stack_hash": ops.column("stack_hash").take(at_origin),
-        "free_ts": nullable(free_ts, has_free, pa.uint64()),
-        "free_event_id": nullable(b.free, has_free, pa.uint64()),
-        "free_tid": nullable(free_tid, has_free, pa.uint32()),
-        "end_ts": pa.array(end_ts_a.astype(np.uint64)),
-        "end_event_id": nullable(b.end, has_end, pa.uint64()),
-        "end_reason": pa.array(b.reason),
-        "lifetime_ns": nullable(free_ts.astype(np.int64) - b_ts.astype(np.int64), has_free,
-                                pa.uint64()),
-        "temporary": pa.array(np.asarray(temporary, bool)),
-        "fork": nullable(fork, inherited, pa.int64()),
-        "gen": nullable(b.gen, inherited, pa.int32()),
-        "origin": nullable(col["alloc_id"][o], inherited, pa.uint64()),
-        "src_fork": nullable(b.src_fork, b.gen > 1, pa.int64()),
-    }, schema=BLOCK_ROWS)
-    return (rows if kept.all() else rows.filter(pa.array(kept))), counters, carry
-
-
-def _thread_exit_frees(free_eid: np.ndarray, freed_before: np.ndarray, tid: np.ndarray,
-                       pid: np.ndarray, exits: np.ndarray) -> np.ndarray:
-    """Which unmatched frees (events `free_eid`; `freed_before`: the block's last
-    operation was a recorded free) are glibc's at thread exit.
-
-    A thread other than the main one ends in __libc_thread_freeres ->
-    tcache_thread_shutdown, which frees through the public `free` every chunk still in
-    the thread's tcache (blocks the program freed already: freed again) and then the
-    tcache itself (allocated inside malloc, never returned by a malloc call: never
-    seen). So: after the thread's last allocation and before its exit, a free of a
-    block freed before, or the thread's very last free of a block never seen.
-    `exits`: memtrack.process.spill.EventSpill.exits."""
-    if not len(free_eid) or not exits.shape[1]:
-        return np.zeros(len(free_eid), bool)
-    x_tid, x_eid, x_alloc, x_free = exits
-    stride = int(max(x_eid.max(), free_eid.max())) + 1
-    key = x_tid * stride + x_eid
-    at = tid.astype(np.int64) * stride + free_eid
-    j = np.searchsorted(key, at)  # the thread's next exit
-    jc = np.minimum(j, len(key) - 1)
-    hit = (j < len(key)) & (x_tid[jc] == tid)
-    in_tail = hit & (x_alloc[jc] < free_eid) & (tid != pid)
-    return in_tail & (freed_before | (x_free[jc] == free_eid))
-
-
-@dataclass
-class _Blocks:
-    """Blocks to match: the allocations, or the copies one child inherits at one fork;
-    `base` is the index of the first among all (allocations first, then the copies in
-    the order they were made)."""
-
-    ev: np.ndarray  # event index where the block starts in its process
-    pid: np.ndarray
-    addr: np.ndarray
-    inst: np.ndarray  # process instance (_Matcher.instance)
-    src: np.ndarray  # index of the block copied, -1 for an allocation
-    origin: np.ndarray  # index of the allocation copied (itself for an allocation)
-    base: int
-    gen: np.ndarray  # 0 for an allocation, else its source's + 1
-    src_fork: np.ndarray  # the fork that made the block copied (-1: an allocation)
-    fork: int = -1  # the fork that made these copies (-1: allocations)
-    end: np.ndarray = field(init=False)  # event index where the block's life ends, -1
-    free: np.ndarray = field(init=False)  # event index of the free that ended it, -1
-    reason: np.ndarray = field(init=False)  # EndReason
-
-    def __post_init__(self) -> None:
-        self.end = np.full(len(self.ev), -1, np.int64)
-        self.free = np.full(len(self.ev), -1, np.int64)
-        self.reason = np.full(len(self.ev), END_END, np.uint8)
-
-
-class _Matcher:
-    """Blocks (allocations, and the copies a forked child inherits) matched with the
-    frees that end them, process life by process life.
-
-    A block's life in its process ends at the first later free of its address in the
-    same process instance (a process instance is bounded by fork: a child starts,
-    exec and exit), or where that address is handed out again (`reused`: a free that
-    was not recorded), else at the instance's next exec or exit (a leak), else at the
-    capture's end. Events are indexed by their position."""
-
-    def __init__(self, bounds: _Bounds, f_ev: np.ndarray, f_pid: np.ndarray,
-                 f_addr: np.ndarray, by_realloc: np.ndarray) -> None:
-        self.bounds = bounds
-        self.copies: dict[int, list[_Blocks]] = {}  # child pid -> its copies, by fork
-        self.chunks: list[_Blocks] = []  # every copy, in the order made
-        self.f_ev, self.f_pid, self.f_addr, self.f_rf = f_ev, f_pid, f_addr, by_realloc
-        self.f_inst = bounds.instance(f_pid, f_ev)
-        self.f_matched = np.zeros(len(f_ev), bool)
-        self.f_after_free = np.zeros(len(f_ev), bool)  # the address's last op was a free
-        self.f_last = np.zeros(len(f_ev), bool)  # the last operation of its address
-
-    def allocations(self, ev: np.ndarray, pid: np.ndarray, addr: np.ndarray) -> None:
-        n = len(ev)
-        self.real = _Blocks(ev, pid, addr, self.bounds.instance(pid, ev),
-                            np.full(n, -1, np.int64), np.arange(n, dtype=np.int64), 0,
-                            np.zeros(n, np.int32), np.full(n, -1, np.int64))
-        self.size = n
-        self.by_pid: np.ndarray | None = None  # made by of_pid, only for forks
-        self.match([(self.real, None)], np.arange(len(self.f_ev)))
-
-    def of_pid(self, p: int) -> tuple[list[tuple[_Blocks, np.ndarray]], np.ndarray]:
-        """The blocks of process p (its allocations and copies) and its frees."""
-        if self.by_pid is None:
-            self.by_pid = np.lexsort((self.real.ev, self.real.pid))
-            self.pid_sorted = self.real.pid[self.by_pid]
-            self.f_by_pid = np.lexsort((self.f_ev, self.f_pid))
-            self.f_pid_sorted = self.f_pid[self.f_by_pid]
-        lo, hi = np.searchsorted(self.pid_sorted, [p, p + 1])
-        parts = [(self.real, self.by_pid[lo:hi])]
-        parts += [(c, np.arange(len(c.ev))) for c in self.copies.get(p, [])]
-        flo, fhi = np.searchsorted(self.f_pid_sorted, [p, p + 1])
-        return parts, self.f_by_pid[flo:fhi]
-
-    def match(self, parts: list[tuple[_Blocks, np.ndarray | None]], frees: np.ndarray) -> None:
-        """Match these blocks (an index into each, None: all of it) with these frees
-        (all of their processes' ones). The operations of one address all fall in one
-        bucket: the buckets match independently, and their sorts hold a bucket's
-        operations, not all of them, at a time."""
-        def gather(name: str) -> np.ndarray:
-            if len(parts) == 1 and parts[0][1] is None:
-                return getattr(parts[0][0], name)  # the whole of one: no copy
-            return np.concatenate([getattr(blk, name)[slice(None) if i is None else i]
-                                   for blk, i in parts])
-
-        b_pid, b_inst, b_addr, b_ev = (gather(name) for name in ("pid", "inst", "addr", "ev"))
-        nb = len(b_ev)
-        end = np.full(nb, -1, np.int64)
-        free = np.full(nb, -1, np.int64)
-        reason = np.full(nb, END_END, np.uint8)
-        buckets = max(1, (nb + len(frees)) // BUCKET_OPS)
-        if buckets == 1:
-            self.match_ops(b_pid, b_inst, b_addr, b_ev, np.arange(nb), frees, end, free, reason)
-        else:
-            b_bucket = ((b_addr >> np.uint64(4)) % np.uint64(buckets)).astype(np.int32)
-            f_bucket = ((self.f_addr[frees] >> np.uint64(4)) % np.uint64(buckets)).astype(
-                np.int32)
-            for k in range(buckets):
-                bi = np.flatnonzero(b_bucket == k)
-                self.match_ops(b_pid[bi], b_inst[bi], b_addr[bi], b_ev[bi], bi,
-                               frees[f_bucket == k], end, free, reason)
-                del bi
-            del b_bucket, f_bucket
-        # Never freed: bounded by the next exec/exit of the process instance, if any.
-        open_ = np.flatnonzero(end < 0)
-        j = self.bounds.next_boundary(b_pid[open_], b_ev[open_])
-        hit = j >= 0
-        end[open_[hit]] = self.bounds.eid[j[hit]]
-        reason[open_[hit]] = self.bounds.reason[j[hit]]
-        del open_, j, hit
-        o = 0
-        for blk, i in parts:
-            if i is None:
-                blk.end, blk.free, blk.reason = end, free, reason
-                continue
-            blk.end[i], blk.free[i], blk.reason[i] = (
-                end[o:o + len(i)], free[o:o + len(i)], reason[o:o + len(i)])
-            o += len(i)
-
-    def match_ops(self, b_pid: np.ndarray, b_inst: np.ndarray, b_addr: np.ndarray,
-                  b_ev: np.ndarray, b_ref: np.ndarray, frees: np.ndarray, end: np.ndarray,
-                  free: np.ndarray, reason: np.ndarray) -> None:
-        """Match blocks with frees that hold every operation of their addresses: each
-        block ends at the next operation on its (pid, instance, address), a free (or a
-        realloc's free) or another block (reused). b_ref: each block's index into end,
-        free and reason, which this fills, with f_matched and f_after_free."""
-        nb = len(b_ev)
-        op_ev = np.concatenate([b_ev, self.f_ev[frees]])
-        op_sub = np.concatenate([np.ones(nb, np.int8), np.zeros(len(frees), np.int8)])
-        # event order first (a free before the block of its event), then a stable sort
-        # by (pid, instance, address): one or two sorts, not five
-        order = np.argsort(op_ev * 2 + op_sub, kind="stable")
-        s_ev, s_sub = op_ev[order], op_sub[order]
-        del op_ev, op_sub
-        groups = self.bounds.groups
-        group = np.concatenate([b_pid * groups + b_inst,
-                                self.f_pid[frees] * groups + self.f_inst[frees]])[order]
-        s_addr = np.concatenate([b_addr, self.f_addr[frees]])[order]
-        if len(group) and (group == group[0]).all():
-            by = np.argsort(s_addr, kind="stable")
-        else:
-            by = np.lexsort((s_addr, group))
-        order, s_ev, s_sub, group, s_addr = order[by], s_ev[by], s_sub[by], group[by], s_addr[by]
-        del by
-        s_ref = np.concatenate([b_ref, frees])[order]
-        del order
-        k = len(s_ev)
-        same_next = np.zeros(k, bool)
-        if k > 1:
-            same_next[:-1] = (group[1:] == group[:-1]) & (s_addr[1:] == s_addr[:-1])
-        del group, s_addr
-        is_a = s_sub == 1
-        nxt = np.minimum(np.arange(k) + 1, max(k - 1, 0))
-        freed = is_a & same_next & (s_sub[nxt] == 0)
-        reused = is_a & same_next & (s_sub[nxt] == 1)
-        # Frees that end nothing (block allocated before tracking, by an untracked
-        # allocator, inherited across a vfork, or a double free).
-        prev_is_alloc = np.zeros(k, bool)
-        prev_free = np.zeros(k, bool)
-        if k > 1:
-            prev_is_alloc[1:] = same_next[:-1] & is_a[:-1]
-            prev_free[1:] = same_next[:-1] & ~is_a[:-1]
-        self.f_matched[s_ref[~is_a]] = prev_is_alloc[~is_a]
-        self.f_after_free[s_ref[~is_a]] = prev_free[~is_a]
-        self.f_last[s_ref[~is_a]] = ~same_next[~is_a]
-        del prev_is_alloc, prev_free, same_next
-        b = s_ref[is_a]
-        f_rows, u_rows = freed[is_a], reused[is_a]
-        nx_ev = s_ev[nxt][is_a]
-        free[b[f_rows]] = nx_ev[f_rows]
-        end[b[f_rows | u_rows]] = nx_ev[f_rows | u_rows]
-        reason[b[f_rows]] = np.where(self.f_rf[s_ref[nxt][is_a][f_rows]], END_REALLOC,
-                                     END_FREE)
-        reason[b[u_rows]] = END_REUSED
-
-    def inherit(self, forks: _Forks) -> None:
-        """A forked child (not a vfork: CLONE_VM shares the parent's memory) gets a copy
-        of every block alive in its parent at the fork, in its own heap: its frees end
-        those copies, the parent's end the parent's blocks. Only a child that allocates
-        or frees before its exec or exit inherits (`forks` are those: a fork + exec
-        child's copy of its parent's heap is never used: listing it would put the
-        parent's heap in every such child's peak and leaks). Forks go in event order,
-        each child matched again with its copies, so that a grandchild inherits its
-        parent's copies as they were at its own fork."""
-        for no, (e, p, c) in enumerate(zip(forks.ev.tolist(), forks.parent.tolist(),
-                                           forks.child.tolist(), strict=True)):
-            parts, _ = self.of_pid(p)
-            alive = [(blk, i[(blk.ev[i] < e) & ((blk.end[i] < 0) | (blk.end[i] > e))])
-                     for blk, i in parts]
-            k = sum(len(i) for _, i in alive)
-            if not k:
-                continue
-            copy = _Blocks(
-                np.full(k, e, np.int64), np.full(k, c, np.int64),
-                np.concatenate([blk.addr[i] for blk, i in alive]),
-                self.bounds.instance(np.full(k, c, np.int64), np.full(k, e, np.int64)),
-                np.concatenate([blk.base + i for blk, i in alive]),
-                np.concatenate([blk.origin[i] for blk, i in alive]), self.size,
-                np.concatenate([blk.gen[i] + 1 for blk, i in alive]),
-                np.concatenate([np.full(len(i), blk.fork, np.int64) for blk, i in alive]),
-                no)
-            self.size += k
-            self.chunks.append(copy)
-            self.copies.setdefault(c, []).append(copy)
-            self.match(*self.of_pid(c))
-
-    def gathered(self) -> tuple[_Blocks, np.ndarray]:
-        """Every block, the allocations first, then the copies in the order made, and
-        the fork that made each (-1: an allocation)."""
-        every = [self.real, *self.chunks]
-        fork = np.concatenate([np.full(len(b.ev), b.fork, np.int64) for b in every])
-        if not self.chunks:
-            return self.real, fork
-        out = _Blocks(*(np.concatenate([getattr(b, f) for b in every])
-                        for f in ("ev", "pid", "addr", "inst", "src", "origin")), 0,
-                      *(np.concatenate([getattr(b, f) for b in every])
-                        for f in ("gen", "src_fork")))
-        out.end = np.concatenate([b.end for b in every])
-        out.free = np.concatenate([b.free for b in every])
-        out.reason = np.concatenate([b.reason for b in every])
-        return out, fork
 
 

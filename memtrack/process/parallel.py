@@ -5,7 +5,7 @@ verifies. The records of a hash that occurs once need no choice; those of the ha
 recorded more than once (a forked child, the kernel's dedupe map forgetting) are decoded
 first only to learn which verify (`decode`), so that the rest of the work splits into
 pieces that need nothing from each other (`unwind`: decode, then walk). A piece holds at
-most `chunk_bytes` of rebuilt copies; with more than one job, pieces are also cut so that
+most `piece_bytes` of rebuilt copies; with more than one job, pieces are also cut so that
 every job gets one (never below MIN_PIECE records, never above MAX_PIECE). The pieces
 are read from the artifact as the jobs take them (memtrack.process.decode.StackRecords):
 what this process holds of the records is their index and a few pieces, whatever the
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.decode import StackRecords, decode_chunks, decode_table, piece_ends
+from memtrack.process.decode import StackRecords, decode_pieces, decode_table, piece_ends
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.unwind import Unwinder, UnwoundStacks
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
@@ -54,11 +54,11 @@ class StackWork:
     problems: list[str] = field(default_factory=list)  # sorted, each once
 
 
-def choose_records(records: StackRecords, chunk_bytes: int,
+def choose_records(records: StackRecords, piece_bytes: int,
                    progress: Advance = no_progress) -> tuple[np.ndarray, dict[str, int]]:
     """The records to unwind (positions in `records`, file order): every record whose
     hash occurs once, and the first verified record of each hash that occurs more often
-    (those are decoded, `progress` told after each run). Counts the repeated hashes'
+    (those are decoded, `progress` told after each piece). Counts the repeated hashes'
     records that did not verify, and `stacks_duplicate_hash` (the same bytes recorded by
     more than one process: one stack, the first's)."""
     counters = {"decode_mismatch": 0, "decode_bad_payload": 0, "stacks_duplicate_hash": 0}
@@ -70,11 +70,11 @@ def choose_records(records: StackRecords, chunk_bytes: int,
     rows = np.flatnonzero(repeated)
     verified = []
     start = 0
-    for run in decode_chunks(records, chunk_bytes, rows):
-        verified.append(rows[start + run.kept])
-        start += run.counters["stack_records"]
-        counters["decode_mismatch"] += run.counters["decode_mismatch"]
-        counters["decode_bad_payload"] += run.counters["decode_bad_payload"]
+    for piece in decode_pieces(records, piece_bytes, rows):
+        verified.append(rows[start + piece.kept])
+        start += piece.counters["stack_records"]
+        counters["decode_mismatch"] += piece.counters["decode_mismatch"]
+        counters["decode_bad_payload"] += piece.counters["decode_bad_payload"]
         progress(start, rows.size, records=start)
     ok = np.concatenate(verified)
     _, first = np.unique(h[ok], return_index=True)
@@ -107,17 +107,17 @@ def _piece(records: pa.Table, unwinder: Unwinder | None = None) -> Piece:
     """Decode and unwind one piece (in a worker: with the worker's unwinder)."""
     u = unwinder or _unwinder
     assert u is not None
-    run = decode_table(records)
+    decoded = decode_table(records)
     del records
-    counters = {k: v for k, v in run.counters.items() if k != "stack_records"}
-    out = u.unwind(run.table)
-    del run
+    counters = {k: v for k, v in decoded.counters.items() if k != "stack_records"}
+    out = u.unwind(decoded.table)
+    del decoded
     counters.update({k: counters.get(k, 0) + v for k, v in out.counters.items()})
     return out.stacks, out.stack_frames, counters, u.problems
 
 
 def unwind_records(records: StackRecords, mappings: pa.Table, artifact: Path,
-                   host_modules: bool, store: ModuleStore, chunk_bytes: int, jobs: int,
+                   host_modules: bool, store: ModuleStore, piece_bytes: int, jobs: int,
                    stage: Callable[[str], AbstractContextManager[Advance]],
                    cache_dir: Path | None = None) -> StackWork:
     """Stacks and stack frames of every stack hash of `records` (the artifact's), on
@@ -127,10 +127,10 @@ def unwind_records(records: StackRecords, mappings: pa.Table, artifact: Path,
     two per job are held at once)."""
     counters: dict[str, int] = {"stack_records": records.num_rows}
     with stage("decode") as progress:
-        chosen, picked = choose_records(records, chunk_bytes, progress)
+        chosen, picked = choose_records(records, piece_bytes, progress)
     counters.update(picked)
     copy_len = records.index.column("copy_len").to_numpy()[chosen]
-    ends = piece_ends(copy_len, chunk_bytes, piece_size(chosen.size, jobs)) \
+    ends = piece_ends(copy_len, piece_bytes, piece_size(chosen.size, jobs)) \
         if chosen.size else []
     results: list[Piece] = []
     with stage("unwind") as progress:

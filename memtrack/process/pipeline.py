@@ -162,7 +162,7 @@ def process(
     host_modules: bool | None = None,
     cache_dir: Path | str | None = None,
     progress: bool | ProgressSink | None = None,
-    chunk_bytes: int | None = None,
+    piece_bytes: int | None = None,
     labels: dict[str, str] | None = None,
     jobs: int | None = None,
     python_frames: bool = True,
@@ -176,7 +176,7 @@ def process(
     cache_dir: the symbol and CFI caches (per module), None for none.
     progress: where the stages are (memtrack.process.progress): True draws it on stderr
     (TerminalProgress), None only when stderr is a terminal, False nowhere; or a sink.
-    chunk_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
+    piece_bytes: rebuilt stack bytes decoded and unwound at a time (None: decode's
     DEFAULT_MAX_BYTES); the output does not depend on it, the peak memory does.
     labels: what the user says of the run (`--label commit=...`), kept in meta.
     jobs: processes that decode and unwind stack records, and DuckDB's threads (None:
@@ -207,7 +207,7 @@ def process(
                            buckets_for(_events_estimate(art)))
         try:
             _process(art, db, spill, summary, st, host_modules=host_modules,
-                     cache=Path(cache_dir) if cache_dir else None, chunk_bytes=chunk_bytes,
+                     cache=Path(cache_dir) if cache_dir else None, piece_bytes=piece_bytes,
                      labels=labels, jobs=jobs, python_frames=python_frames,
                      parquet_dir=Path(parquet_dir) if parquet_dir else None)
         except BaseException:
@@ -228,7 +228,7 @@ def _events_estimate(art: Artifact) -> int:
 
 
 def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary,
-             st: Stages, *, host_modules: bool, cache: Path | None, chunk_bytes: int | None,
+             st: Stages, *, host_modules: bool, cache: Path | None, piece_bytes: int | None,
              labels: dict[str, str] | None, jobs: int, python_frames: bool,
              parquet_dir: Path | None) -> None:
     """The stages, in the order that holds the least at a time: the events go to the
@@ -244,17 +244,17 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
     summary.events = spill.n
     end_ns = m.end_ns or spill.last_ts
-    life = st.run("lifecycle", lambda: of_artifact(tables, m, spill.first_seen))
-    res = st.run("rss", lambda: resident(tables, m, life))
+    lifecycle = st.run("lifecycle", lambda: of_artifact(tables, m, spill.others.first_seen))
+    res = st.run("rss", lambda: resident(tables, m, lifecycle))
     spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns,
                                               tables.region_labels))
     summary.add(spans.counters)
 
     store = ModuleStore(artifact_path, host_modules=host_modules)
-    spaces = inherited_mappings(tables.mappings, life.forks,
+    spaces = inherited_mappings(tables.mappings, lifecycle.forks,
                                 tables.stacks.index.column("pid").to_numpy())
     work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
-                          store, chunk_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
+                          store, piece_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
     summary.add(work.counters)
     summary.warn(work.problems)
     unwound = work.unwound
@@ -281,7 +281,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         rows = Aside(db)
         try:
             counters = pair_spilled(
-                spill, life, m.end_ns or None, partial(rows.insert, "allocations"),
+                spill, lifecycle, m.end_ns or None, partial(rows.insert, "allocations"),
                 partial(rows.insert, "heap_timeline"), progress,
                 [a["pid"] for a in m.attached])
         finally:
@@ -291,7 +291,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.allocations = counters["allocations"]
     with st.stage("load"):
         spill.remove()
-        db.lives(life)
+        db.processes(lifecycle)
         db.table("mappings", tables.mappings)
         db.table("rss", res.rss)
         db.table("regions", spans.regions)
@@ -327,7 +327,7 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     summary.frames_by_method = loaded.frames_by_method
     summary.unknown_frames = loaded.unknown_frames
     summary.metadata = st.run("metadata", lambda: metadata.write(
-        metadata.build(art.path, m, life, res), metadata.path_for(summary.out_db)))
+        metadata.build(art.path, m, lifecycle, res), metadata.path_for(summary.out_db)))
 
 
 def allocator_functions(probes: Any) -> list[str]:

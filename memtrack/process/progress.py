@@ -1,6 +1,6 @@
 """Where `process` is: its stages (STAGES) run one after another, each once; a stage
 that knows its work tells how far it is (events read of the events file's bytes, stack
-pieces unwound of the pieces, buckets paired of the buckets) a slice, piece or bucket at
+pieces unwound of the pieces, buckets paired of the buckets) a piece or bucket at
 a time, never an event at a time. A sink takes that: `TerminalProgress` draws it on
 stderr (a finished stage keeps its counts and time, the running one shows its
 percentage and time left, a stage not started is not shown), the tests record it."""

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memtrack.process.lookup import find_sorted
+from memtrack.process.lookup import find_sorted, key_bounds
 from memtrack.process.unwind import module_paths
 from memtrack.schema.stackrecord import ragged
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
@@ -215,10 +215,9 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
             mine = pc.fill_null(pc.equal(bids, bid), False).to_numpy(zero_copy_only=False)
             is_eval |= mine & (look >= start) & (look < start + size)
     eval_idx = np.flatnonzero(is_eval)
-    lo = np.searchsorted(sf_hash, rnative, side="left")
-    hi = np.searchsorted(sf_hash, rnative, side="right")
-    elo = np.searchsorted(sf_hash[eval_idx], rnative, side="left")
-    nevals = np.searchsorted(sf_hash[eval_idx], rnative, side="right") - elo
+    lo, hi = key_bounds(sf_hash, rnative)
+    elo, ehi = key_bounds(sf_hash[eval_idx], rnative)
+    nevals = ehi - elo
     ecum = np.cumsum(is_eval) - is_eval  # evaluation frames before each row, over all rows
     st_hash = stacks.column("stack_hash").to_numpy()
     st_order = np.argsort(st_hash, kind="stable")

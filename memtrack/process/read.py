@@ -15,7 +15,8 @@ import pyarrow.compute as pc
 
 from memtrack.process.decode import StackRecords
 from memtrack.process.progress import Advance, no_progress
-from memtrack.process.spill import EventSpill, OutOfOrder, rechunk
+from memtrack.process.spill import EventSpill, OutOfOrder
+from memtrack.process.streams import as_pieces
 from memtrack.schema import EVENTS, table_file
 from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError, TableRead
 from memtrack.schema.ddl import connect
@@ -32,7 +33,7 @@ MAX_RET_FIXUPS = MAX_BUDGET // 8
 MAX_PY_DEPTH = 128  # Python frames per record (bpf/pyframes.h MT_PY_DEPTH)
 MAX_PY_TEXT = 1 << 16  # bytes of a code object's name, file name or line table
 MAX_REGION_TEXT = 4096  # bytes of a region label's value (capture takes 4000 a line)
-SLICE_ROWS = 1 << 18  # events checked and spilled at a time
+PIECE_ROWS = 1 << 18  # events checked and spilled at a time
 
 
 @dataclass
@@ -199,7 +200,7 @@ def read_artifact(art: Artifact, spill: EventSink | None = None,
     """Every file of `art` (events required, the others empty where missing). With a
     spill, the events go to it a batch at a time (an EventSpill's in time order: sorted
     by DuckDB in `con` first when they are not), `progress` told the bytes of the events
-    file read after each slice, and `events` keeps the other kinds only."""
+    file read after each piece, and `events` keeps the other kinds only."""
     bad_rows: dict[str, int] = {}
     out: dict[str, pa.Table] = {}
     for name in ROW_RULES:
@@ -247,12 +248,12 @@ def _valid_kinds(events: pa.Table) -> tuple[pa.Table, int]:
 def _valid(art: Artifact, counts: dict[str, int], into: TableRead | None = None
            ) -> Iterator[pa.RecordBatch]:
     """The artifact's events that ROW_RULES and the known kinds allow, in file order, a
-    slice at a time (what a batch costs beyond its own bytes stays bounded); counts
+    piece at a time (what a batch costs beyond its own bytes stays bounded); counts
     the rows left out (and `into` how far the file is read)."""
     counts.update(bad_rows=0, bad_kind=0)
     for whole in art.batches("events", into=into):
-        for at in range(0, whole.num_rows, SLICE_ROWS):
-            t, bad_rows = checked("events", pa.Table.from_batches([whole.slice(at, SLICE_ROWS)]))
+        for at in range(0, whole.num_rows, PIECE_ROWS):
+            t, bad_rows = checked("events", pa.Table.from_batches([whole.slice(at, PIECE_ROWS)]))
             t, bad_kind = _valid_kinds(t)
             counts["bad_rows"] += bad_rows
             counts["bad_kind"] += bad_kind
@@ -273,7 +274,7 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
     read = TableRead(EVENTS.empty_table())
     furthest = 0
 
-    def slices() -> Iterator[pa.RecordBatch]:
+    def valid_batches() -> Iterator[pa.RecordBatch]:
         nonlocal furthest
         events = 0
         for batch in _valid(art, counts, read):
@@ -287,8 +288,8 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
             progress(size, size, events=events)
 
     try:
-        for chunk in rechunk(slices(), EVENTS, SLICE_ROWS):
-            spill.add(chunk.combine_chunks().to_batches()[0])  # a call's cost, per event
+        for piece in as_pieces(valid_batches(), EVENTS, PIECE_ROWS):
+            spill.add(piece.combine_chunks().to_batches()[0])  # a call's cost, per event
     except OutOfOrder:
         assert isinstance(spill, EventSpill)  # the one that wants them in order
         spill.reset()
@@ -299,14 +300,14 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
                     "SELECT 0::UBIGINT AS seq, * FROM read_empty WHERE false")
         con.unregister("read_empty")
         seq = 0
-        for chunk in rechunk(slices(), EVENTS):
-            con.register("read_chunk", chunk.add_column(
-                0, "seq", pa.array(np.arange(seq, seq + chunk.num_rows, dtype=np.uint64))))
-            con.execute("INSERT INTO read_unsorted SELECT * FROM read_chunk")
-            con.unregister("read_chunk")
-            seq += chunk.num_rows
+        for piece in as_pieces(valid_batches(), EVENTS):
+            con.register("read_piece", piece.add_column(
+                0, "seq", pa.array(np.arange(seq, seq + piece.num_rows, dtype=np.uint64))))
+            con.execute("INSERT INTO read_unsorted SELECT * FROM read_piece")
+            con.unregister("read_piece")
+            seq += piece.num_rows
         reader = con.execute("SELECT * EXCLUDE (seq) FROM read_unsorted ORDER BY ts, seq"
-                             ).to_arrow_reader(SLICE_ROWS)
+                             ).to_arrow_reader(PIECE_ROWS)
         for batch in reader:
             for b in pa.Table.from_batches([batch]).cast(EVENTS).to_batches():
                 spill.add(b)
@@ -319,13 +320,13 @@ def spilled_events(art: Artifact, spill: EventSpill) -> Iterator[pa.Table]:
     million at a time: staged, or read from the artifact again (the same rows: the same
     checks; an artifact that changed meanwhile is an ArtifactError)."""
     if spill.stage_events:
-        yield from spill.staged.chunks()
+        yield from spill.staged.pieces()
         return
     n = 0
-    for chunk in rechunk(_valid(art, {}), EVENTS):
-        yield chunk.add_column(0, "event_id", pa.array(
-            np.arange(n, n + chunk.num_rows, dtype=np.uint64)))
-        n += chunk.num_rows
+    for piece in as_pieces(_valid(art, {}), EVENTS):
+        yield piece.add_column(0, "event_id", pa.array(
+            np.arange(n, n + piece.num_rows, dtype=np.uint64)))
+        n += piece.num_rows
     if n != spill.n:
         raise ArtifactError(art.path / table_file("events"),
                             f"changed while being processed ({spill.n} events, then {n})")

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from memtrack.process.anon_replay import AnonReplay, reconstruct_anon, thp_mode
 from memtrack.process.lifecycle import Lifecycle, fork_depths
+from memtrack.process.lookup import key_bounds
 from memtrack.process.read import ArtifactTables
 from memtrack.schema.enums import RssCause, RssMember
 from memtrack.schema.manifest import Manifest
@@ -35,7 +36,7 @@ def _cols(t: dict[str, np.ndarray], order: np.ndarray) -> dict[str, np.ndarray]:
     return {k: v[order] for k, v in t.items()}
 
 
-def _effective(rows: dict[str, np.ndarray], lives: tuple[np.ndarray, np.ndarray, np.ndarray]
+def _effective(rows: dict[str, np.ndarray], bounds: tuple[np.ndarray, np.ndarray, np.ndarray]
                ) -> dict[str, np.ndarray]:
     """Apply the rules to raw rows (any order); returns the kept rows sorted by pid,
     member, ts, seq with `bytes` the effective value."""
@@ -59,36 +60,36 @@ def _effective(rows: dict[str, np.ndarray], lives: tuple[np.ndarray, np.ndarray,
     r["bytes"] = values[eff]
     # an external update with nothing known before it cannot lower anything: dropped
     keep = ~external[np.flatnonzero(start)[grp]]
-    keep &= _alive(r["pid"], r["ts"], r["cause"], lives)
+    keep &= _alive(r["pid"], r["ts"], r["cause"], bounds)
     return _cols(r, np.flatnonzero(keep))
 
 
 def _alive(pid: np.ndarray, ts: np.ndarray, cause: np.ndarray,
-           lives: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-    """Rows not after their process's exit (a fork of the same pid starts a new life)."""
-    l_pid, l_ts, l_alive = lives
+           bounds: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """Rows not after their process's exit (a fork of the same pid starts another process)."""
+    l_pid, l_ts, l_alive = bounds
     if not len(l_pid):
         return np.ones(len(pid), bool)
     n = len(pid)
     a_pid = np.concatenate([l_pid, pid])
     a_ts = np.concatenate([l_ts, ts])
-    is_life = np.r_[np.ones(len(l_pid), bool), np.zeros(n, bool)]
-    o = np.lexsort((~is_life, a_ts, a_pid))  # a life event before rows at its ts
-    pid_o, is_life_o = a_pid[o], is_life[o]
-    idx = np.where(is_life_o, np.arange(len(o)), -1)
+    is_bound = np.r_[np.ones(len(l_pid), bool), np.zeros(n, bool)]
+    o = np.lexsort((~is_bound, a_ts, a_pid))  # a fork or exit before rows at its ts
+    pid_o, is_bound_o = a_pid[o], is_bound[o]
+    idx = np.where(is_bound_o, np.arange(len(o)), -1)
     new_pid = np.r_[True, pid_o[1:] != pid_o[:-1]]
-    # forward fill the last life event within each pid
-    marker = np.where(new_pid & ~is_life_o, -1, idx)
+    # forward fill the last fork or exit within each pid
+    marker = np.where(new_pid & ~is_bound_o, -1, idx)
     seg = np.cumsum(new_pid) - 1
     seg_start = np.flatnonzero(new_pid)
     last = np.maximum.accumulate(np.where(marker >= 0, marker, -1))
     last = np.where(last >= seg_start[seg], last, -1)
     alive_at = np.ones(len(o), bool)
     has = last >= 0
-    life_idx = o[last[has]]  # index into the concatenation: < len(l_pid)
-    alive_at[has] = l_alive[life_idx] | (l_ts[life_idx] == a_ts[o][has])
+    bound_idx = o[last[has]]  # index into the concatenation: < len(l_pid)
+    alive_at[has] = l_alive[bound_idx] | (l_ts[bound_idx] == a_ts[o][has])
     keep = np.empty(n, bool)
-    rows = ~is_life_o
+    rows = ~is_bound_o
     keep[o[rows] - len(l_pid)] = alive_at[rows]
     return keep | (cause == RssCause.EXIT)
 
@@ -97,14 +98,14 @@ def _value_at(eff: dict[str, np.ndarray], pid: int, member: int, ts: int) -> int
     """The effective value of (pid, member) as of ts, from _effective's sorted rows."""
     part = eff["pid"].astype(np.int64) * 8 + eff["member"]
     key = pid * 8 + member
-    lo, hi = np.searchsorted(part, [key, key + 1])
+    lo, hi = key_bounds(part, key)
     i = lo + int(np.searchsorted(eff["ts"][lo:hi], ts, side="right")) - 1
     return int(eff["bytes"][i]) if i >= lo else None
 
 
-def effective_rss(rss: pa.Table, life: Lifecycle) -> pa.Table:
+def effective_rss(rss: pa.Table, lifecycle: Lifecycle) -> pa.Table:
     """Each process's resident bytes per member over time (EFFECTIVE_RSS), ts-sorted."""
-    forks, execs, exits = life.forks, life.execs, life.process_exits
+    forks, execs, exits = lifecycle.forks, lifecycle.execs, lifecycle.process_exits
     n = rss.num_rows
     parts = [{
         "ts": rss["ts"].to_numpy(),
@@ -129,14 +130,14 @@ def effective_rss(rss: pa.Table, life: Lifecycle) -> pa.Table:
     f_parent = forks["parent"].to_numpy()
     f_child = forks["child"].to_numpy()
     x_pid, x_ts = exits["pid"].to_numpy(), exits["ts"].to_numpy()
-    lives = (np.concatenate([f_child, x_pid]).astype(np.uint32), np.concatenate([f_ts, x_ts]),
+    bounds = (np.concatenate([f_child, x_pid]).astype(np.uint32), np.concatenate([f_ts, x_ts]),
              np.r_[np.ones(len(f_ts), bool), np.zeros(len(x_ts), bool)])
     depth = fork_depths(forks)
     rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     # A child's seed reads its parent's effective values, which may hold the parent's own
     # seed: fork generations are resolved in order.
     for gen in sorted(set(depth.values())):
-        eff = _effective(rows, lives)
+        eff = _effective(rows, bounds)
         seeds: dict[str, list[int]] = {k: [] for k in rows}
         for ts, parent, child in zip(f_ts.tolist(), f_parent.tolist(), f_child.tolist(),
                                      strict=True):
@@ -151,7 +152,7 @@ def effective_rss(rss: pa.Table, life: Lifecycle) -> pa.Table:
                     seeds[k].append(x)
         rows = {k: np.concatenate([rows[k], np.array(seeds[k], dtype=rows[k].dtype)])
                 for k in rows}
-    eff = _effective(rows, lives)
+    eff = _effective(rows, bounds)
     o = np.lexsort((eff["seq"], eff["ts"]))
     return pa.table({k: pa.array(eff[k][o], EFFECTIVE_RSS.field(k).type)
                      for k in EFFECTIVE_RSS.names})
@@ -211,13 +212,13 @@ class Resident:
     replay: AnonReplay | None  # with --track-faults only
 
 
-def resident(tables: ArtifactTables, manifest: Manifest, life: Lifecycle, *,
+def resident(tables: ArtifactTables, manifest: Manifest, lifecycle: Lifecycle, *,
              replay: bool = True) -> Resident:
     """The RSS and (where faults were recorded) anon replay stages, on the lifecycle
-    stage's `life` (memtrack.process.lifecycle.of_artifact)."""
+    stage's result (memtrack.process.lifecycle.of_artifact)."""
     anon = None
     if replay and tables.faults.num_rows:
-        anon = reconstruct_anon(tables.faults, tables.events, tables.mappings, life,
+        anon = reconstruct_anon(tables.faults, tables.events, tables.mappings, lifecycle,
                                 page_size=manifest.host.page_size or 4096,
                                 thp=thp_mode(manifest), rss=tables.rss)
-    return Resident(effective_rss(tables.rss, life), anon)
+    return Resident(effective_rss(tables.rss, lifecycle), anon)

@@ -10,9 +10,9 @@ Read hands the events over a batch at a time, in time order; the spill numbers t
   buckets one at a time (memtrack.process.pair);
 - and keeps what is small: the other events (lifecycle, address space, regions: a few
   per process), each pid's first time, counts, each thread's last allocation and free
-  before each of its exits (`exits`: glibc's thread-exit frees), and which forked
-  children touched their heap before their next exec or exit (`busy`: only those
-  inherit their parent's blocks).
+  before each of its exits (`exits`: glibc's thread-exit frees), and each pid's first
+  heap operation between two lifecycle events (`heap_touches`: only a forked child
+  that touches its heap before its next exec or exit inherits its parent's blocks).
 
 For each free it also records the previous heap event of its thread (`prev`): a block
 is temporary (heaptrack's definition) when the free that ends it comes straight after it
@@ -24,15 +24,15 @@ lists in memory for a table already in memory (`pair` on a table, the tests).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.lookup import find_sorted
+from memtrack.process.lookup import Carry, group_bounds
+from memtrack.process.streams import Stream
 from memtrack.schema import EVENTS
-from memtrack.schema.enums import CLONE_THREAD, CLONE_VM, EXIT_PROCESS, EventKind
+from memtrack.schema.enums import EventKind
 
 # What the run database's events table is made of (the artifact's columns, event_id first).
 STAGED_EVENTS = pa.schema([("event_id", pa.uint64()), *EVENTS])
@@ -79,105 +79,12 @@ def split(stream: Stream, spill: EventSpill, level: int = 1) -> list[Stream]:
     n = buckets_for(stream.rows)
     parts = spill.streams(OPS, f"{stream.path.stem if stream.path else 'ops'}.{level}", n)
     for batch in stream.batches():
-        b = bucket_of(batch.column("addr").to_numpy(), n, level)
-        order = np.argsort(b, kind="stable")
-        at = np.searchsorted(b[order], np.arange(n + 1))
+        order, at = group_bounds(bucket_of(batch.column("addr").to_numpy(), n, level), n)
         batch = batch.take(pa.array(order))
         for k in np.flatnonzero(np.diff(at)).tolist():
             parts[k].write(batch.slice(at[k], at[k + 1] - at[k]))
     stream.remove()
     return [s for p in parts for s in split(p, spill, level + 1)]
-
-
-class Stream:
-    """Record batches of one schema, in a file (uncompressed IPC, read back with plain
-    reads, so that nothing of it stays mapped) or in memory."""
-
-    def __init__(self, schema: pa.Schema, path: Path | None) -> None:
-        self.schema, self.path, self.rows = schema, path, 0
-        self.parts: list[pa.RecordBatch] = []
-        self.writer: pa.ipc.RecordBatchStreamWriter | None = None
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        if not batch.num_rows:
-            return
-        self.rows += batch.num_rows
-        if self.path is None:
-            self.parts.append(batch)
-            return
-        if self.writer is None:
-            self.writer = pa.ipc.new_stream(pa.OSFile(str(self.path), "wb"), self.schema)
-        self.writer.write_batch(batch)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-    def batches(self) -> Iterator[pa.RecordBatch]:
-        self.close()
-        if self.path is None:
-            yield from self.parts
-        elif self.rows:
-            with pa.OSFile(str(self.path)) as f:
-                yield from pa.ipc.open_stream(f)
-
-    def table(self) -> pa.Table:
-        return pa.Table.from_batches(list(self.batches()), schema=self.schema)
-
-    def remove(self) -> None:
-        """Let go of what the stream holds."""
-        self.close()
-        self.parts = []
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-
-    def chunks(self, rows: int = 1 << 20) -> Iterator[pa.Table]:
-        """The batches gathered into tables of about `rows` (DuckDB's insert of a
-        table costs ~30 ms however small)."""
-        yield from rechunk(self.batches(), self.schema, rows)
-
-
-def rechunk(batches: Iterable[pa.RecordBatch], schema: pa.Schema, rows: int = 1 << 20
-            ) -> Iterator[pa.Table]:
-    """Record batches gathered into tables of at least `rows` (the last: the rest)."""
-    held: list[pa.RecordBatch] = []
-    n = 0
-    for b in batches:
-        held.append(b)
-        n += b.num_rows
-        if n >= rows:
-            yield pa.Table.from_batches(held, schema=schema)
-            held, n = [], 0
-    if held:
-        yield pa.Table.from_batches(held, schema=schema)
-
-
-class Carry:
-    """A value per key carried from batch to batch, the newest kept (keys sorted)."""
-
-    def __init__(self) -> None:
-        self.keys: np.ndarray | None = None
-        self.values = np.zeros(0, np.int64)
-
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each key's value, and whether it has one (the value is 0 where not)."""
-        if self.keys is None or not len(self.keys) or not len(keys):
-            return np.zeros(len(keys), np.int64), np.zeros(len(keys), bool)
-        j, found = find_sorted(self.keys, keys)
-        return np.where(found, self.values[j], 0), found
-
-    def update(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Keep the last value of each key of `keys` (sorted; a key's values in order)."""
-        if not len(keys):
-            return
-        last = np.flatnonzero(np.append(keys[1:] != keys[:-1], True))
-        if self.keys is None:
-            self.keys, self.values = keys[last], values[last].astype(np.int64)
-            return
-        both = np.concatenate([keys[last], self.keys])
-        self.keys, at = np.unique(both, return_index=True)  # the batch's first: the newest
-        self.values = np.concatenate([values[last], self.values])[at]
 
 
 class _Threads:
@@ -205,22 +112,39 @@ class _Threads:
 
 
 class OtherEvents:
-    """The events of kinds other than the heap's (lifecycle, address space, regions: a
-    few per process), gathered from batches with their event_id."""
+    """What read keeps of the events beside the heap's (a sink of its own, or part of
+    the spill's and `info`'s): the events of the other kinds (lifecycle, address space,
+    regions: a few per process) with their event_id, and each pid's first time (the
+    lifecycle stage's `first_seen`), gathered a batch at a time."""
 
     def __init__(self) -> None:
         self.parts: list[pa.Table] = []
+        self.first_seen: dict[int, int] = {}  # pid -> its first event's time
+        self.n = 0
 
-    def add(self, batch: pa.RecordBatch, kind: np.ndarray, first_eid: int) -> None:
+    def add(self, batch: pa.RecordBatch) -> None:
+        kind = batch.column("kind").to_numpy()
         other = np.flatnonzero(kind >= EventKind.MMAP)
         if len(other):
             self.parts.append(pa.Table.from_batches([batch]).take(pa.array(other)).add_column(
-                0, "event_id", pa.array((other + first_eid).astype(np.uint64))))
+                0, "event_id", pa.array((other + self.n).astype(np.uint64))))
+        pid, ts = batch.column("pid").to_numpy(), batch.column("ts").to_numpy()
+        if len(pid):  # each pid's earliest (`info` reads events in file order, not time)
+            order = np.argsort(pid, kind="stable")
+            ps = pid[order]
+            start = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+            earliest = np.minimum.reduceat(ts[order], start)
+            for p, t in zip(ps[start].tolist(), earliest.tolist(), strict=True):
+                self.first_seen[p] = min(self.first_seen.get(p, t), t)
+        self.n += batch.num_rows
 
-    def table(self) -> pa.Table:
+    def other_events(self) -> pa.Table:
         """In event order (STAGED_EVENTS)."""
         return pa.concat_tables(self.parts).cast(STAGED_EVENTS) if self.parts \
             else STAGED_EVENTS.empty_table()
+
+    def close(self) -> None:
+        pass
 
 
 class _LastOf:
@@ -271,13 +195,11 @@ class EventSpill:
         self.frees = 0
         self.failed_allocations = 0
         self.last_ts = 0
-        self.first_seen: dict[int, int] = {}  # pid -> its first event's time
         self._threads = _Threads()
         self._last_alloc, self._last_free = _LastOf(), _LastOf()
         # per EXIT: tid, event_id, the thread's last allocation and last free before it
         self.exit_tails: list[np.ndarray] = []
-        self._pending: dict[int, int] = {}  # forked child -> its fork's event, until it
-        self.busy: set[int] = set()  # touches its heap (-> busy) or meets a boundary
+        self.touches: list[np.ndarray] = []  # per batch: (pid, event_id) (_touches)
 
     def add(self, batch: pa.RecordBatch) -> None:
         """The next events in time order (OutOfOrder if they are not)."""
@@ -293,9 +215,6 @@ class EventSpill:
         if self.stage_events:
             self.staged.write(pa.RecordBatch.from_arrays(
                 [pa.array(eid.astype(np.uint64)), *batch.columns], schema=STAGED_EVENTS))
-        pids, first = np.unique(col["pid"], return_index=True)
-        for p, t in zip(pids.tolist(), ts[first].tolist(), strict=True):
-            self.first_seen.setdefault(p, t)
 
         is_alloc_kind = (kind >= EventKind.MALLOC) & (kind <= EventKind.ALIGNED_ALLOC)
         a = np.flatnonzero(is_alloc_kind & (addr != 0))
@@ -307,7 +226,7 @@ class EventSpill:
         prev_h = self._threads.previous(thread, eid[heap])
         prev = np.full(n, -1, np.int64)
         prev[heap] = prev_h
-        self._busy(col, eid, np.sort(np.concatenate([a, f])))
+        self._touches(col, eid, np.sort(np.concatenate([a, f])))
         x = np.flatnonzero(kind == EventKind.EXIT)
         tid = col["tid"]
         ak = np.flatnonzero(is_alloc_kind)
@@ -326,9 +245,9 @@ class EventSpill:
         op_prev = np.concatenate([np.full(len(a), -1, np.int64), prev[f]])
         bounds = [0, len(at)]
         if self.buckets > 1:  # in bucket order
-            b = bucket_of(op_addr, self.buckets)
-            order = np.argsort(b, kind="stable")  # a radix sort: uint16
-            bounds = np.searchsorted(b[order], np.arange(self.buckets + 1)).tolist()
+            # a radix sort: uint16
+            order, at_bucket = group_bounds(bucket_of(op_addr, self.buckets), self.buckets)
+            bounds = at_bucket.tolist()
             at, op_addr, op_id, op_prev = at[order], op_addr[order], op_id[order], op_prev[order]
         take = pa.array(at)
         ops = pa.RecordBatch.from_arrays([
@@ -341,39 +260,27 @@ class EventSpill:
         for k in range(len(bounds) - 1):
             if bounds[k + 1] > bounds[k]:
                 self.ops[k].write(ops.slice(bounds[k], bounds[k + 1] - bounds[k]))
-        self.others.add(batch, kind, self.n)
+        self.others.add(batch)
         self.n += n
         self.last_ts = int(ts[-1])
 
-    def _busy(self, col: dict[str, np.ndarray], eid: np.ndarray, heap_ops: np.ndarray) -> None:
-        """Follow which forked children touch their heap (an allocation or a free)
-        between their fork and their next boundary (fork of the pid, exec, exit)."""
-        kind = col["kind"]
-        lc = np.flatnonzero(np.isin(kind, _LIFECYCLE))
-        if not len(lc) and not self._pending:
-            return
-        op_pid = col["pid"][heap_ops]
-        flags = col["flags"]
-        start = 0
-        for pos in [*lc.tolist(), len(kind)]:
-            if self._pending:
-                seg = slice(np.searchsorted(heap_ops, start), np.searchsorted(heap_ops, pos))
-                for p in np.intersect1d(op_pid[seg], list(self._pending)).tolist():
-                    self.busy.add(self._pending.pop(p))
-            if pos == len(kind):
-                break
-            start = pos + 1
-            k = kind[pos]
-            if k == EventKind.FORK:
-                fl = int(flags[pos])
-                if fl & CLONE_THREAD:
-                    continue
-                child = int(col["addr"][pos])
-                self._pending.pop(child, None)
-                if not fl & CLONE_VM:
-                    self._pending[child] = int(eid[pos])
-            elif k == EventKind.EXEC or (k == EventKind.EXIT and int(flags[pos]) & EXIT_PROCESS):
-                self._pending.pop(int(col["pid"][pos]), None)
+    def _touches(self, col: dict[str, np.ndarray], eid: np.ndarray, heap_ops: np.ndarray
+                 ) -> None:
+        """Keep each pid's first heap operation (an allocation or a free) between two
+        lifecycle events: whether a forked child touches its heap before the end of
+        the image its fork starts is then a lookup (pair, once the lifecycle is
+        known), whatever events lie between."""
+        lc = np.flatnonzero(np.isin(col["kind"], _LIFECYCLE))
+        pid = col["pid"][heap_ops].astype(np.int64)
+        stretch = np.searchsorted(lc, heap_ops)
+        _, first = np.unique(stretch << 32 | pid, return_index=True)
+        self.touches.append(np.stack([pid[first], eid[heap_ops][first]]))
+
+    def heap_touches(self) -> tuple[np.ndarray, np.ndarray]:
+        """The heap operations `_touches` kept: (pid, event_id)."""
+        t = np.concatenate(self.touches, axis=1) if self.touches \
+            else np.zeros((2, 0), np.int64)
+        return t[0], t[1]
 
     def streams(self, schema: pa.Schema, name: str, count: int) -> list[Stream]:
         """`count` more streams of `schema`, in the spill's directory (NAME-K.arrow)."""
@@ -389,7 +296,7 @@ class EventSpill:
 
     def other_events(self) -> pa.Table:
         """The events of kinds other than the heap's, with event_id, in event order."""
-        return self.others.table()
+        return self.others.other_events()
 
     def close(self) -> None:
         self.staged.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from memtrack.schema.enums import ALLOC_KINDS, Allocator, EventKind, RssMember
+from memtrack.schema.enums import ALLOC_KINDS, CLONE_THREAD, Allocator, EventKind, RssMember
 
 # the codes of the artifact's columns, re-exported: the contract is read from here
 __all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember"]
@@ -65,6 +65,17 @@ EVENTS = pa.schema(
         ("stack_hash", pa.uint64()),
     ]
 )
+
+
+def clones(kind: np.ndarray, flags: np.ndarray, addr: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The FORK events among events' columns as everything reads them (the lifecycle
+    stage; capture, for the processes rows of new children): their positions, each
+    one's new task (addr: a child's pid, a new thread's tid) and whether it is a thread
+    (CLONE_THREAD)."""
+    at = np.flatnonzero(kind == EventKind.FORK)
+    return at, addr[at].astype(np.uint32), (flags[at] & CLONE_THREAD) != 0
+
 
 # The in-kernel event record as drained from the events ring buffer, one fixed size so
 # that a span of the ring is a strided numpy array (bpf/common.h `struct mt_event`

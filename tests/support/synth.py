@@ -265,7 +265,7 @@ def python_stacks(stacks: dict[int, list[str]], python: dict[int, str],
     return pa.table(rows, schema=PY_STACKS), pa.table(codes, schema=PY_CODES)
 
 
-# The processes stage_tables knew: pid 200's second life has no row of its own
+# The processes stage_tables knew: pid 200's second process has no row of its own
 PROCESS_ROWS = {"ts": [900, 1800], "pid": [100, 200], "ppid": [1, 100],
                 "comm": ["parent", "child"], "exe": ["/bin/p", "/bin/p"],
                 "cmdline": [["p", "-x"], ["p"]], "ns_pid": [100, 200]}
