@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from memtrack.capture.allocators import Probe, probes_for, pymalloc_refusal, read_elf
 from memtrack.capture.core import CorePart
+from memtrack.capture.doctor import check_pid_namespace
 from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.parts import BPF_DIR, PROBE_SCOPES, CaptureOptions, CapturePart
 from memtrack.capture.procfs import MapLine
@@ -128,6 +129,9 @@ class Tracker:
                  parts: list[CapturePart] | None = None, *,
                  progress: TextIO | None = None) -> None:
         """`progress`: where to say so when loading the program takes a while."""
+        pids = check_pid_namespace()
+        if not pids.ok:  # the programs' pids would match no process memtrack follows
+            raise CaptureError(f"pid namespace {pids.detail}: {pids.fix}")
         # first, before any BPF fd exists: the supervisor must hold none of them
         self.supervisor = Supervisor()
         self.options = options or CaptureOptions()
