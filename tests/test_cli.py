@@ -48,7 +48,8 @@ def test_every_switch_takes_on_or_off() -> None:
                     chosen.append(f"{name} {p.opts[0]}")
     assert sorted(chosen) == ["process --host-modules", "unwind --host-modules"]
     assert sorted(switches) == [
-        "capture --modules", "capture --python-frames", "capture --rss",
+        "capture --modules", "capture --python-allocators", "capture --python-frames",
+        "capture --rss",
         "capture --stack-copies", "capture --stacks", "capture --track-faults",
         "export --pids", "process --cache", "process --host-modules", "process --python-frames",
         "symbolize --cache", "unwind --host-modules"]
