@@ -18,9 +18,10 @@ import numpy as np
 import pyarrow as pa
 from elftools.elf.elffile import ELFFile
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.dwarf.lines import Dwarf
 from memtrack.elf import ElfImage
-from memtrack.symbolize import ModuleStore, Symbolizer
+from memtrack.symbolize import Symbolizer
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 REPEAT = 3

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.decode import decode
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact
 from memtrack.symbolize import symbolize_frames
-from memtrack.symbolize.modules import ModuleStore
 
 WORKLOAD = """
 import sys

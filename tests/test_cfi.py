@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
+from memtrack.addrspace.modules import Module, ModuleStore
 from memtrack.dwarf.cfi import (
     CFA_EXPR,
     CFA_NONE,
@@ -24,7 +25,6 @@ from memtrack.dwarf.cfi import (
     build_table,
 )
 from memtrack.dwarf.expr import DwarfExprError, evaluate
-from memtrack.symbolize.modules import Module, ModuleStore
 
 LIBS = {
     "libc": Path("/lib/x86_64-linux-gnu/libc.so.6"),

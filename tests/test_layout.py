@@ -71,7 +71,7 @@ def test_capture_imports_only_the_contract_and_readers() -> None:
 
 
 def test_processing_side_never_imports_capture() -> None:
-    for package in ("process", "symbolize", "report", "elf", "dwarf", "schema"):
+    for package in ("process", "addrspace", "symbolize", "report", "elf", "dwarf", "schema"):
         for path, mods in package_imports(package).items():
             assert not {m for m in mods if m.startswith("memtrack.capture")}, path
             assert not {m for m in mods
@@ -80,3 +80,11 @@ def test_processing_side_never_imports_capture() -> None:
         for path, mods in package_imports(lower).items():
             assert all(m.startswith(("memtrack.elf", "memtrack.dwarf", "memtrack.schema"))
                        for m in mods), path
+
+
+def test_address_spaces_sit_below_unwind_and_symbolize() -> None:
+    """memtrack.addrspace serves the unwinder and the symbolizer: it reads files and the
+    artifact's contract, never a stage or a report."""
+    for path, mods in package_imports("addrspace").items():
+        assert all(m.startswith(("memtrack.addrspace", "memtrack.elf", "memtrack.dwarf",
+                                 "memtrack.schema")) for m in mods), (path, mods)

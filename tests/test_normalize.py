@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.modules import Module, ModuleStore
+from memtrack.addrspace.normalize import RESOLVED, AddressSpaces, Normalizer
 from memtrack.elf import read_build_id
 from memtrack.schema import MAPPINGS
 from memtrack.schema.enums import Unresolved
-from memtrack.symbolize.modules import Module, ModuleStore
-from memtrack.symbolize.normalize import RESOLVED, AddressSpaces, Normalizer
 
 
 def _maps(rows: list[tuple[int, int, int, int, int, str, str | None]]) -> pa.Table:

@@ -149,8 +149,8 @@ def test_a_copy_cut_at_the_budget_ends_there_or_goes_on_with_the_kernel_chain(
     copy, and the stacks the kernel's frame-pointer chain continued) say what happened."""
     from support.snaps import VARIANTS, build_fixture
 
+    from memtrack.addrspace.modules import ModuleStore
     from memtrack.process.unwind import unwind
-    from memtrack.symbolize.modules import ModuleStore
 
     t = trackers("8k")
     exe = build_fixture(["unwind/cases.c"], VARIANTS[variant], f"cases-{variant}",

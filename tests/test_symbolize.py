@@ -15,12 +15,13 @@ import pytest
 from conftest import build
 from typer.testing import CliRunner
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.cli import app
 from memtrack.dwarf.lines import Dwarf
 from memtrack.elf import ElfImage, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.stages import SYMBOLIZED_FRAMES
-from memtrack.symbolize import ModuleStore, Symbolizer, symbolize
+from memtrack.symbolize import Symbolizer, symbolize
 from memtrack.symbolize.demangle import demangle
 
 

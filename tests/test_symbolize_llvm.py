@@ -31,10 +31,11 @@ import pyarrow as pa
 import pytest
 from conftest import BUILD_DIR, FIXTURES, build
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.dwarf.lines import Dwarf
 from memtrack.elf import ElfImage
 from memtrack.elf.image import SHF_COMPRESSED
-from memtrack.symbolize import ModuleStore, Symbolizer
+from memtrack.symbolize import Symbolizer
 
 N = 2000
 LLVM = shutil.which("llvm-symbolizer")

@@ -15,10 +15,10 @@ import pytest
 from conftest import build
 from support.procfs import vdso_bytes
 
+from memtrack.addrspace.modules import ModuleError, ModuleStore
 from memtrack.elf import build_id_of_bytes, read_build_id
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.manifest import Host
-from memtrack.symbolize.modules import ModuleError, ModuleStore
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 

@@ -23,8 +23,8 @@ from support.snaps import (
     unwind_named,
 )
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.unwind import unwind
-from memtrack.symbolize.modules import ModuleStore
 
 LIBC_START = ["__libc_start_call_main", "__libc_start_main", "_start"]
 GDB_ALIASES = {"__libc_start_main_impl": "__libc_start_main"}

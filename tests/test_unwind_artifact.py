@@ -14,11 +14,11 @@ import pytest
 from support.snaps import VARIANTS, Snaps, build_fixture, run_snaps, snaps_kept
 from support.stackrecords import ring_record
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.capture.stackring import records_to_batches
 from memtrack.process.decode import decode
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
-from memtrack.symbolize.modules import ModuleStore
 
 
 def write_artifact(snaps: Snaps, path: Path) -> tuple[Path, list[int]]:

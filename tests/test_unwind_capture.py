@@ -15,6 +15,7 @@ import pytest
 from support.capture import spawn
 from support.snaps import VARIANTS, build_fixture
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.capture.parts import CaptureOptions
 from memtrack.process.decode import decode
 from memtrack.process.pyframes import native_hashes
@@ -22,7 +23,6 @@ from memtrack.process.unwind import unwind
 from memtrack.schema import EventKind
 from memtrack.schema.artifact import Artifact
 from memtrack.symbolize import symbolize
-from memtrack.symbolize.modules import ModuleStore
 
 pytestmark = pytest.mark.bpf
 

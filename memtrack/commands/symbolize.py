@@ -9,9 +9,9 @@ from typing import TextIO
 import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.modules import ModuleError, ModuleStore
 from memtrack.commands import CommandError
 from memtrack.symbolize import default_cache_dir
-from memtrack.symbolize.modules import ModuleError, ModuleStore
 from memtrack.symbolize.symbolizer import Symbolizer
 
 

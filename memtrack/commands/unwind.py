@@ -9,13 +9,13 @@ from typing import Any, TextIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.addrspace.modules import ModuleStore, host_modules_for
 from memtrack.commands import CommandError
-from memtrack.process.addrspace import artifact_mappings
 from memtrack.process.decode import decode_pieces
+from memtrack.process.pipeline import artifact_mappings
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact, ArtifactError
 from memtrack.symbolize import default_cache_dir, symbolize_frames
-from memtrack.symbolize.modules import ModuleStore, host_modules_for
 
 
 def find_record(art: Artifact, stack_hash: int) -> pa.Table | None:

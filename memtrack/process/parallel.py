@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.decode import StackRecords, decode_pieces, decode_table, piece_ends
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.unwind import Unwinder, UnwoundStacks
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
-from memtrack.symbolize.modules import ModuleStore
 
 MIN_PIECE = 2000  # records: below this a worker's start-up costs more than it saves
 MAX_PIECE = 16384  # records: what a worker holds (its copies, frames) stays bounded

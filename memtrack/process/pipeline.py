@@ -25,10 +25,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.mappings import inherited_mappings
+from memtrack.addrspace.modules import ModuleStore, host_modules_for
 from memtrack.process import metadata
-from memtrack.process.addrspace import inherited_mappings
 from memtrack.process.decode import DEFAULT_MAX_BYTES
 from memtrack.process.lifecycle import of_artifact
 from memtrack.process.load import Aside, RunDatabase, meta_rows
@@ -39,7 +41,7 @@ from memtrack.process.pyframes import merge as merge_python
 from memtrack.process.read import read_artifact, spilled_events
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
-from memtrack.process.spill import EventSpill, buckets_for
+from memtrack.process.spill import EventSpill, OtherEvents, buckets_for
 from memtrack.process.unwind import UnwoundStacks, module_paths
 from memtrack.schema import FORMAT_VERSION, loss_lines, table_file
 from memtrack.schema.artifact import Artifact, ArtifactError
@@ -47,7 +49,6 @@ from memtrack.schema.stages import (
     MODULES,
     SYMBOLIZED_FRAMES,
 )
-from memtrack.symbolize.modules import ModuleStore, host_modules_for
 
 T = TypeVar("T")
 
@@ -390,3 +391,13 @@ def symbolize_locations(store: ModuleStore, known: pa.Table, cache_dir: Path | N
         s.close()  # writes the cache: its failure is a problem too
         summary.add({f"symbolize_{k}": v for k, v in s.counters.items()})
         summary.warn(s.problems)
+
+
+def artifact_mappings(art: Artifact, pids: np.ndarray) -> pa.Table:
+    """An artifact's snapshots and the inherited ones of its forked children among
+    `pids`, from the lifecycle stage as `process` runs it (`memtrack unwind` on one
+    record)."""
+    sink = OtherEvents()
+    tables = read_artifact(art, sink)
+    lifecycle = of_artifact(tables, art.manifest, sink.first_seen)
+    return inherited_mappings(tables.mappings, lifecycle.forks, pids)

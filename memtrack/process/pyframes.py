@@ -24,11 +24,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.lookup import find_sorted, key_bounds
 from memtrack.process.unwind import module_paths
 from memtrack.schema.stackrecord import ragged
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
-from memtrack.symbolize.modules import ModuleStore
 
 EVAL_FRAME = "_PyEval_EvalFrameDefault"
 

@@ -123,7 +123,7 @@ class Stop(enum.IntEnum):
 class Unresolved(enum.IntEnum):
     """`frames.reason`: why a code location has no function name (null when it has one).
     The first five come from normalization (runtime address -> module and ELF virtual
-    address, memtrack.symbolize.normalize), the rest from symbolization."""
+    address, memtrack.addrspace.normalize), the rest from symbolization."""
 
     NO_MAPPING = 0  # no file-backed mapping (nor the vDSO) holds the address
     NO_BUILD_ID = 1  # the mapped file has no build id: nothing identifies the module

@@ -1,5 +1,5 @@
 """Symbolization: (module build id, ELF vaddr) -> frames with names, file:line, inlines.
-Normalization (runtime address -> module and ELF vaddr) is memtrack.symbolize.normalize."""
+Normalization (runtime address -> module and ELF vaddr) is memtrack.addrspace.normalize."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.symbolize.cache import default_cache_dir
-from memtrack.symbolize.modules import Module, ModuleStore
 from memtrack.symbolize.symbolizer import Symbolizer
 
-__all__ = ["Module", "ModuleStore", "Symbolizer", "default_cache_dir", "symbolize",
-           "symbolize_frames"]
+__all__ = ["Symbolizer", "default_cache_dir", "symbolize", "symbolize_frames"]
 
 
 def symbolize(store: ModuleStore, build_ids: pa.Array, vaddrs: np.ndarray, *,

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.modules import Module, ModuleError, ModuleStore
 from memtrack.dwarf.lines import CuTables, Dwarf, DwarfError
 from memtrack.elf import ElfImage, ElfReadError, SymbolTable
 from memtrack.schema.enums import Unresolved, names
 from memtrack.schema.stages import SYMBOLIZED_FRAMES
 from memtrack.symbolize.cache import ModuleCache
 from memtrack.symbolize.demangle import demangle
-from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
 
 # Why a frame is unknown (the `reason` column); each is also counted.
 NO_MODULE = names(Unresolved)[Unresolved.NO_MODULE]

@@ -15,12 +15,12 @@ from pathlib import Path
 import pyarrow as pa
 from conftest import build
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.elf import read_build_id
 from memtrack.process.unwind import UnwoundStacks, unwind
 from memtrack.schema import MAPPINGS, NUM_REGS
 from memtrack.schema.stages import DECODED_RECORDS
 from memtrack.symbolize import symbolize_frames
-from memtrack.symbolize.modules import ModuleStore
 from support.stackrecords import regions_kept
 
 VARIANTS = {

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.decode import decode
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact
 from memtrack.schema.stages import DECODED_RECORDS
-from memtrack.symbolize.modules import ModuleStore
 
 Frames = tuple[tuple[int, str], ...]
 

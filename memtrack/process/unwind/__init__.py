@@ -1,6 +1,6 @@
 """The unwind stage: decoded stack records -> stacks and their physical frames.
 
-Per process, an address space of mapped modules (memtrack.symbolize.normalize) with
+Per process, an address space of mapped modules (memtrack.addrspace.normalize) with
 compact CFI rows extracted from each module once (memtrack.process.unwind.tables), a
 small DWARF expression evaluator for the rare rows that need one, pc - 1 lookups for
 every frame but the first and the one after a signal frame, the frame-pointer fallback
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from memtrack.addrspace.modules import ModuleStore
+from memtrack.addrspace.normalize import Normalizer
 from memtrack.process.unwind.tables import ModuleRows, extract
 from memtrack.process.unwind.walk import METHODS, STOPS, Walk
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
-from memtrack.symbolize.modules import ModuleStore
-from memtrack.symbolize.normalize import Normalizer
 
 __all__ = ["METHODS", "STOPS", "Unwinder", "UnwoundStacks", "first_records", "module_paths",
            "unwind"]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from memtrack.addrspace.modules import Module
 from memtrack.dwarf.cfi import RBP
 from memtrack.elf import ElfImage, ElfReadError
-from memtrack.symbolize.modules import Module
 
 PROLOGUE_MAX = 256  # bytes from a function's start simulated for frame 0 without CFI
 _REGNUM = {"rbx": 3, "rbp": RBP, "r12": 12, "r13": 13, "r14": 14, "r15": 15}

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from memtrack.addrspace.modules import Module
 from memtrack.dwarf.cfi import CFITable, build_table
 from memtrack.elf import ElfImage, ElfReadError
-from memtrack.symbolize.modules import Module
 
 CACHE_VERSION = 5  # bump when the rows extracted from the same files change
 SIGRETURN_CODE = bytes.fromhex("48c7c00f0000000f05")  # mov $15, %rax; syscall

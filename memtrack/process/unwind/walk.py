@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.addrspace.normalize import Normalized, Normalizer
 from memtrack.dwarf.cfi import (
     COMPLEX,
     RBP,
@@ -47,7 +48,6 @@ from memtrack.process.unwind.tables import ModuleRows
 from memtrack.schema import NUM_REGS
 from memtrack.schema.enums import Method, Stop, Unresolved, names
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
-from memtrack.symbolize.normalize import Normalized, Normalizer
 
 METHODS = names(Method)
 STOPS = names(Stop)

@@ -17,11 +17,6 @@ import bisect
 import numpy as np
 import pyarrow as pa
 
-from memtrack.process.lifecycle import of_artifact
-from memtrack.process.read import read_artifact
-from memtrack.process.spill import OtherEvents
-from memtrack.schema.artifact import Artifact
-
 
 def inherited_mappings(mappings: pa.Table, forks: pa.Table, pids: np.ndarray) -> pa.Table:
     """`mappings` and the inherited snapshot of every forked child among `pids` (the
@@ -66,13 +61,3 @@ def inherited_mappings(mappings: pa.Table, forks: pa.Table, pids: np.ndarray) ->
         np.repeat([s for _, s, _, _ in picked], lens).astype(np.uint64),
         extra.schema.field("ts").type))
     return pa.concat_tables([mappings, extra.cast(mappings.schema)])
-
-
-def artifact_mappings(art: Artifact, pids: np.ndarray) -> pa.Table:
-    """An artifact's snapshots and the inherited ones of its forked children among
-    `pids`, from the lifecycle stage as `process` runs it (`memtrack unwind` on one
-    record)."""
-    sink = OtherEvents()
-    tables = read_artifact(art, sink)
-    lifecycle = of_artifact(tables, art.manifest, sink.first_seen)
-    return inherited_mappings(tables.mappings, lifecycle.forks, pids)

@@ -22,9 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memtrack.addrspace.modules import Module, ModuleError, ModuleStore
 from memtrack.schema import VDSO_PATH
 from memtrack.schema.enums import Unresolved
-from memtrack.symbolize.modules import Module, ModuleError, ModuleStore
 
 RESOLVED = -1  # the reason code of an address that normalized
 
