@@ -240,7 +240,7 @@ app.command(epilog=(
     "mark a region of thread TID, 'label TID KEY=VALUE' says something of it (limit.peak="
     "BYTES: memtrack check) (helpers: python3 -m memtrack.control prints where "
     "memtrack_control.h and .py are; pytest: each test a region, memtrack_limit markers "
-    "its limits)."))(capture)
+    "(or pytest-memray's limit_memory, limit_leaks) its limits)."))(capture)
 
 
 @app.command()
@@ -442,8 +442,9 @@ def check(
     pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
 ) -> None:
     """Hold each region to its limits (pytest: @pytest.mark.memtrack_limit(peak="24 MB",
-    leaked="0 B", allocated=..., calls=...)): print every limit exceeded with the
-    region's figure; exit status 1 when one was, 3 when the run lost data (no verdict)."""
+    leaked="0 B", leaked_per_stack=..., allocated=..., calls=...), limit_memory("24 MB"),
+    limit_leaks("1 KB")): print every limit exceeded with the region's figure; exit
+    status 1 when one was, 3 when the run lost data (no verdict)."""
     from memtrack.commands import check as cmd
 
     call(cmd.run, run, fmt, pid, sys.stdout)
