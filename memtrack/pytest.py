@@ -37,8 +37,7 @@ every part of the plugin).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Generator
 
 import pytest
 
@@ -129,22 +128,40 @@ def _memray_limit(name: str, arg: str, args: tuple[object, ...],
         pytest.fail(f"{name}: {e}", pytrace=False)
 
 
-@contextmanager
-def _region(item: pytest.Item) -> Iterator[None]:
-    nodeid = item.nodeid
-    limited = limits(item)
-    began = control.begin(nodeid)
-    if not began and not _problems:
-        _problems.append(f"{nodeid}: {control.last_error}")
-    if began:
-        for key, value in limited.items():
-            if not control.label(f"limit.{key}", str(value)) and not _problems:
-                _problems.append(f"{nodeid}: limit.{key}: {control.last_error}")
-    try:
-        yield
-    finally:
-        if began and not control.end(nodeid) and not _problems:
-            _problems.append(f"{nodeid}: end: {control.last_error}")
+class _Region:
+    """A test's region: every request made (and its limits read) before it begins, so
+    that none of the plugin's own objects is in it (memtrack_control.Request)."""
+
+    def __init__(self, item: pytest.Item) -> None:
+        self.nodeid = item.nodeid
+        limited = limits(item)
+        self.keys = [f"limit.{key}" for key in limited]
+        self.labels = [control.Request("label", f"limit.{key}={value}")
+                       for key, value in limited.items()]
+        # made now: no iterator made in the region (nor a tuple unpacked: CPython 3.11
+        # unpacks one through an iterator object until the loop is specialized)
+        self.pending = iter(self.labels)
+        self.closing = control.Request("end", self.nodeid)
+        self.began = False
+
+    def begin(self) -> None:
+        self.began = control.Request("begin", self.nodeid).send()
+        if not self.began:
+            if not _problems:
+                _problems.append(f"{self.nodeid}: {control.last_error}")
+            for request in self.labels:
+                request.close()
+            return
+        for request in self.pending:
+            if not request.send() and not _problems:
+                key = self.keys[self.labels.index(request)]
+                _problems.append(f"{self.nodeid}: {key}: {control.last_error}")
+
+    def end(self) -> None:
+        if not self.began:
+            self.closing.close()
+        elif not self.closing.send() and not _problems:
+            _problems.append(f"{self.nodeid}: end: {control.last_error}")
 
 
 def _called_as_function(item: pytest.Item) -> bool:
@@ -157,8 +174,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, None, Non
     if not _active or not _called_as_function(pyfuncitem):
         yield
         return
-    with _region(pyfuncitem):
+    region = _Region(pyfuncitem)
+    region.begin()
+    try:
         yield
+    finally:
+        region.end()
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
@@ -166,8 +187,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     if not _active or _called_as_function(item):
         yield
         return
-    with _region(item):
+    region = _Region(item)
+    region.begin()
+    try:
         yield
+    finally:
+        region.end()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
