@@ -12,7 +12,9 @@ plugins' wrappers of it, so that a test's allocations, peak and leaks are its bo
 A test function is marked where pytest calls it (pytest_pyfunc_call, this wrapper the
 innermost); an item that is not called so (unittest, doctest, other plugins' items)
 around its whole call phase. Each test costs two round trips to memtrack (well under a
-millisecond).
+millisecond). Its requests (the end, the limits' labels) are made before the begin
+(memtrack_control.Request): with `capture --python-allocators on` the region holds no
+object of the plugin's or the helper's, only pytest's and pluggy's around the call.
 
 `@pytest.mark.memtrack_limit(peak="24 MB", leaked="0 B", leaked_per_stack=...,
 allocated=..., calls=...)` gives the test's region limits, as labels (`limit.peak` =
