@@ -240,7 +240,7 @@ app.command(epilog=(
     "mark a region of thread TID, 'label TID KEY=VALUE' says something of it (limit.peak="
     "BYTES: memtrack check) (helpers: python3 -m memtrack.control prints where "
     "memtrack_control.h and .py are; pytest: each test a region, memtrack_limit markers "
-    "its limits)."))(capture)
+    "(or pytest-memray's limit_memory, limit_leaks) its limits)."))(capture)
 
 
 @app.command()
@@ -341,12 +341,16 @@ def query(
     allow_files: Annotated[bool, typer.Option(
         "--allow-files", help="Let the SQL read and write files (read_csv, COPY ... TO).")
     ] = False,
+    python_only: Annotated[bool, typer.Option(
+        "--python-only", help=PYTHON_ONLY_HELP + " The SQL sees stack_frames, stacks and "
+                              "backtraces folded so, and every view over them (a run "
+                              "database only).")] = False,
 ) -> None:
     """Run SQL against a processed run (or a dataset of runs; read-only, no file access)
     and print the result."""
     from memtrack.commands import query as cmd
 
-    call(cmd.run, args, fmt, sys.stdout, dataset, allow_files)
+    call(cmd.run, args, fmt, sys.stdout, dataset, allow_files, python_only)
 
 
 @app.command()
@@ -376,6 +380,8 @@ def diff(
         "--fail-on", show_default="peak,allocated,leaked",
         help="The gated totals: peak, allocated, leaked, calls, temporary, rss (repeatable "
              "or comma-separated).")] = None,
+    python_only: Annotated[bool, typer.Option(
+        "--python-only", help=PYTHON_ONLY_HELP + " Both runs folded so.")] = False,
 ) -> None:
     """What changed between two runs: totals, processes and regions by name, and the
     allocation sites whose cost changed, matched across builds by call path."""
@@ -383,7 +389,7 @@ def diff(
 
     call(cmd.run, base, head, dataset=dataset, fmt=fmt, pid=pid, process=process,
          metrics=metric or [], top=top, fail_above=fail_above, fail_on=fail_on or [],
-         out=sys.stdout)
+         python_only=python_only, out=sys.stdout)
 
 
 @app.command()
@@ -442,8 +448,9 @@ def check(
     pid: Annotated[int | None, typer.Option("--pid", help="Only this process.")] = None,
 ) -> None:
     """Hold each region to its limits (pytest: @pytest.mark.memtrack_limit(peak="24 MB",
-    leaked="0 B", allocated=..., calls=...)): print every limit exceeded with the
-    region's figure; exit status 1 when one was, 3 when the run lost data (no verdict)."""
+    leaked="0 B", leaked_per_stack=..., allocated=..., calls=...), limit_memory("24 MB"),
+    limit_leaks("1 KB")): print every limit exceeded with the region's figure; exit
+    status 1 when one was, 3 when the run lost data (no verdict)."""
     from memtrack.commands import check as cmd
 
     call(cmd.run, run, fmt, pid, sys.stdout)

@@ -86,6 +86,44 @@ def test_check_names_the_tests_over_their_limits(tmp_path: Path) -> None:
                        "leaked": (0, 0, False)}}
 
 
+@pytest.mark.bpf
+def test_check_holds_pytest_memray_markers(tmp_path: Path) -> None:
+    """fixtures/regions/memray_limits.py (pytest-memray's markers, stacks on): check
+    names test_peak (limit_memory) and test_one_site (6,001 B leaked from one line
+    against limit_leaks 4 KB); test_two_sites leaked 3,001 B in all but 1,501 B at most
+    from one call stack, within its 2 KB per stack (as pytest-memray judges it)."""
+    work = tmp_path / "suite"
+    work.mkdir()
+    shutil.copy(FIXTURES / "regions" / "memray_limits.py", work)
+    art, db = tmp_path / "m.memtrack", tmp_path / "m.duckdb"
+    r = memtrack("capture", "-o", str(art), "--rss", "off", "--", sys.executable, "-m",
+                 "pytest", "-q", "-p", "no:cacheprovider", "--strict-markers",
+                 "memray_limits.py", cwd=work)
+    assert r.returncode == 0 and "4 passed" in r.stdout, (r.stdout, r.stderr)
+    r = memtrack("process", "-q", str(art), "-o", str(db))
+    assert r.returncode == 0, r.stderr
+
+    r = memtrack("check", str(db))
+    assert (r.returncode, r.stderr) == (1, "")
+    assert r.stdout.splitlines() == [
+        "memray_limits.py::test_peak: peak 2.86 MiB (3,000,000 B) exceeds its limit "
+        "2.00 MiB (2,097,152 B)",
+        "memray_limits.py::test_one_site: leaked_per_stack 5.86 KiB (6,001 B) exceeds "
+        "its limit 4.00 KiB (4,096 B)",
+        "2 of 4 limited regions exceeded a limit (4 limits checked)"]
+    r = memtrack("check", str(db), "--format", "json")
+    got = {reg["name"].split("::")[1]: {lim["metric"]: (lim["measured"], lim["limit"])
+                                        for lim in reg["limits"]}
+           for reg in json.loads(r.stdout)["regions"]}
+    assert got == {"test_within": {"peak": (1000, 1024)},
+                   "test_peak": {"peak": (3_000_000, 2 << 20)},
+                   "test_two_sites": {"leaked_per_stack": (1501, 2048)},
+                   "test_one_site": {"leaked_per_stack": (6001, 4096)}}
+    r = memtrack("query", str(db), "--format", "csv", "SELECT alive_bytes FROM "
+                 "region_metrics WHERE name LIKE '%test_two_sites'")
+    assert r.stdout == "alive_bytes\n3001\n", r.stderr
+
+
 # ------------------------------------------------------- the plugin against a FIFO
 
 SUITE = '''
@@ -181,9 +219,10 @@ def test_plugin_sends_limits_as_labels(tmp_path: Path) -> None:
     for line in [
             "memtrack_limit: peak: expected a size such as '24 MB', '512 KiB' or '0 B', "
             "got '24 XB'",
-            "memtrack_limit: unknown limit 'rss' (expected peak, leaked, allocated, calls)",
-            "memtrack_limit: takes keywords only (peak=, leaked=, allocated=, calls=), "
-            "got ('1 MB',)",
+            "memtrack_limit: unknown limit 'rss' (expected peak, leaked, leaked_per_stack, "
+            "allocated, calls)",
+            "memtrack_limit: takes keywords only (peak=, leaked=, leaked_per_stack=, "
+            "allocated=, calls=), got ('1 MB',)",
             "memtrack_limit: calls: expected a number of calls, got 'many'"]:
         assert line in out, (line, out)
     art = Artifact.open(writer.path)
@@ -195,6 +234,76 @@ def test_plugin_sends_limits_as_labels(tmp_path: Path) -> None:
         "t_limits.py::test_marked": {"limit.peak": "1536", "limit.calls": "3"},
         "t_limits.py::TestClass::test_closest_wins": {"limit.peak": "4096",
                                                       "limit.leaked": "2048"}}
+
+
+MEMRAY_SUITE = '''
+import pytest
+
+@pytest.mark.limit_memory("1.5 MB")
+@pytest.mark.limit_leaks(location_limit="1 KB", current_thread_only=True)
+def test_both():
+    pass
+
+@pytest.mark.limit_memory("1 GB")
+@pytest.mark.memtrack_limit(peak="2 GB", leaked="2 KB")
+class TestSmallestWins:
+    @pytest.mark.limit_memory("1 MB")
+    def test_method(self):
+        pass
+
+@pytest.mark.limit_leaks("1 KB", filter_fn=lambda stack: True)
+def test_filter_fn():
+    pass
+
+@pytest.mark.limit_memory("1 MB", current_thread_only=False)
+def test_all_threads():
+    pass
+
+@pytest.mark.limit_leaked_objects()
+def test_objects():
+    pass
+
+@pytest.mark.limit_memory("24 XB")
+def test_bad_size():
+    pass
+
+@pytest.mark.limit_memory("1 MB", "2 MB")
+def test_two_sizes():
+    pass
+'''
+
+
+def test_plugin_reads_pytest_memray_markers(tmp_path: Path) -> None:
+    """pytest-memray's markers under a control FIFO: limit_memory a limit.peak,
+    limit_leaks a limit.leaked_per_stack (its size positional or by its keyword), every
+    one on the test, class or module applying with memtrack_limit's (the smallest
+    wins); filter_fn, current_thread_only=False and limit_leaked_objects, which memtrack
+    cannot honour, fail their test with one line saying so."""
+    (tmp_path / "t_memray.py").write_text(MEMRAY_SUITE)
+    with serving(tmp_path) as (env, _, writer):
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+             "memtrack.pytest", "--strict-markers", "t_memray.py"], cwd=tmp_path,
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    out = r.stdout
+    assert "5 failed, 2 passed" in out, out
+    assert "Traceback" not in out and "memtrack: some tests" not in out
+    for line in [
+            "limit_leaks: filter_fn cannot be honoured: `memtrack check` judges the limits "
+            "after the run, where no Python function runs (raise the limit instead)",
+            "limit_memory: current_thread_only=False cannot be honoured: memtrack counts "
+            "the test's own thread only",
+            "limit_leaked_objects: memtrack records bytes, not the objects that outlive a "
+            "test: no limit it can hold",
+            "limit_memory: expected a size such as '24 MB', '512 KiB' or '0 B', got '24 XB'",
+            "limit_memory: takes one size (limit_memory(\"24 MB\"), or limit=) and "
+            "current_thread_only=True, got ('1 MB', '2 MB') {}"]:
+        assert line in out, (line, out)
+    assert labels_by_region(Artifact.open(writer.path)) == {
+        "t_memray.py::test_both": {"limit.peak": str(3 << 19),
+                                   "limit.leaked_per_stack": "1024"},
+        "t_memray.py::TestSmallestWins::test_method": {"limit.peak": str(1 << 20),
+                                                       "limit.leaked": "2048"}}
 
 
 def test_c_header_labels(tmp_path: Path) -> None:
@@ -317,8 +426,9 @@ def test_check_verdicts(tmp_path: Path) -> None:
     assert run_check(within) == (
         0, "0 of 1 limited regions exceeded a limit (2 limits checked)\n", "")
     none = region_run(tmp_path / "none.duckdb", [(1, "other", "1")])
-    assert run_check(none) == (0, "no region has limits (the pytest plugin's memtrack_limit "
-                                  "marker, or limit.* labels)\n", "")
+    assert run_check(none) == (0, "no region has limits (the pytest plugin's memtrack_limit, "
+                                  "limit_memory or limit_leaks markers, or limit.* labels)\n",
+                               "")
     lost = region_run(tmp_path / "lost.duckdb", [(1, "limit.peak", "6144")],
                       losses={"events_ring_full": 12})
     assert run_check(lost) == (3, "CANNOT JUDGE: the run lost data: events_ring_full 12\n"

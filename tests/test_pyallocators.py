@@ -7,6 +7,7 @@ PGO python3.11): one warning, no probes."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,43 @@ def test_inlined_allocator_is_one_warning(tmp_path: Path) -> None:
     assert "inlines that function" in notes[0]
     assert con.execute("SELECT count(*) FROM events WHERE allocator = 'pymalloc'"
                        ).fetchone() == (0,)
+
+
+@pytest.mark.bpf
+def test_regions_hold_none_of_memtracks_objects(tmp_path: Path) -> None:
+    """fixtures/regions/empty_suite.py under the pytest plugin with every object
+    recorded: no allocation in any test's region has a Python frame in memtrack's code
+    (the plugin, the control helper: their requests are made before the begin and
+    send none after it); test_limited, whose limits are sent inside its region, holds
+    no more than test_empty; test_objects holds its objects besides."""
+    work = tmp_path / "suite"
+    work.mkdir()
+    shutil.copy(ROOT / "fixtures" / "regions" / "empty_suite.py", work)
+    art, db = tmp_path / "s.memtrack", tmp_path / "s.duckdb"
+    r = subprocess.run([*MEMTRACK, "capture", "-o", str(art), "--python-allocators", "on",
+                        "--rss", "off", "--", sys.executable, "-m", "pytest", "-q", "-p",
+                        "no:cacheprovider", "empty_suite.py"], capture_output=True, text=True,
+                       timeout=900, cwd=work)
+    assert r.returncode == 0 and "3 passed" in r.stdout, (r.stdout, r.stderr)
+    p = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "-q"],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    memtrack_files = str(ROOT / "memtrack") + "/%"
+    got = dict((name.split("::")[1], (calls, ours)) for name, calls, ours in con.execute("""
+        SELECT m.name, count(*), count(*) FILTER (WHERE a.stack_id IN (
+            SELECT stack_id FROM stack_frames JOIN frames USING (frame_id)
+            WHERE method = 'python' AND file LIKE ?))
+        FROM region_metrics m JOIN region_allocations USING (region_id)
+        JOIN allocations a USING (alloc_id) GROUP BY m.name""", [memtrack_files]).fetchall())
+    assert {k: ours for k, (_, ours) in got.items()} == {
+        "test_empty": 0, "test_limited": 0, "test_objects": 0}
+    assert got["test_limited"][0] == got["test_empty"][0] > 0  # pytest's own (pluggy's)
+    assert got["test_objects"][0] >= got["test_empty"][0] + 100
+    # the helper's frames are recorded and named: its objects outside the regions (its
+    # requests, made before each begin) are found so
+    assert con.execute("""
+        SELECT count(*) FROM allocations WHERE stack_id IN (
+            SELECT stack_id FROM stack_frames JOIN frames USING (frame_id)
+            WHERE method = 'python' AND file LIKE ? AND name = 'Request.__init__')""",
+                       [memtrack_files]).fetchone()[0] > 0

@@ -1,8 +1,8 @@
-"""The Python view (issue 31, `report --python-only`, `export --python-only`) of a Python
-program's run, through the command line on fixtures/python/frames.py: each stack keeps
-its Python frames and the native frames its innermost Python frame called (down to the
-allocator function), the interpreter's frames around them folded away; a stack with no
-Python frame stays whole; every total is the native view's."""
+"""The Python view (issue 31: `report`, `export`, `diff` and `query --python-only`) of a
+Python program's run, through the command line on fixtures/python/frames.py: each stack
+keeps its Python frames and the native frames its innermost Python frame called (down to
+the allocator function), the interpreter's frames around them folded away; a stack with
+no Python frame stays whole; every total is the native view's."""
 
 from __future__ import annotations
 
@@ -32,16 +32,36 @@ def memtrack(*args: str) -> subprocess.CompletedProcess[str]:
     return r
 
 
+def captured(tmp: Path, name: str, *program: str) -> Path:
+    """`program` run by the venv's CPython 3.11 (built from source: its functions are
+    named), captured with the whole native stacks (--python-stacks mixed; the default
+    Python cut records no frame outside the innermost Python one): its artifact."""
+    art = tmp / f"{name}.memtrack"
+    memtrack("capture", "-o", str(art), "--rss", "off", "--modules", "off",
+             "--python-stacks", "mixed", "--", sys.executable, *program)
+    return art
+
+
 @pytest.fixture(scope="module")
 def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """frames.py run by the venv's CPython 3.11 (built from source: its functions are
-    named), captured with the whole native stacks (--python-stacks mixed; the default
-    Python cut records no frame outside the innermost Python one) and processed."""
+    """frames.py's run, processed."""
     tmp = tmp_path_factory.mktemp("python_only")
-    art, db = tmp / "run.memtrack", tmp / "run.duckdb"
-    memtrack("capture", "-o", str(art), "--rss", "off", "--modules", "off",
-             "--python-stacks", "mixed", "--", sys.executable, str(SCRIPT))
+    art, db = captured(tmp, "run", str(SCRIPT)), tmp / "run.duckdb"
     memtrack("process", "-q", str(art), "-o", str(db))
+    return db
+
+
+@pytest.fixture(scope="module")
+def base_db(tmp_path_factory: pytest.TempPathFactory, run_db: Path) -> Path:
+    """A smaller Python program's run (diff's base against frames.py's), processed; both
+    also appended to a run dataset beside it (run ids base and head)."""
+    tmp = tmp_path_factory.mktemp("python_only_base")
+    art, db = captured(tmp, "base", "-c", "x = [bytearray(300_000 + i) for i in range(3)]"), \
+        tmp / "base.duckdb"
+    memtrack("process", "-q", str(art), "-o", str(db))
+    for run_id, a in (("base", art), ("head", run_db.with_suffix(".memtrack"))):
+        memtrack("process", "-q", str(a), "-o", str(tmp / f"ds-{run_id}.duckdb"), "--dataset",
+                 str(tmp / "dataset"), "--run-id", run_id)
     return db
 
 
@@ -120,3 +140,60 @@ def test_report_and_exports(run_db: Path, tmp_path: Path) -> None:
                     str(tmp_path / "p.html")).stdout
     assert "stacks: Python view (--python-only)" in text.splitlines()[1]
     assert (tmp_path / "p.html").stat().st_size > 0
+
+
+def test_diff_folds_both_runs(run_db: Path, base_db: Path) -> None:
+    """`diff --python-only`: both runs' backtraces folded (a path with Python frames ends
+    at <module>, none keeps the interpreter's outer frames, which the native diff's
+    do), the totals those of the native diff; the same diff from the runs of a
+    dataset (`--dataset DIR base head --python-only`)."""
+    def diff(*extra: str) -> dict:
+        return json.loads(memtrack("diff", *extra, "--format", "json").stdout)
+
+    def paths(d: dict) -> list[list[str]]:
+        return [[f["function"] for f in bt["frames"]]
+                for metric in d["sections"]["sites"]["metrics"].values()
+                for kind in ("matched", "head_only", "base_only")
+                for site in metric[kind]["sites"] for bt in site["backtraces"]]
+
+    native, python = diff(str(base_db), str(run_db)), diff(str(base_db), str(run_db),
+                                                          "--python-only")
+    assert (native["python_only"], python["python_only"]) == (False, True)
+    assert python["sections"]["totals"] == native["sections"]["totals"]
+    with_python = [p for p in paths(python) if "<module>" in p]
+    assert len(with_python) > 10
+    assert all(p[-1] == "<module>" and not set(p) & set(OUTER) for p in with_python)
+    assert [p for p in paths(native) if "<module>" in p and p[-1] == "_start"]
+    text = memtrack("diff", str(base_db), str(run_db), "--python-only").stdout
+    assert text.splitlines()[2] == ("stacks: Python view (--python-only): Python frames, "
+                                    "and the native ones their innermost called")
+
+    from_dataset = diff("--dataset", str(base_db.parent / "dataset"), "base", "head",
+                        "--python-only")
+    for d in (python, from_dataset):
+        del d["base"], d["head"]
+    assert from_dataset == python
+
+
+def test_query_sees_folded_stacks(run_db: Path) -> None:
+    """`query --python-only`: stack_frames, stacks and every view over them folded (no
+    stack with a Python frame has an outer interpreter frame; the native query finds
+    them on the main thread's), the allocations unchanged; a dataset has no Python view:
+    refused."""
+    sql = ("SELECT count(DISTINCT stack_id) FILTER (WHERE function IN ('_start', "
+           "'Py_RunMain')) AS outer_stacks, count(DISTINCT stack_id) AS stacks, "
+           "(SELECT sum(size) FROM allocations) AS bytes FROM stack_lines "
+           "WHERE stack_id IN (SELECT stack_id FROM stack_frames WHERE method = 'python')")
+
+    def query(*extra: str) -> dict:
+        (row,) = json.loads(memtrack("query", str(run_db), sql, "--format", "json",
+                                     *extra).stdout)
+        return row
+
+    native, python = query(), query("--python-only")
+    assert python["outer_stacks"] == 0 and native["outer_stacks"] > native["stacks"] // 2
+    assert python["stacks"] == native["stacks"] and python["bytes"] == native["bytes"] > 0
+    r = subprocess.run([*MEMTRACK, "query", "--dataset", str(run_db.parent), "SELECT 1",
+                        "--python-only"], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert "--python-only: a run database's stacks, not a dataset's" in r.stderr

@@ -1,7 +1,8 @@
 """`memtrack check RUN.duckdb`: every region that carries limits (the pytest plugin's
-`memtrack_limit` marker) against its figures (memtrack.report.limits); exit status 1
-when a limit was exceeded, 3 when the run cannot be judged (it lost data, or the kernel
-refused allocator functions: calls not recorded), 2 on an error."""
+`memtrack_limit`, `limit_memory`, `limit_leaks` markers) against its figures
+(memtrack.report.limits); exit status 1 when a limit was exceeded, 3 when the run cannot
+be judged (it lost data, or the kernel refused allocator functions: calls not recorded),
+2 on an error."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 changed between two runs (memtrack.report.diff), as text, JSON or markdown; with
 `--fail-above PCT` exit status 1 when a gated total grew by more than PCT percent, 3
 when the two runs cannot be compared (either lost data, or the kernel refused different
-allocator functions in each)."""
+allocator functions in each); with --python-only, both runs' stacks in the Python view
+(memtrack.schema.ddl.PYTHON_ONLY)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def parse_pids(pid: str) -> tuple[int, int]:
 def run(base: str, head: str, *, dataset: str | Path | None = None, fmt: str = "text",
         pid: str | None = None, process: str | None = None, metrics: Sequence[str] = (),
         top: int = 10, fail_above: float | None = None, fail_on: Sequence[str] = (),
-        out: TextIO) -> int:
+        python_only: bool = False, out: TextIO) -> int:
     from memtrack.report.diff import (
         GATED,
         GATES,
@@ -66,7 +67,8 @@ def run(base: str, head: str, *, dataset: str | Path | None = None, fmt: str = "
         raise CommandError("--pid and --process: give one")
     opts = DiffOptions(metrics=choices("--metric", metrics, list(METRICS), list(METRICS)),
                        top=top, fail_above=fail_above,
-                       fail_on=choices("--fail-on", fail_on, list(GATES), GATED))
+                       fail_on=choices("--fail-on", fail_on, list(GATES), GATED),
+                       python_only=python_only)
     pids = parse_pids(pid) if pid is not None else (None, None)
 
     def side(which: str, run_: str, pid_: int | None) -> Side:
@@ -74,12 +76,12 @@ def run(base: str, head: str, *, dataset: str | Path | None = None, fmt: str = "
             from memtrack.schema.dataset import DatasetError, open_dataset_run
 
             try:
-                con = open_dataset_run(dataset, run_)
+                con = open_dataset_run(dataset, run_, python_only=python_only)
             except DatasetError as e:
                 raise CommandError(str(e)) from None
             name = f"run {run_}"
         else:
-            con = open_run_db(Path(run_))
+            con = open_run_db(Path(run_), python_only=python_only)
             name = run_
         if process is not None:
             named = RunReader(con).pids_named(process)

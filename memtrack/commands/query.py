@@ -1,6 +1,7 @@
 """`memtrack query RUN.duckdb SQL`: any SQL against a run database, printed as an
-aligned table, CSV or JSON; `memtrack query --dataset DIR SQL`: against every run of a
-run dataset (a view per table across runs, with its `run` column)."""
+aligned table, CSV or JSON (with --python-only, its stacks in the Python view:
+memtrack.schema.ddl.PYTHON_ONLY); `memtrack query --dataset DIR SQL`: against every run
+of a run dataset (a view per table across runs, with its `run` column)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ FORMATS = ("table", "csv", "json")
 
 
 def run(args: Sequence[str], fmt: str, out: TextIO, dataset: str | Path | None = None,
-        allow_files: bool = False) -> int:
+        allow_files: bool = False, python_only: bool = False) -> int:
     """args: RUN.duckdb and the SQL, or with a dataset the SQL alone."""
     if fmt not in FORMATS:
         raise CommandError(f"--format: expected table, csv or json, got {fmt!r}")
@@ -30,6 +31,10 @@ def run(args: Sequence[str], fmt: str, out: TextIO, dataset: str | Path | None =
     if not sql.strip():
         raise CommandError("query: no SQL given")
     # read_text('/etc/shadow'), COPY ... TO: not from a query unless --allow-files
+    if dataset is not None and python_only:
+        raise CommandError("--python-only: a run database's stacks, not a dataset's "
+                           "(`memtrack diff --dataset DIR --python-only` folds two of its "
+                           "runs)")
     if dataset is not None:
         from memtrack.schema.dataset import DatasetError, open_dataset
 
@@ -38,7 +43,7 @@ def run(args: Sequence[str], fmt: str, out: TextIO, dataset: str | Path | None =
         except DatasetError as e:
             raise CommandError(str(e)) from None
     else:
-        con = open_run_db(Path(args[0]), files=allow_files)
+        con = open_run_db(Path(args[0]), files=allow_files, python_only=python_only)
     try:
         cur = con.execute(sql)
         names = [d[0] for d in cur.description or []]

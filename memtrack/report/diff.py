@@ -25,7 +25,7 @@ from typing import Any
 
 from memtrack.report.reader import METRICS, RunReader
 from memtrack.report.regions import RegionReader
-from memtrack.report.text import backtrace_lines, human_bytes
+from memtrack.report.text import PYTHON_VIEW_LINE, backtrace_lines, human_bytes
 from memtrack.schema import is_loss
 from memtrack.schema.ddl import connect
 
@@ -76,6 +76,7 @@ class DiffOptions:
     backtraces: int = 3  # backtraces per site
     fail_above: float | None = None  # the gate: growth in percent
     fail_on: tuple[str, ...] = GATED
+    python_only: bool = False  # both runs' stacks in the Python view (ddl.PYTHON_ONLY)
 
 
 @dataclass(frozen=True)
@@ -548,7 +549,8 @@ def diff_data(base: Side, head: Side, opts: DiffOptions | None = None) -> Diff:
         if built is not None:
             sections[s.key] = built
     return Diff({"base": describe(base), "head": describe(head), "trust": trust(base, head),
-                 "sections": sections, "gate": gate(sections["totals"], opts)})
+                 "python_only": opts.python_only, "sections": sections,
+                 "gate": gate(sections["totals"], opts)})
 
 
 def _side_line(key: str, d: Data) -> str:
@@ -562,7 +564,7 @@ def _side_line(key: str, d: Data) -> str:
 def format_text(diff: Diff) -> str:
     d = diff.data
     lines = [_side_line("base", d["base"]), _side_line("head", d["head"]),
-             *trust_lines(d["trust"])]
+             *([PYTHON_VIEW_LINE] if d["python_only"] else []), *trust_lines(d["trust"])]
     for s in SECTIONS:
         if s.key in d["sections"]:
             lines += ["", *s.text(d["sections"][s.key])]
@@ -582,6 +584,8 @@ def format_markdown(diff: Diff) -> str:
         lines.append(f"**{key}** {md(side['name'])}" + (f" ({labels})" if labels else "") +
                      (f" {md(' '.join(side['command']))}" if side["command"] else "") + "  ")
         lines += [f"{md(a)}  " for a in side["attached"]]
+    if d["python_only"]:
+        lines.append(f"{md(PYTHON_VIEW_LINE)}  ")
     if d["trust"]["problems"] or d["trust"]["refused_in_both"]:
         lines += ["", *(f":warning: {md(line)}  " for line in trust_lines(d["trust"]))]
     if d["gate"]:

@@ -1,11 +1,14 @@
 """`memtrack check`: the regions' limits (labels `limit.KEY`, as the pytest plugin's
-`memtrack_limit` marker gives them) against the regions' figures in `region_metrics`.
+`memtrack_limit`, `limit_memory` and `limit_leaks` markers give them) against the
+regions' figures in `region_metrics` and `region_stack_costs`.
 
 What each limit holds a region to (one region: one test body, one thread):
 - peak: `peak_heap_bytes`, the heap at its highest above where it stood at the
   region's begin (the region's thread's allocations up, its frees down);
 - leaked: `alive_bytes`, the bytes the region allocated and had not freed when it
-  closed (pytest-memray's leaks, summed over the region rather than per call stack);
+  closed, summed over the region;
+- leaked_per_stack: the most of those bytes one call stack allocated (the largest
+  `alive_bytes` of the region's `region_stack_costs`: pytest-memray's `limit_leaks`);
 - allocated: `bytes`, everything it allocated; calls: `calls`, its allocation calls.
 A figure above its limit exceeds it (a limit of 0 allows nothing). A run that lost data
 or whose allocator functions the kernel refused to probe cannot be judged: its figures
@@ -22,9 +25,10 @@ from memtrack.report.reader import RunReader
 from memtrack.report.text import exact_bytes, printable
 from memtrack.schema import is_loss
 
-# limit key -> (region_metrics column, unit)
-LIMITS = {"peak": ("peak_heap_bytes", "bytes"), "leaked": ("alive_bytes", "bytes"),
-          "allocated": ("bytes", "bytes"), "calls": ("calls", "calls")}
+# limit key -> (the figure's column: region_metrics', or s.stack_alive_bytes, unit)
+LIMITS = {"peak": ("m.peak_heap_bytes", "bytes"), "leaked": ("m.alive_bytes", "bytes"),
+          "leaked_per_stack": ("s.stack_alive_bytes", "bytes"),
+          "allocated": ("m.bytes", "bytes"), "calls": ("m.calls", "calls")}
 PREFIX = "limit."
 MAX_LIMIT = (1 << 63) - 1
 EXIT_EXCEEDED = 1  # a limit was exceeded
@@ -52,10 +56,15 @@ class Check:
 def check_limits(run: RunReader) -> Check:
     """Every limited region of the run (the reader's processes) with its limits and
     figures, as plain data (the --format json output)."""
-    columns = ", ".join(f"m.{col}" for col, _ in LIMITS.values())
+    columns = ", ".join(f"coalesce({col}, 0)" for col, _ in LIMITS.values())
     rows = run.con.execute(f"""
+        WITH limited AS (SELECT DISTINCT region_id FROM region_labels
+                         WHERE starts_with(key, '{PREFIX}')),
+        s AS (SELECT region_id, max(alive_bytes) AS stack_alive_bytes
+              FROM region_stack_costs JOIN limited USING (region_id) GROUP BY region_id)
         SELECT m.region_id, m.name, m.pid, m.tid, m.ended, l.key, l.value, {columns}
         FROM region_labels l JOIN region_metrics m USING (region_id)
+        LEFT JOIN s USING (region_id)
         WHERE starts_with(l.key, '{PREFIX}') AND {run.where('m.')}
         ORDER BY m.begin_ts, m.region_id, l.key""").fetchall()
     regions: dict[int, Data] = {}
@@ -100,8 +109,8 @@ def format_text(check: Check) -> str:
                              f"{_quantity(lim['limit'], lim['unit'])}{never}")
     lines += [f"CANNOT JUDGE: {printable(p)}" for p in d["problems"]]
     if not d["checked"]:
-        lines.append("no region has limits (the pytest plugin's memtrack_limit marker, or "
-                     "limit.* labels)")
+        lines.append("no region has limits (the pytest plugin's memtrack_limit, "
+                     "limit_memory or limit_leaks markers, or limit.* labels)")
     else:
         lines.append(f"{d['exceeded']} of {d['checked']} limited regions exceeded a limit "
                      f"({d['limits']} limits checked)")

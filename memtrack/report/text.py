@@ -20,6 +20,10 @@ import duckdb
 from memtrack.report.reader import NO_STACK, UNITS, RunReader
 from memtrack.schema import loss_lines
 
+# the line a report or diff of the Python view (--python-only) starts with
+PYTHON_VIEW_LINE = ("stacks: Python view (--python-only): Python frames, and the native "
+                    "ones their innermost called")
+
 
 @dataclass
 class ReportOptions:
@@ -162,8 +166,7 @@ def format_text(data: dict) -> str:
         lines.append("command: " + " ".join(data["command"]))
     lines += data["attached"]
     if data.get("python_only"):
-        lines.append("stacks: Python view (--python-only): Python frames, and the native "
-                     "ones their innermost called")
+        lines.append(PYTHON_VIEW_LINE)
 
     def ts(at: float | None) -> str:
         return f" at {at:.3f}s" if at is not None else ""

@@ -42,8 +42,11 @@ import pyarrow.parquet as pq
 
 from memtrack.schema.ddl import (
     EXPORT_TABLES,
+    PYTHON_FOLDED,
+    PYTHON_ONLY,
     SCHEMA_VERSION,
     VIEWS,
+    derive,
     first_line,
     lock,
     reading_session,
@@ -408,10 +411,11 @@ def _expose(con: duckdb.DuckDBPyConnection, name: str, dataset: ds.Dataset, wher
                 f"WHERE {where_sql}")
 
 
-def open_dataset_run(root: Location | str, run_id: str) -> duckdb.DuckDBPyConnection:
+def open_dataset_run(root: Location | str, run_id: str,
+                     python_only: bool = False) -> duckdb.DuckDBPyConnection:
     """One run of the dataset as a run database: a locked reading session without file
     access, with its tables and the run database's views (memtrack.schema.ddl), for
-    the run reader."""
+    the run reader; `python_only`: its stacks in the Python view (ddl.PYTHON_ONLY)."""
     listing = Listing(root)
     root = listing.root
     if run_id not in listing.runs():
@@ -429,7 +433,8 @@ def open_dataset_run(root: Location | str, run_id: str) -> duckdb.DuckDBPyConnec
             dataset = table_dataset(tf, found, schemas, listing.fs, partitioned=False)
             # rss_timeline orders a process's updates by (ts, rowid): rss is a table in
             # the file's order; the others are read where they lie
-            source = f"{name}_file" if name == "rss" else name
+            source = (f"{name}_file" if name == "rss" else
+                      f"native_{name}" if python_only and name in PYTHON_FOLDED else name)
             if tf.batched:
                 _expose(con, source, dataset, f"run = {sql_literal(run_id)}",
                         f"EXCLUDE ({PARTITION})")
@@ -449,7 +454,11 @@ def open_dataset_run(root: Location | str, run_id: str) -> duckdb.DuckDBPyConnec
                         f"{SCHEMA_VERSION}; re-run `memtrack process --dataset` on its "
                         "artifact")
         with _reading(root):
+            if python_only:
+                con.execute(PYTHON_ONLY.replace("{source}", "native_"))
             con.execute(VIEWS)
+            if python_only:
+                derive(con, "backtraces")
         lock(con)
     except BaseException:
         con.close()

@@ -448,17 +448,18 @@ def _columns(con: duckdb.DuckDBPyConnection, catalog: str) -> dict[str, list[tup
     return out
 
 
-# The Python view (`report --python-only`, `export --python-only`): a stack with Python
+# The Python view (`report`, `export`, `diff`, `query --python-only`): a stack with Python
 # frames keeps them and the native frames inside its innermost one (what that Python
 # line called, down to the allocator function); the native frames outside it (the
 # interpreter's start, its evaluation loop and calls between Python frames, a thread's
 # start) are folded away, as memray's default view shows a Python program. A stack with
 # no Python frame stays whole. Depths are renumbered from 0, so that the site, the
 # backtraces and every view over stack_frames read the folded stacks; the allocations
-# and their stacks' ids are the same as in the native view.
+# and their stacks' ids are the same as in the native view. `{source}` is where the
+# native tables are read: the run database's catalog, or a dataset run's tables.
 PYTHON_ONLY = """
 CREATE TABLE stack_frames AS
-WITH f AS (SELECT * FROM {run}.main.stack_frames),
+WITH f AS (SELECT * FROM {source}stack_frames),
 py AS (SELECT stack_id, min(depth) AS innermost FROM f WHERE method = 'python'
        GROUP BY stack_id)
 SELECT f.stack_id,
@@ -470,11 +471,13 @@ WHERE py.innermost IS NULL OR f.depth < py.innermost OR f.method = 'python';
 
 CREATE TABLE stacks AS
 SELECT s.* REPLACE (coalesce(n.depth, s.depth)::USMALLINT AS depth)
-FROM {run}.main.stacks s
+FROM {source}stacks s
 LEFT JOIN (SELECT stack_id, count(*) AS depth FROM stack_frames GROUP BY 1) n USING (stack_id);
 
 CREATE TABLE backtraces (stack_id INTEGER, backtrace_id INTEGER);
-""".replace("{run}", RUN_CATALOG)
+"""
+# the tables PYTHON_ONLY makes again (backtraces derived from the folded stacks)
+PYTHON_FOLDED = ("stack_frames", "stacks", "backtraces")
 
 
 def open_run(path: Path | str, *, files: bool = False,
@@ -490,7 +493,7 @@ def open_run(path: Path | str, *, files: bool = False,
     if not path.is_file():
         raise RunError(f"{path}: no such run database")
     con = reading_session()
-    folded = ("stack_frames", "stacks", "backtraces") if python_only else ()
+    folded = PYTHON_FOLDED if python_only else ()
     try:
         try:
             con.execute(f"ATTACH {sql_literal(path)} AS {RUN_CATALOG} (READ_ONLY)")
@@ -505,7 +508,7 @@ def open_run(path: Path | str, *, files: bool = False,
             kind = "TABLE" if name == "rss" else "VIEW"
             con.execute(f"CREATE {kind} {name} AS SELECT * FROM {RUN_CATALOG}.main.{name}")
         if python_only:
-            con.execute(PYTHON_ONLY)
+            con.execute(PYTHON_ONLY.replace("{source}", f"{RUN_CATALOG}.main."))
         con.execute(VIEWS)
         if python_only:
             derive(con, "backtraces")
