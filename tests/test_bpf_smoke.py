@@ -84,6 +84,9 @@ def test_doctor_reports_ready_with_a_real_load() -> None:
     rows = {line.split("│")[0].strip(): [c.strip() for c in line.split("│")[1:]]
             for line in r.stdout.splitlines() if "│" in line}
     assert rows["pid namespace"][:2] == ["ok", "the host's"]
+    assert rows["BPF loops"][:2] == [
+        "ok", "on the kernel's number iterator (bpf_iter_num): the stack capture verifies "
+        "in ~0.1 s"]
     status, detail, _ = rows["attach (capture --pid)"]
     assert status == "ok" and detail.startswith(
         "allowed (pidfd_open); probes only in the attached processes; no ptrace, so "

@@ -230,6 +230,20 @@ def check_attach(scoped: bool | None = None) -> Check:
     return Check("attach (capture --pid)", True, "; ".join(parts), required=False)
 
 
+def check_loop_iterator() -> Check:
+    """Whether the BPF loops run on the kernel's number iterator (bpf/common.h MT_LOOP):
+    without it the verifier walks every iteration of the stack loops at each start."""
+    from memtrack.capture.program import ITERATOR_KFUNCS, iterators_possible, kfunc_ids
+
+    names = [name for name, _ in ITERATOR_KFUNCS.values()]
+    if iterators_possible() and len(kfunc_ids(names)) == len(names):
+        return Check("BPF loops", True, "on the kernel's number iterator (bpf_iter_num): "
+                     "the stack capture verifies in ~0.1 s", required=False)
+    return Check("BPF loops", False, "bounded: the verifier walks each iteration, ~0.5 s "
+                 "more at each capture's start with stacks",
+                 "Linux 6.7+ with BTF (/sys/kernel/btf/vmlinux)", required=False)
+
+
 def run_doctor(console: Console | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -244,7 +258,7 @@ def run_doctor(console: Console | None = None) -> int:
         probe_attach = check_uprobe_attach()
         checks += [check_ringbuf_and_uprobe(), probe_attach]
         scoped = probe_attach.detail.startswith("uprobe_multi") if probe_attach.ok else None
-    checks += [check_mapped_files(), check_attach(scoped)]
+    checks += [check_loop_iterator(), check_mapped_files(), check_attach(scoped)]
     t = Table(title=f"memtrack doctor — {platform.node()} {platform.release()}", show_edge=False)
     for col in ("check", "status", "detail", "fix"):
         t.add_column(col)
