@@ -202,18 +202,24 @@ def labels_by_region(art: Artifact) -> dict[str, dict[str, str]]:
     return got
 
 
+def run_suite_served(tmp_path: Path, name: str, suite: str) -> tuple[str, ArtifactWriter]:
+    """pytest with the plugin over `suite` (written to `name`) under a control FIFO
+    served as capture serves it: what pytest printed, and the artifact writer."""
+    (tmp_path / name).write_text(suite)
+    with serving(tmp_path) as (env, _, writer):
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+             "memtrack.pytest", "--strict-markers", name], cwd=tmp_path,
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    return r.stdout, writer
+
+
 def test_plugin_sends_limits_as_labels(tmp_path: Path) -> None:
     """Under a control FIFO (as under capture), each marked test's region gets its
     limits as limit.* labels in bytes (the closest marker winning per keyword, None
     taking one away), an unmarked test none, and a bad marker fails its test with one
     line and no traceback."""
-    (tmp_path / "t_limits.py").write_text(SUITE)
-    with serving(tmp_path) as (env, _, writer):
-        r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-             "memtrack.pytest", "--strict-markers", "t_limits.py"], cwd=tmp_path,
-            env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    out = r.stdout
+    out, writer = run_suite_served(tmp_path, "t_limits.py", SUITE)
     assert "4 failed, 3 passed" in out, out
     assert "Traceback" not in out and "memtrack: some tests" not in out
     for line in [
@@ -279,13 +285,7 @@ def test_plugin_reads_pytest_memray_markers(tmp_path: Path) -> None:
     one on the test, class or module applying with memtrack_limit's (the smallest
     wins); filter_fn, current_thread_only=False and limit_leaked_objects, which memtrack
     cannot honour, fail their test with one line saying so."""
-    (tmp_path / "t_memray.py").write_text(MEMRAY_SUITE)
-    with serving(tmp_path) as (env, _, writer):
-        r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-             "memtrack.pytest", "--strict-markers", "t_memray.py"], cwd=tmp_path,
-            env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    out = r.stdout
+    out, writer = run_suite_served(tmp_path, "t_memray.py", MEMRAY_SUITE)
     assert "5 failed, 2 passed" in out, out
     assert "Traceback" not in out and "memtrack: some tests" not in out
     for line in [
