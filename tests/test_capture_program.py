@@ -251,6 +251,17 @@ def test_loops_on_the_kernel_iterator_record_what_bounded_loops_do(
 
 
 @pytest.mark.bpf
+@pytest.mark.parametrize("budget", [512, 2048, 32768])
+def test_every_stack_budget_builds_and_loads(budget: int) -> None:
+    """The budget sizes the stack loops: at some sizes clang unrolled a loop and spilled
+    it past the 512-byte BPF stack (a compile error, at 512 and 2048 bytes only)."""
+    from memtrack.capture.tracker import Tracker
+
+    with Tracker(CaptureOptions(stack_budget=budget, program_cache="off")) as t:
+        assert t.uprobes.wait()["mt_alloc"] >= 0
+
+
+@pytest.mark.bpf
 def test_a_program_refused_on_the_loading_thread_fails_the_capture_cleanly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The allocator programs load beside the spawn (links.UprobeLinks): a refusal there
