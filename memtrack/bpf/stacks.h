@@ -220,7 +220,8 @@ static __always_inline void mt_stack_copy(struct mt_stack_scratch *s, u64 sp, u3
     u64 first = MT_PAGE - (sp & (MT_PAGE - 1));
     if (first > limit)
         first = limit;
-    /* the bytes copied so far and whether a page faulted, in scratch (MT_LOOP) */
+    /* the bytes copied so far and whether a page faulted, in scratch: the loop's exits
+     * leave one verifier state to carry on with */
     vs->pos = 0;
     vs->fault = 1;
     if (bpf_probe_read_user(W, first, (void *)sp) == 0) {

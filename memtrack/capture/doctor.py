@@ -233,10 +233,9 @@ def check_attach(scoped: bool | None = None) -> Check:
 def check_loop_iterator() -> Check:
     """Whether the BPF loops run on the kernel's number iterator (bpf/common.h MT_LOOP):
     without it the verifier walks every iteration of the stack loops at each start."""
-    from memtrack.capture.program import ITERATOR_KFUNCS, iterators_possible, kfunc_ids
+    from memtrack.capture.program import iterator_kfuncs
 
-    names = [name for name, _ in ITERATOR_KFUNCS.values()]
-    if iterators_possible() and len(kfunc_ids(names)) == len(names):
+    if iterator_kfuncs():
         return Check("BPF loops", True, "on the kernel's number iterator (bpf_iter_num): "
                      "the stack capture verifies in ~0.1 s", required=False)
     return Check("BPF loops", False, "bounded: the verifier walks each iteration, ~0.5 s "

@@ -255,6 +255,18 @@ def kfunc_ids(names: list[str], path: Path = VMLINUX_BTF) -> dict[str, int]:
     return found
 
 
+def iterator_kfuncs() -> dict[int, int]:
+    """Placeholder helper number -> BTF id of the kernel function it stands for, for
+    every function MT_LOOP's iterator needs; empty where this kernel lacks any of them
+    (MT_LOOP is then built as bounded loops)."""
+    if not iterators_possible():
+        return {}
+    ids = kfunc_ids([name for name, _ in ITERATOR_KFUNCS.values()])
+    if len(ids) < len(ITERATOR_KFUNCS):
+        return {}
+    return {number: ids[name] for name, number in ITERATOR_KFUNCS.values()}
+
+
 # -- the cache ----------------------------------------------------------------------------
 
 def _file_id(path: str | Path) -> list[Any]:
@@ -653,13 +665,8 @@ def load_program(text: str, cflags: list[str], cache: ProgramCache | None, *,
         if note is not None:
             note.what = "compiling the BPF programs" + (
                 "; later runs load them from the cache" if cache is not None else "")
-        ids = kfunc_ids([name for name, _ in ITERATOR_KFUNCS.values()]) if iterators else {}
-        if len(ids) == len(ITERATOR_KFUNCS):
-            image = compile_image(text, cflags + iterator_cflags(),
-                                  {number: ids[name]
-                                   for name, number in ITERATOR_KFUNCS.values()})
-        else:
-            image = compile_image(text, cflags)
+        kfuncs = iterator_kfuncs()
+        image = compile_image(text, cflags + iterator_cflags() if kfuncs else cflags, kfuncs)
         if cache is not None:
             try:
                 cache.put(key, image)
