@@ -72,11 +72,16 @@ def state(pid: int) -> dict[str, object]:
 
 def no_breakpoint_left(pid: int, art: Path) -> None:
     """None of the capture's probes in `pid`'s libc. A capture with host-wide probes
-    running beside (another test run on this machine) puts them into every process:
+    running beside (another test run on this machine, or the host-wide perf-event links
+    an earlier test's tracker left to release_in_background) puts them into every process:
     then the check waits until a process memtrack never traced is clean too."""
     control = subprocess.Popen(["sleep", "120"])
     try:
         deadline = time.monotonic() + 60
+        # Popen returns at the exec: the dynamic loader maps libc a moment later
+        while not any("libc.so" in line.path for line in read_maps(control.pid) or []):
+            assert time.monotonic() < deadline, "the control process never mapped libc"
+            time.sleep(0.01)
         while INT3 in probe_bytes(pid, art).values():
             assert INT3 in probe_bytes(control.pid, art).values(), "breakpoints left"
             assert time.monotonic() < deadline, "host-wide probes beside for a minute"
