@@ -38,8 +38,11 @@ def test_cxx_workload(tracker: Any, tmp_path: Path, variant: str) -> None:
     r = run(tracker, tmp_path, [str(exe)], name=variant, start_disabled=True)
     assert r.result.status == 0, r.stdout
     h = r.heap()
+    # libstdc++'s sized deletes only jump to `operator delete(void*)` and are not probed
+    # (memtrack.capture.wrappers): their frees carry no size; the others' probes pass it
+    sized = (0, 0) if variant == "libstdc++" else (8, 88888)
     assert [(e["kind"], e["size"]) for e in h] == [
-        (M, 44444), (M, 8), (M, 88888), (F, 0), (F, 8), (F, 88888)]
+        (M, 44444), (M, 8), (M, 88888), (F, 0), (F, sized[0]), (F, sized[1])]
     (a,) = r.printed(r"new\[\]")
     (b,) = r.printed("new")
     (v,) = r.printed("vector")

@@ -11,10 +11,13 @@ wrapper's entry (sp above the wrapper's frame, ip at its start, the callee-saved
 registers it pushed read back from the stack): the events and stacks are those the
 wrapper's own probe would give. Chains (nothrow `new` -> `new` -> `malloc`) are
 followed a few levels. Frees that only jump to another probed free of the module
-(`operator delete[](void*)` -> `operator delete(void*)`) are left unprobed too: the
-jump's target reports the same pointer. A sized free keeps its probe (the size it
-passes is in the free event), and so does every free that reaches `free` itself: at
-`free` nothing else tells a delete from a C `free` (deletes tail-call it).
+(`operator delete[](void*)` -> `operator delete(void*)`, and the sized deletes
+`operator delete(void*, size_t)` -> `operator delete(void*)`) are left unprobed too:
+the jump's target reports the same pointer, in the same family. Their free events then
+carry size 0, as an unsized delete's do: the block's size is the allocation's, which
+pairing gives; a trap per sized delete (most deletes of C++14 code) is not worth the
+copy. Every free that reaches `free` itself keeps its probe: at `free` nothing else
+tells a delete from a C `free` (deletes tail-call it).
 
 Only the C++ runtime's own functions are treated so (libstdc++, libc++: code whose
 shape is known); a program's own `operator new` may allocate without malloc and stays
@@ -138,7 +141,7 @@ def find_wrappers(path: str | Path, mapped_path: str, info: ElfInfo, probes: lis
                 insns = list(md.disasm(code, p.vaddr))
                 if not insns or insns[-1].address + insns[-1].size != p.vaddr + p.size:
                     continue  # not all of it decodes: keep the probe
-                if p.is_free and p.shape == "free":  # a sized free keeps its probe: the size
+                if p.is_free:
                     why = _free_jump(img, md, p, names, slots, probed)
                     if why:
                         out.unprobed[p.name] = why

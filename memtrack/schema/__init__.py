@@ -33,7 +33,7 @@ VDSO_PATH = "[vdso]"
 # Meaning of the event columns by kind (every column is always present):
 #   alloc kinds  addr = returned pointer, size = requested bytes (calloc: n*size),
 #                old_addr = realloc's input pointer (0 otherwise)
-#   FREE         addr = freed pointer, size = the size passed to sized frees or 0
+#   FREE         addr = freed pointer, size = the size passed to probed sized frees or 0
 #   MMAP         addr = start, size = length, flags = mmap flags | (prot << 32)
 #                old_addr = fd (as unsigned, -1 for anonymous)
 #   MUNMAP       addr = start, size = length
