@@ -23,7 +23,16 @@ SHF_EXECINSTR = 0x4
 NT_GNU_BUILD_ID = 3
 SHF_COMPRESSED = 0x800
 PF_X = 0x1
+PT_LOAD, PT_NOTE = 1, 4
+# Elf32_Phdr and Elf64_Phdr (the fields in file order; byte order set per file)
+PHDR_DTYPES = {
+    32: np.dtype([("type", "u4"), ("offset", "u4"), ("vaddr", "u4"), ("paddr", "u4"),
+                  ("filesz", "u4"), ("memsz", "u4"), ("flags", "u4"), ("align", "u4")]),
+    64: np.dtype([("type", "u4"), ("flags", "u4"), ("offset", "u8"), ("vaddr", "u8"),
+                  ("paddr", "u8"), ("filesz", "u8"), ("memsz", "u8"), ("align", "u8")]),
+}
 R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT = 6, 7
+RELA_DTYPE = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])  # Elf64_Rela
 
 DWARF_SECTIONS = (
     ".debug_info", ".debug_abbrev", ".debug_str", ".debug_line_str", ".debug_line",
@@ -51,20 +60,13 @@ class Segments:
     executable: np.ndarray  # PF_X set, bool
 
     @classmethod
-    def of(cls, elf: ELFFile) -> Segments:
-        rows = sorted(
-            (s["p_offset"], s["p_vaddr"], s["p_filesz"], s["p_memsz"], bool(s["p_flags"] & PF_X))
-            for s in elf.iter_segments()
-            if s["p_type"] == "PT_LOAD"
-        )
-        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), ()]
-        return cls(
-            np.array(cols[0], dtype=np.uint64),
-            np.array(cols[1], dtype=np.uint64),
-            np.array(cols[2], dtype=np.uint64),
-            np.array(cols[3], dtype=np.uint64),
-            np.array(cols[4], dtype=bool),
-        )
+    def of(cls, phdrs: np.ndarray) -> Segments:
+        """From the program headers (ElfImage.program_headers)."""
+        load = phdrs[phdrs["type"] == PT_LOAD]
+        load = load[np.argsort(load["offset"], kind="stable")]
+        return cls(load["offset"].astype(np.uint64), load["vaddr"].astype(np.uint64),
+                   load["filesz"].astype(np.uint64), load["memsz"].astype(np.uint64),
+                   (load["flags"] & PF_X) != 0)
 
     def file_offset_to_vaddr(self, offsets: np.ndarray) -> np.ndarray:
         """ELF virtual addresses (int64) of file offsets, via the PT_LOAD holding each
@@ -94,7 +96,8 @@ class Segments:
 class ElfImage:
     """An open ELF file (or image in memory). Use as a context manager, or close()."""
 
-    def __init__(self, path: Path | str, data: bytes | None = None) -> None:
+    def __init__(self, path: Path | str, data: bytes | None = None, *,
+                 sections: bool = True) -> None:
         self.path = Path(path)
         try:
             self._f: IO[bytes] = io.BytesIO(data) if data is not None else open(  # noqa: SIM115
@@ -104,11 +107,17 @@ class ElfImage:
         try:
             self.size = self._f.seek(0, io.SEEK_END)
             self.elf = ELFFile(self._f)
-            self.sections = {s.name: s for s in self.elf.iter_sections()}
         except ELF_ERRORS as e:
             self._f.close()
             raise ElfReadError(f"{path}: not a readable ELF file ({e})") from None
+        self._sections: dict[str, Any] | None = None
         self._segments: Segments | None = None
+        if sections:  # read (and checked) now: ElfReadError from the open, not a use
+            try:
+                _ = self.sections
+            except ElfReadError:
+                self._f.close()
+                raise
 
     @classmethod
     def of_bytes(cls, data: bytes, name: str = "[memory]") -> ElfImage:
@@ -131,23 +140,52 @@ class ElfImage:
         return str(self.elf["e_type"])
 
     @property
+    def sections(self) -> dict[str, Any]:
+        """The sections by name (read at the open, or at the first use when opened
+        with `sections=False`: a build id or the program headers need none, and capture
+        reads those of every module it sees)."""
+        if self._sections is None:
+            try:
+                self._sections = {s.name: s for s in self.elf.iter_sections()}
+            except ELF_ERRORS as e:
+                raise ElfReadError(f"{self.path}: not a readable ELF file ({e})") from None
+        return self._sections
+
+    @property
     def segments(self) -> Segments:
         if self._segments is None:
-            try:
-                self._segments = Segments.of(self.elf)
-            except ELF_ERRORS as e:
-                raise ElfReadError(f"{self.path}: program headers unreadable ({e})") from None
+            self._segments = Segments.of(self.program_headers())
         return self._segments
+
+    def program_headers(self) -> np.ndarray:
+        """The program header table as an array (PHDR_DTYPES' fields), read raw:
+        pyelftools builds an object per segment and parses PT_DYNAMIC's whole table on
+        the way (a third of a module's classification at capture)."""
+        try:
+            dtype = PHDR_DTYPES[self.elf.elfclass].newbyteorder(
+                "<" if self.elf.little_endian else ">")
+            off, num, size = (self.elf["e_phoff"], self.elf["e_phnum"],
+                              self.elf["e_phentsize"])
+            if num and (size != dtype.itemsize or off + num * size > self.size):
+                raise ElfReadError(f"{self.path}: program headers unreadable ({num} of "
+                                   f"{size} bytes at {off:#x})")
+            self._f.seek(off)
+            return np.frombuffer(self._f.read(num * size), dtype, num)
+        except ELF_ERRORS as e:
+            raise ElfReadError(f"{self.path}: program headers unreadable ({e})") from None
 
     @property
     def build_id(self) -> str | None:
         """The GNU build id as lowercase hex, or None: from the PT_NOTE segments, else
         the .note.gnu.build-id section (a debug file's notes are not in a segment)."""
         try:
-            for seg in self.elf.iter_segments():
-                if seg["p_type"] == "PT_NOTE" and seg["p_offset"] + seg["p_filesz"] <= self.size:
-                    self._f.seek(seg["p_offset"])
-                    found = self._build_id_note(self._f.read(seg["p_filesz"]))
+            phdrs = self.program_headers()
+            notes = phdrs[phdrs["type"] == PT_NOTE]
+            for off, size in zip(notes["offset"].tolist(), notes["filesz"].tolist(),
+                                 strict=True):
+                if off + size <= self.size:
+                    self._f.seek(off)
+                    found = self._build_id_note(self._f.read(size))
                     if found:
                         return found
             sec = self.sections.get(".note.gnu.build-id")
@@ -287,21 +325,32 @@ class ElfImage:
     def import_slots(self) -> dict[int, str]:
         """GOT slot address -> the symbol the dynamic linker binds it to, for every
         JUMP_SLOT and GLOB_DAT relocation (.rela.plt, .rela.dyn): what a PLT stub or a
-        `call *slot(%rip)` calls."""
-        from elftools.elf.relocation import RelocationSection
+        `call *slot(%rip)` calls. Read as arrays: pyelftools parses a relocation at a
+        time (0.1 s for libstdc++'s, at every capture of a C++ program)."""
+        from memtrack.elf.symtab import SYM_DTYPE, name_at
 
         out: dict[int, str] = {}
         try:
-            for sec in self.elf.iter_sections():
-                if not isinstance(sec, RelocationSection) or not sec.is_RELA():
+            for sec in self.sections.values():
+                if sec["sh_type"] != "SHT_RELA" or sec["sh_entsize"] != RELA_DTYPE.itemsize:
+                    continue
+                data = self.data(sec)
+                rels = np.frombuffer(data, RELA_DTYPE, len(data) // RELA_DTYPE.itemsize)
+                rels = rels[np.isin(rels["info"] & 0xFFFFFFFF,
+                                    (R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT))]
+                if not len(rels):
                     continue
                 symtab = self.elf.get_section(sec["sh_link"])
-                for rel in sec.iter_relocations():
-                    if rel["r_info_type"] not in (R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT):
-                        continue
-                    name = symtab.get_symbol(rel["r_info_sym"]).name
+                syms = self.data(symtab)
+                syms = np.frombuffer(syms, SYM_DTYPE, len(syms) // SYM_DTYPE.itemsize)
+                strtab = self.data(self.elf.get_section(symtab["sh_link"]))
+                index = (rels["info"] >> 32).astype(np.int64)
+                known = index < len(syms)
+                for slot, st_name in zip(rels["offset"][known].tolist(),
+                                         syms["name"][index[known]].tolist(), strict=True):
+                    name = name_at(strtab, st_name)
                     if name:
-                        out[int(rel["r_offset"])] = name.split("@")[0]
+                        out[slot] = name.split("@")[0]
         except ELF_ERRORS as e:
             raise ElfReadError(f"{self.path}: relocations unreadable ({e})") from None
         return out
@@ -337,7 +386,7 @@ class ElfImage:
 def read_build_id(path: str | Path) -> str | None:
     """The GNU build id of an ELF file as lowercase hex, or None (no note, not an ELF)."""
     try:
-        with ElfImage(path) as img:
+        with ElfImage(path, sections=False) as img:
             return img.build_id
     except ElfReadError:
         return None

@@ -107,7 +107,7 @@ def _raw_symbols(image: ElfImage, sec: Any) -> tuple[np.ndarray, bytes]:
     return syms, image.data(image.elf.get_section(sec["sh_link"]))
 
 
-def _name_at(strtab: bytes, off: int) -> str:
+def name_at(strtab: bytes, off: int) -> str:
     end = strtab.find(b"\0", off)
     return strtab[off:end if end >= 0 else len(strtab)].decode("utf-8", "replace")
 
@@ -168,9 +168,9 @@ def _read_symbols(image: ElfImage, sec: Any) -> SymbolTable:
                       ((typ == STT_NOTYPE) & in_exec)) & (syms["name"] != 0)
     idx = np.flatnonzero(keep)
 
-    names = [_name_at(strtab, off) for off in syms["name"][idx].tolist()]
+    names = [name_at(strtab, off) for off in syms["name"][idx].tolist()]
     file_pos = np.flatnonzero(typ == STT_FILE)
-    file_names = [_name_at(strtab, off) for off in syms["name"][file_pos].tolist()]
+    file_names = [name_at(strtab, off) for off in syms["name"][file_pos].tolist()]
     fi = np.searchsorted(file_pos, idx) - 1
     fi[bind[idx] != STB_LOCAL] = -1
     src_files = [file_names[k] or None if k >= 0 else None for k in fi.tolist()]
