@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from memtrack.capture.parts import Ring
-from memtrack.capture.ringbuf import RingReader
+from memtrack.capture.ringbuf import Records, RingReader
 
 DRAIN_SECONDS = 0.002  # between two drain rounds while records arrive
 IDLE_SECONDS = 0.016  # at most, doubling from DRAIN_SECONDS while none do
@@ -84,7 +84,7 @@ class Source:
             arr = self.reader.read_fixed(self.ring.dtype)
             return arr, len(arr), arr.nbytes
         recs = self.reader.read_records()
-        return recs, len(recs), sum(map(len, recs))
+        return recs, len(recs), recs.nbytes
 
 
 class Backlog:
@@ -262,7 +262,7 @@ class BatchWriter:
             if src.ring.dtype is not None:
                 records: Any = np.concatenate(parts) if len(parts) > 1 else parts[0]
             else:
-                records = [r for chunk in parts for r in chunk]
+                records = Records.concat(parts)
             try:
                 if self.error is None:
                     self.write(src, records)

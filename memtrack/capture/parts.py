@@ -6,13 +6,13 @@ followed by the `sources()` of each enabled part, in the order the parts are giv
 calls each part's `attach`. While the command runs and once more after it exits, the
 session's drain thread reads every ring a part declares in `rings()` (bytes only:
 `memtrack.capture.ringbuf.RingReader`, `read_fixed(dtype) -> numpy array` for rings
-whose records all have one size, `read_records() -> list[memoryview]` for
-variable-size ones) and its writer thread hands what was read, in ring order and
-coalesced into batches, to the part's `write`. A part without `rings()` has its `drain` (read and
-write in one) called from the writer thread instead. At the end `losses` adds the
-part's loss counters to the manifest. A part with an `on_stop(bpf, pid, maps)` method is
-called at every attach stop, while the process is stopped, with its mappings
-(procfs.MapLine).
+whose records all have one size, `read_records() -> Records` (one blob, and arrays
+of where each record lies) for variable-size ones) and its writer thread hands what was
+read, in ring order and coalesced into batches, to the part's `write`. A part without
+`rings()` has its `drain` (read and write in one) called from the writer thread instead.
+At the end `losses` adds the part's loss counters to the manifest. A part with an
+`on_stop(bpf, pid, maps)` method is called at every attach stop, while the process is
+stopped, with its mappings (procfs.MapLine).
 
 Every ring write in BPF calls `mt_backpressure(MT_RING_*)` (common.h) first; `Ring.ring_id`
 is that id, so that the session can put the ring's high watermark in place.

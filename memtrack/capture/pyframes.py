@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -186,7 +187,7 @@ class PyBatches:
     malformed: int
 
 
-def records_to_batches(records: list[Any]) -> PyBatches:
+def records_to_batches(records: Iterable[bytes | memoryview]) -> PyBatches:
     """Ring records as PY_STACKS and PY_CODES batches. One Python step per record: they
     are one per distinct Python chain or code object, not per allocation."""
     st: dict[str, list[Any]] = {k: [] for k in PY_STACKS.names}

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
+from memtrack.capture.ringbuf import Records
 from memtrack.schema import NUM_REGS, STACK_COPIES, STACKS
 from memtrack.schema.stackrecord import (
     FLAG_COPY,
@@ -33,7 +35,7 @@ def _binary(data: np.ndarray, offsets: np.ndarray) -> pa.Array:
     """Words laid end to end as a binary array (offsets in words)."""
     return pa.Array.from_buffers(pa.binary(), offsets.size - 1, [
         None, pa.py_buffer((offsets * 8).astype(np.int32)),
-        pa.py_buffer(np.ascontiguousarray(data, dtype=_U64).tobytes())])
+        pa.py_buffer(np.ascontiguousarray(data, dtype=_U64))])  # no copy: Arrow holds it
 
 
 def skeleton_batch(*, hash: np.ndarray, ts: np.ndarray, pid: np.ndarray, tid: np.ndarray,
@@ -72,16 +74,19 @@ class RingBatches:
     malformed: int  # records that do not parse
 
 
-def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBatches:
+def records_to_batches(records: Records | Sequence[bytes], *, copies: bool = False
+                       ) -> RingBatches:
     """Ring records as a STACKS batch (and a STACK_COPIES batch). Their layout is
     checked, not their hashes: `process` verifies those when it decodes (capture keeps
-    its drain loop short)."""
-    lens = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
-    ok = (lens >= HDR_WORDS * 8) & (lens % 8 == 0)
-    blob = b"".join(r for r, good in zip(records, ok.tolist(), strict=True) if good)
+    its drain loop short). The words are read where the ring put them (`Records`), with
+    no copy per record."""
+    if not isinstance(records, Records):
+        records = Records.of(records)
+    lens = records.lengths
+    ok = (lens >= HDR_WORDS * 8) & (lens % 8 == 0) & (records.starts % 8 == 0)
+    words = np.frombuffer(records.blob, dtype=_U64, count=len(records.blob) // 8)
+    wstart = records.starts[ok] // 8
     lens = lens[ok]
-    words = np.frombuffer(blob, dtype=_U64)
-    wstart = offsets_of(lens // 8)[:-1]
     hdr = words[wstart[:, None] + np.arange(HDR_WORDS)] if lens.size else \
         np.zeros((0, HDR_WORDS), _U64)
     w4 = hdr[:, 4]
@@ -112,40 +117,38 @@ def records_to_batches(records: list[bytes], *, copies: bool = False) -> RingBat
         np.zeros((0, NUM_REGS), _U64)
     reg_kept = (hdr[:, 5][:, None] >> np.arange(NUM_REGS, dtype=np.uint64)) & np.uint64(1)
     regs = regs_raw * reg_kept
-    pay_off = offsets_of(nb + nkept)
-    payload_words = words[ragged(body + NUM_REGS, nb + nkept)]
-    fp_off = offsets_of(nfp)
-    fp_vals = words[ragged(wstart + HDR_WORDS, nfp)]
     cut = (flags & FLAG_CUT) != 0
     pycut = (flags & FLAG_PYTHON_CUT) != 0
-    fix_off = offsets_of(nfix)
-    fix_vals = words[ragged(wstart + HDR_WORDS + nfp, 2 * nfix)].reshape(-1, 2)
     pidtid = hdr[:, 2]
     pid = (pidtid & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     tid = (pidtid >> np.uint64(32)).astype(np.uint32)
 
-    def take(sel: np.ndarray, offs: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lengths = np.diff(offs)[sel]
-        return vals[ragged(offs[:-1][sel], lengths)], offsets_of(lengths)
+    def take(sel: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """The rows `sel`'s runs of words (each from its start in the records), end to
+        end, and their offsets: one gather, straight from the ring's words."""
+        return words[ragged(starts[sel], lengths[sel])], offsets_of(lengths[sel])
+
+    def fixups(sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pairs, offs = take(sel, wstart + HDR_WORDS + nfp, 2 * nfix)
+        return pairs.reshape(-1, 2), offs // 2
 
     s = np.flatnonzero((flags & FLAG_NEW) != 0)
     stacks = skeleton_batch(
         hash=hdr[s, 0], ts=hdr[s, 1], pid=pid[s], tid=tid[s], sp=hdr[s, 3], nwords=n[s],
-        cut=cut[s], regs=regs[s], payload=take(s, pay_off, payload_words),
-        fp=take(s, fp_off, fp_vals), fixups=take(s, fix_off, fix_vals),
-        python_cut=pycut[s])
+        cut=cut[s], regs=regs[s], payload=take(s, body + NUM_REGS, nb + nkept),
+        fp=take(s, wstart + HDR_WORDS, nfp), fixups=fixups(s), python_cut=pycut[s])
     copy_batch = None
     if copies:
         c = np.flatnonzero(has_copy)
-        cstart = body + NUM_REGS + nb + nkept
-        raw = words[ragged(cstart[c], n[c])]
-        fpv, fpo = take(c, fp_off, fp_vals)
+        raw, raw_off = take(c, body + NUM_REGS + nb + nkept, n)
+        fpv, fpo = take(c, wstart + HDR_WORDS, nfp)
         copy_batch = pa.RecordBatch.from_pydict({
             "hash": pa.array(hdr[c, 0]), "pid": pa.array(pid[c]), "tid": pa.array(tid[c]),
             "ts": pa.array(hdr[c, 1]), "sp": pa.array(hdr[c, 3]),
             "copy_len": pa.array((n[c] * 8).astype(np.uint32)), "truncated": pa.array(cut[c]),
             "regs": pa.FixedSizeListArray.from_arrays(pa.array(regs_raw[c].ravel()), NUM_REGS),
-            "stack": _binary(raw, offsets_of(n[c])),
+            "stack": _binary(raw, raw_off),
             "fp_chain": _list(fpv, fpo, pa.uint64()),
             "python_cut": pa.array(pycut[c]),
         }, schema=STACK_COPIES)

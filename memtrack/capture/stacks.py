@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from memtrack.capture.parts import RING_STACKS, CaptureOptions, Ring
 from memtrack.capture.procfs import MapLine
+from memtrack.capture.ringbuf import Records
 from memtrack.capture.stackring import records_to_batches
 from memtrack.capture.tables import percpu_counts
 from memtrack.schema.artifact import ArtifactWriter
@@ -210,7 +211,7 @@ class StacksPart:
             self._reader = RingReader(bpf, RING)
         return self.write(bpf, writer, self.rings()[0], self._reader.read_records())
 
-    def ingest(self, records: list[bytes]) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
+    def ingest(self, records: Records) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         """Parse ring records into a STACKS batch (and a STACK_COPIES batch with
         `stack_copies`); a record that does not parse is dropped and counted."""
         out = records_to_batches(records, copies=self.copies)
