@@ -210,7 +210,7 @@ static __always_inline int mt_py_code_record(struct mt_py_scratch *s, const stru
     if (len > MT_PY_OUT_WORDS * 8)
         len = MT_PY_OUT_WORDS * 8;
     mt_backpressure(MT_RING_PYFRAMES);
-    if (mt_py_ring.ringbuf_output(O, len, 0)) {
+    if (mt_py_ring.ringbuf_output(O, len, BPF_RB_NO_WAKEUP)) {
         mt_py_count(MT_PY_RING_FULL);
         return -1;
     }
@@ -369,7 +369,7 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
     O[3] = native;
     bpf_probe_read_kernel(&O[4], flen, s->frames);
     mt_backpressure(MT_RING_PYFRAMES);
-    if (mt_py_ring.ringbuf_output(O, 32 + flen, 0)) {
+    if (mt_py_ring.ringbuf_output(O, 32 + flen, BPF_RB_NO_WAKEUP)) {
         mt_py_count(MT_PY_RING_FULL);
         return h;
     }

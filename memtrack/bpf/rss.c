@@ -93,7 +93,7 @@ int mt_rss_stat(void *ctx) {
     r->external = external;
     r->_pad = 0;
     r->bytes = size;
-    mt_rss_ring.ringbuf_submit(r, 0);
+    mt_rss_ring.ringbuf_submit(r, BPF_RB_NO_WAKEUP);
     return 0;
 }
 
@@ -124,7 +124,7 @@ static __always_inline int mt_rss_emit(u8 kind, u64 addr, u64 old_addr, u64 size
         return 0;
     }
     mt_fill_event(e, id >> 32, (u32)id, kind, MT_A_SYSCALL, flags, addr, old_addr, size, 0);
-    mt_rss_events.ringbuf_submit(e, 0);
+    mt_rss_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 
@@ -200,7 +200,7 @@ static __always_inline int mt_fault(void *ctx, u32 kernel) {
     f->address = address;
     f->error_code = MT_TP(ctx, MT_OFF_FAULT_ERROR_CODE, u64);
     f->kernel = kernel;
-    mt_faults_ring.ringbuf_submit(f, 0);
+    mt_faults_ring.ringbuf_submit(f, BPF_RB_NO_WAKEUP);
     return 0;
 }
 

@@ -537,7 +537,7 @@ static __always_inline u64 mt_stack_capture(struct pt_regs *ctx, u32 pid, u32 ti
     if (len > 2 * MT_STACK_OUT_WORDS * 8)
         len = 2 * MT_STACK_OUT_WORDS * 8;
     mt_backpressure(MT_RING_STACKS);
-    if (mt_stack_ring.ringbuf_output((void *)O, len, 0)) {
+    if (mt_stack_ring.ringbuf_output((void *)O, len, BPF_RB_NO_WAKEUP)) {
         mt_stack_count(MT_SS_RING_FULL);
         return h;
     }
@@ -628,7 +628,7 @@ static __always_inline u64 mt_stack_pycut(struct pt_regs *ctx, u32 pid, u32 tid,
     if (len > 2 * MT_STACK_OUT_WORDS * 8)
         len = 2 * MT_STACK_OUT_WORDS * 8;
     mt_backpressure(MT_RING_STACKS);
-    if (mt_stack_ring.ringbuf_output((void *)O, len, 0)) {
+    if (mt_stack_ring.ringbuf_output((void *)O, len, BPF_RB_NO_WAKEUP)) {
         mt_stack_count(MT_SS_RING_FULL);
         return h;
     }
