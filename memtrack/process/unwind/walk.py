@@ -137,7 +137,7 @@ class Walk:
         self.norm = normalizer
         self.snap = normalizer.snapshot_of(self.pid, ts)
         self.tables = tables  # module index -> its unwind table (None: no file to read)
-        self.extract = extract  # ensures rows[m] for the module indices given
+        self.extract = extract  # ensures tables[m] for the module indices given
         self.max_depth = max_depth
         self.counters: dict[str, int] = {"unwind_stacks": n, "unwind_expr_rows": 0,
                                          "unwind_sigreturn_by_code": 0,
@@ -216,8 +216,8 @@ class Walk:
             active, mod, lookup = active[known], norm.module[known], lookup[known]
             nxt_method, nxt_minus1 = self._step(active, mod, lookup, depth)
             # A signal trampoline is not called: the handler returns to its first
-            # instruction. Its CFI is found at pc - 1 (glibc starts the FDE a byte early),
-            # but it is named at pc.
+            # instruction. Its row is found at pc - 1 (glibc starts the FDE a byte early,
+            # a SIGRETURN row likewise), but it is named at pc.
             tramp = ~nxt_minus1 & minus1[active] & (lookup >= 0)
             self.f_lookup[-1][stepped[tramp]] += 1
             method[active] = nxt_method
