@@ -42,6 +42,7 @@ from memtrack.dwarf.cfi import (  # noqa: E402
     T_RBP,
     TRACKED,
     CFITable,
+    Kind,
     Rule,
     build_table,
 )
@@ -96,7 +97,7 @@ def read_module(path: str, base: int, rng: np.random.Generator, pool: int
             s.vaddr, s.memsz, s.offset, s.executable, strict=True)]
     t = build_table(path)
     nxt = np.append(t.pc[1:], t.pc[-1])
-    simple = ((t.cfa_reg == RSP) & (t.flags == 0) & (t.extra < 0)
+    simple = ((t.cfa_reg == RSP) & (t.kind == Kind.CFI) & (t.extra < 0)
               & (t.rule[:, T_RA] == Rule.OFFSET) & (t.off[:, T_RA] == -8)
               & (t.cfa_off >= 16) & (t.cfa_off <= 1024) & (nxt - t.pc >= 2)
               & np.isin(t.rule[:, T_RBP], (Rule.SAME, Rule.OFFSET)))

@@ -15,11 +15,11 @@ from memtrack.addrspace.modules import Module, ModuleStore
 from memtrack.dwarf.cfi import (
     CFA_EXPR,
     CFA_NONE,
-    COMPLEX,
-    SIGNAL,
     T_RA,
     T_RBP,
     TRACKED,
+    CFITable,
+    Kind,
     Rule,
     _fdes,
     build_table,
@@ -140,7 +140,7 @@ def test_signal_trampoline_is_a_complex_signal_row() -> None:
     addr = int(mod.file_offset_to_vaddr(np.array([off], dtype=np.uint64))[0])
     i = int(table.lookup(np.array([addr], dtype=np.uint64))[0])
     assert i >= 0
-    assert table.flags[i] & SIGNAL and table.flags[i] & COMPLEX
+    assert table.kind[i] == Kind.SIGNAL and table.extra[i] >= 0
     # glibc starts the FDE one byte early so that a pc-1 lookup finds it too.
     assert int(table.lookup(np.array([addr - 1], dtype=np.uint64))[0]) == i
     full = table.row(i)
@@ -190,20 +190,47 @@ def test_cache_round_trip(tmp_path: Path) -> None:
     from memtrack.process.unwind import tables
 
     libc = LIBS["libc"]
-    a = build_table(libc)
     mod = Module("cafe" * 5, str(libc), libc)
     first = tables.extract(mod, cache=tmp_path)
     files = list(tmp_path.iterdir())
     assert len(files) == 1
     tables._memo.clear()
     again = tables.extract(mod, cache=tmp_path)
-    b = again.cfi
-    for col in ("pc", "cfa_reg", "cfa_off", "rule", "off", "flags", "extra"):
-        assert np.array_equal(getattr(a, col), getattr(b, col)), col
-    assert b.complex_rules == a.complex_rules
-    assert b.rule.shape == (len(b), len(TRACKED))
-    assert np.array_equal(again.signal_pcs, first.signal_pcs)
+    for col in ("pc", "cfa_reg", "cfa_off", "rule", "off", "kind", "extra"):
+        assert np.array_equal(getattr(first, col), getattr(again, col)), col
+    assert again.complex_rules == first.complex_rules
+    assert again.rule.shape == (len(again), len(TRACKED))
+    # libc's one rt_sigreturn sequence is __restore_rt, which its CFI covers, and CFI
+    # covers its entry point: its unwind table is its CFI table
+    a = build_table(libc)
+    for col in ("pc", "kind", "extra"):
+        assert np.array_equal(getattr(a, col), getattr(again, col)), col
     tables._memo.clear()
+
+
+def test_module_table_places_rows_for_their_lookup_address() -> None:
+    """SIGRETURN rows cover S - 1 (a return address S) where no CFI does or its row ends
+    at S, and S (an exact pc) where no CFI does; ENTRY rows their range; FP the rest."""
+    from memtrack.process.unwind.tables import SIGRETURN_RULES, module_table
+
+    k = len(TRACKED)
+    cfi = CFITable(np.array([0x100, 0x108, 0x110], np.uint64),
+                   np.array([7, 7, CFA_NONE], np.int8), np.array([8, 16, 0], np.int64),
+                   np.ones((3, k), np.int8), np.full((3, k), -8, np.int64),
+                   np.array([Kind.CFI, Kind.CFI, Kind.FP], np.uint8),
+                   np.full(3, -1, np.int32), [], [])
+    t = module_table(cfi, np.array([0x104, 0x110, 0x200], np.uint64),
+                     np.array([0x180, 0x1F0], np.uint64))
+    keys = {0xFF: Kind.FP, 0x103: Kind.CFI, 0x104: Kind.CFI, 0x10E: Kind.CFI,
+            0x10F: Kind.SIGRETURN, 0x110: Kind.SIGRETURN, 0x111: Kind.FP,
+            0x17F: Kind.FP, 0x180: Kind.ENTRY, 0x1EF: Kind.ENTRY, 0x1F0: Kind.FP,
+            0x1FE: Kind.FP, 0x1FF: Kind.SIGRETURN, 0x200: Kind.SIGRETURN, 0x201: Kind.FP}
+    rows = t.lookup(np.array(list(keys), np.uint64))
+    got = np.where(rows >= 0, t.kind[np.maximum(rows, 0)], Kind.FP)
+    assert [hex(a) for a, want, kind in zip(keys, keys.values(), got.tolist(), strict=True)
+            if kind != want] == []
+    assert t.row(int(rows[list(keys).index(0x10F)])) == SIGRETURN_RULES
+    assert int(t.cfa_off[rows[list(keys).index(0x10E)]]) == 16  # the row before resumes
 
 
 def test_bad_input_is_reported_not_raised(tmp_path: Path) -> None:

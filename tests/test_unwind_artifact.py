@@ -4,6 +4,7 @@ their modules copied in, read back through decode, and the `memtrack unwind` com
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ from support.stackrecords import ring_record
 from memtrack.addrspace.modules import ModuleStore
 from memtrack.capture.stackring import records_to_batches
 from memtrack.process.decode import decode
+from memtrack.process.read import LIFECYCLE_TABLES, ROW_RULES
 from memtrack.process.unwind import unwind
+from memtrack.schema import table_file
 from memtrack.schema.artifact import Artifact, ArtifactWriter
 
 
@@ -85,6 +88,25 @@ def test_unwind_command(artifact: tuple[Path, list[int]]) -> None:
         "_start"]
     assert all(f[-1].startswith("[") for f in frames)
     assert run_cli(str(path), "--record", str(hashes[1])).stdout == out.stdout  # decimal
+
+
+def test_unwind_command_reads_what_the_lifecycle_needs(artifact: tuple[Path, list[int]],
+                                                       tmp_path: Path) -> None:
+    """`memtrack unwind` reads the events and the lifecycle's tables, no other: with
+    every other table not Arrow at all, its output is the same."""
+    path, hashes = artifact
+    copy = tmp_path / "junk.memtrack"
+    shutil.copytree(path, copy)
+    others = set(ROW_RULES) - {"events", "stacks", *LIFECYCLE_TABLES}
+    assert others >= {"rss", "faults", "py_stacks", "py_codes", "stops"}
+    for name in others:
+        (copy / table_file(name)).write_bytes(b"not arrow")
+    out = run_cli(str(copy), "--record", f"{hashes[1]:#x}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == run_cli(str(path), "--record", f"{hashes[1]:#x}").stdout
+    (copy / table_file("processes")).write_bytes(b"not arrow")
+    bad = run_cli(str(copy), "--record", f"{hashes[1]:#x}")
+    assert bad.returncode == 2 and "processes.arrow" in bad.stderr
 
 
 def test_unwind_command_errors(artifact: tuple[Path, list[int]], tmp_path: Path) -> None:

@@ -11,10 +11,15 @@ sections). The result is one row per change point, sorted by ELF virtual address
   or `CFA_EXPR` when a `DW_CFA_def_cfa_expression` computes it.
 - `rule`, `off` (shape rows × len(TRACKED)): how rip (the return address) and the
   callee-saved registers rbx, rbp, r12..r15 of the caller are found (`Rule`).
-- `flags`: `SIGNAL` for FDEs of an 'S' CIE (a signal trampoline: the next frame's pc is
-  not a return address), `COMPLEX` where a rule needs `complex_rules` (an expression,
-  another register) and so the unwinder's rare path.
-- `complex_rules[extra[i]]`: the full rule set of a complex row, expressions as bytes.
+- `kind` (`Kind`): how the unwinder steps out of a frame whose lookup address is in the
+  row: `FP` for the gaps (no CFI: the frame-pointer rule), `CFI` for "CFA = rsp|rbp + k,
+  registers at CFA + k", `EXPR` where a rule needs `complex_rules` (an expression,
+  another register), `SIGNAL` for FDEs of an 'S' CIE (a signal trampoline, whose rules
+  restore every register from the kernel's signal frame: the next frame's pc is not a
+  return address). The unwinder's table of a module adds `SIGRETURN` and `ENTRY` rows
+  (memtrack.process.unwind.tables).
+- `complex_rules[extra[i]]`: the full rule set of an `EXPR`, `SIGNAL` or `SIGRETURN` row,
+  expressions as bytes.
 
 `CFITable.arrays` / `CFITable.from_arrays` turn a table into flat arrays and back (the
 unwinder caches them per build id, memtrack.process.unwind.tables).
@@ -44,8 +49,21 @@ T_RBP = TRACKED.index(RBP)
 CFA_NONE = -2  # no FDE covers this address
 CFA_EXPR = -1  # CFA = value of a DWARF expression
 
-SIGNAL = 1
-COMPLEX = 2
+
+
+class Kind(enum.IntEnum):
+    """The kinds of rows of an unwind table (`CFITable.kind`)."""
+
+    FP = 0  # no CFI covers the address: the frame-pointer rule
+    CFI = 1  # CFA = rsp|rbp + k, registers at CFA + k (the row's columns)
+    EXPR = 2  # a rule needs complex_rules: an expression, another register
+    SIGNAL = 3  # an 'S' FDE's row: complex_rules over the signal frame; the next pc is exact
+    SIGRETURN = 4  # the kernel's rt_sigreturn code without CFI: the same, from its layout
+    ENTRY = 5  # a module's entry code without CFI: the first thread's outermost frame
+
+
+# The kinds whose rules are complex_rules[extra] (the unwinder's rare path).
+RARE = (Kind.EXPR, Kind.SIGNAL, Kind.SIGRETURN)
 
 
 class Rule(enum.IntEnum):
@@ -69,7 +87,7 @@ class CFITable:
     cfa_off: np.ndarray  # int64
     rule: np.ndarray  # int8, rows × len(TRACKED)
     off: np.ndarray  # int64, rows × len(TRACKED)
-    flags: np.ndarray  # uint8
+    kind: np.ndarray  # uint8 (Kind)
     extra: np.ndarray  # int32 index into complex_rules, -1 if none
     complex_rules: list[dict[str, Any]]
     problems: list[str]
@@ -78,27 +96,27 @@ class CFITable:
         return len(self.pc)
 
     def lookup(self, vaddrs: np.ndarray) -> np.ndarray:
-        """Row index of each address (int64), -1 where no CFI covers it."""
+        """Row index of each address (int64), -1 where no row but an `FP` one holds it."""
         v = np.asarray(vaddrs, dtype=np.uint64)
         if not len(self.pc):  # a module without CFI (or whose CFI did not read)
             return np.full(len(v), -1, np.int64)
         i = np.searchsorted(self.pc, v, side="right").astype(np.int64) - 1
         ok = i >= 0
-        i[ok & (self.cfa_reg[np.maximum(i, 0)] == CFA_NONE)] = -1
+        i[ok & (self.kind[np.maximum(i, 0)] == Kind.FP)] = -1
         i[~ok] = -1
         return i
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The table as named flat arrays (complex rules and problems as JSON strings)."""
         return {"pc": self.pc, "cfa_reg": self.cfa_reg, "cfa_off": self.cfa_off,
-                "rule": self.rule, "off": self.off, "flags": self.flags, "extra": self.extra,
+                "rule": self.rule, "off": self.off, "kind": self.kind, "extra": self.extra,
                 "complex": np.array(_encode_complex(self.complex_rules)),
                 "problems": np.array(json.dumps(self.problems))}
 
     @classmethod
     def from_arrays(cls, z: Any) -> CFITable:
         """The table `arrays` gave (any mapping of those names, an npz file too)."""
-        return cls(z["pc"], z["cfa_reg"], z["cfa_off"], z["rule"], z["off"], z["flags"],
+        return cls(z["pc"], z["cfa_reg"], z["cfa_off"], z["rule"], z["off"], z["kind"],
                    z["extra"], _decode_complex(json.loads(str(z["complex"]))),
                    json.loads(str(z["problems"])))
 
@@ -394,7 +412,7 @@ def _encode(fdes: list[tuple[int, int, bool, list[Any]]], problems: list[str]) -
     coffs: list[int] = []
     rules: list[list[int]] = []
     offs: list[list[int]] = []
-    flags: list[int] = []
+    kinds: list[int] = []
     extra: list[int] = []
     complex_rules: list[dict[str, Any]] = []
     none_rule = [int(Rule.SAME)] * len(TRACKED)
@@ -406,7 +424,7 @@ def _encode(fdes: list[tuple[int, int, bool, list[Any]]], problems: list[str]) -
         coffs.append(0)
         rules.append(none_rule)
         offs.append(zero)
-        flags.append(0)
+        kinds.append(Kind.FP)
         extra.append(-1)
 
     covered_to = 0
@@ -416,7 +434,7 @@ def _encode(fdes: list[tuple[int, int, bool, list[Any]]], problems: list[str]) -
         if pcs and start > covered_to:
             gap(covered_to)
         if pcs and pcs[-1] == start and cregs[-1] == CFA_NONE:
-            for col in (pcs, cregs, coffs, rules, offs, flags, extra):
+            for col in (pcs, cregs, coffs, rules, offs, kinds, extra):
                 col.pop()
         for loc, cfa, regs in rows:
             if loc >= end:
@@ -432,10 +450,9 @@ def _encode(fdes: list[tuple[int, int, bool, list[Any]]], problems: list[str]) -
                     arg = 0
                 r_row.append(int(kind))
                 o_row.append(int(arg))
-            fl = SIGNAL if signal else 0
+            kind = Kind.SIGNAL if signal else Kind.EXPR if is_complex else Kind.CFI
             ex = -1
-            if is_complex or signal:  # a signal frame restores every register
-                fl |= COMPLEX
+            if kind != Kind.CFI:  # a signal frame restores every register
                 ex = len(complex_rules)
                 complex_rules.append({
                     "cfa": ["expr", cfa[1].hex()] if cfa[0] == "expr" else list(cfa),
@@ -443,14 +460,14 @@ def _encode(fdes: list[tuple[int, int, bool, list[Any]]], problems: list[str]) -
                              for r, (k, a) in regs.items()},
                 })
             if pcs and pcs[-1] == loc:
-                for col in (pcs, cregs, coffs, rules, offs, flags, extra):
+                for col in (pcs, cregs, coffs, rules, offs, kinds, extra):
                     col.pop()
             pcs.append(loc)
             cregs.append(cfa[1] if cfa[0] == "reg" else CFA_EXPR)
             coffs.append(cfa[2] if cfa[0] == "reg" else 0)
             rules.append(r_row)
             offs.append(o_row)
-            flags.append(fl)
+            kinds.append(kind)
             extra.append(ex)
         covered_to = end
     if pcs:
@@ -462,7 +479,7 @@ def _encode(fdes: list[tuple[int, int, bool, list[Any]]], problems: list[str]) -
         cfa_off=np.array(coffs, dtype=np.int64),
         rule=np.array(rules, dtype=np.int8).reshape(-1, k),
         off=np.array(offs, dtype=np.int64).reshape(-1, k),
-        flags=np.array(flags, dtype=np.uint8),
+        kind=np.array(kinds, dtype=np.uint8),
         extra=np.array(extra, dtype=np.int32),
         complex_rules=_decode_complex(complex_rules),
         problems=problems,

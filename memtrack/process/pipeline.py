@@ -38,7 +38,7 @@ from memtrack.process.pair import pair_spilled
 from memtrack.process.parallel import default_jobs, unwind_records
 from memtrack.process.progress import Advance, ProgressSink, TerminalProgress
 from memtrack.process.pyframes import merge as merge_python
-from memtrack.process.read import read_artifact, spilled_events
+from memtrack.process.read import LIFECYCLE_TABLES, read_artifact, spilled_events
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
 from memtrack.process.spill import EventSpill, OtherEvents, buckets_for
@@ -396,8 +396,9 @@ def symbolize_locations(store: ModuleStore, known: pa.Table, cache_dir: Path | N
 def artifact_mappings(art: Artifact, pids: np.ndarray) -> pa.Table:
     """An artifact's snapshots and the inherited ones of its forked children among
     `pids`, from the lifecycle stage as `process` runs it (`memtrack unwind` on one
-    record)."""
+    record): read reads the events into a sink that keeps the lifecycle's (and each
+    pid's first time), and of the other tables the lifecycle's alone."""
     sink = OtherEvents()
-    tables = read_artifact(art, sink)
+    tables = read_artifact(art, sink, only=LIFECYCLE_TABLES)
     lifecycle = of_artifact(tables, art.manifest, sink.first_seen)
     return inherited_mappings(tables.mappings, lifecycle.forks, pids)

@@ -17,7 +17,7 @@ from memtrack.process.decode import StackRecords
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import EventSpill, OutOfOrder
 from memtrack.process.streams import as_pieces
-from memtrack.schema import EVENTS, table_file
+from memtrack.schema import EVENTS, TABLES, table_file
 from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError, TableRead
 from memtrack.schema.ddl import connect
 from memtrack.schema.enums import Allocator, EventKind, RssMember, StopReason
@@ -194,18 +194,29 @@ class EventSink(Protocol):
     def close(self) -> None: ...
 
 
+# What the lifecycle stage reads besides the events (`memtrack unwind` reads no more).
+LIFECYCLE_TABLES = ("processes", "mappings")
+
+
 def read_artifact(art: Artifact, spill: EventSink | None = None,
                   con: duckdb.DuckDBPyConnection | None = None,
-                  progress: Advance = no_progress) -> ArtifactTables:
-    """Every file of `art` (events required, the others empty where missing). With a
-    spill, the events go to it a batch at a time (an EventSpill's in time order: sorted
-    by DuckDB in `con` first when they are not), `progress` told the bytes of the events
-    file read after each piece, and `events` keeps the other kinds only."""
+                  progress: Advance = no_progress,
+                  only: tuple[str, ...] | None = None) -> ArtifactTables:
+    """Every file of `art` (events required, the others empty where missing), or the
+    events and the tables named in `only` (the others read as empty). With a spill, the
+    events go to it a batch at a time (an EventSpill's in time order: sorted by DuckDB
+    in `con`, or a connection of its own, first when they are not), `progress` told the
+    bytes of the events file read after each piece, and `events` keeps the other kinds
+    only."""
     bad_rows: dict[str, int] = {}
     out: dict[str, pa.Table] = {}
     for name in ROW_RULES:
-        if name not in ("events", "stacks"):
+        if name in ("events", "stacks"):
+            continue
+        if only is None or name in only:
             out[name], bad_rows[name] = checked(name, art.read(name, required=False).table)
+        else:
+            out[name] = TABLES[name].empty_table()
     stacks = StackRecords(lambda: _checked_batches(art, "stacks", bad_rows),
                           art.path / table_file("stacks"))
     out["mappings"], bad_rows["mappings_build_id"] = _mapping_build_ids(out["mappings"])
@@ -213,7 +224,7 @@ def read_artifact(art: Artifact, spill: EventSink | None = None,
     if spill is None:
         events = sort_events(pa.Table.from_batches(list(_valid(art, counts)), schema=EVENTS))
     else:
-        _spill(art, spill, con or connect(), counts, progress)
+        _spill(art, spill, con, counts, progress)
         events = spill.other_events()
     bad_rows["events"], bad = counts["bad_rows"], counts["bad_kind"]
     return ArtifactTables(
@@ -260,7 +271,7 @@ def _valid(art: Artifact, counts: dict[str, int], into: TableRead | None = None
             yield from t.to_batches()
 
 
-def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
+def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection | None,
            counts: dict[str, int], progress: Advance) -> None:
     """The artifact's valid events into `spill`, `counts` of the rows left out. Events in
     time order (as capture writes them) are not staged: `spilled_events` reads them
@@ -294,6 +305,7 @@ def _spill(art: Artifact, spill: EventSink, con: duckdb.DuckDBPyConnection,
         assert isinstance(spill, EventSpill)  # the one that wants them in order
         spill.reset()
         spill.stage_events = True
+        con = con or connect()
         # stable: a thread's own order is kept among equal times (seq: the file's order)
         con.register("read_empty", EVENTS.empty_table())
         con.execute("CREATE OR REPLACE TEMP TABLE read_unsorted AS "

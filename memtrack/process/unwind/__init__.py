@@ -1,10 +1,11 @@
 """The unwind stage: decoded stack records -> stacks and their physical frames.
 
 Per process, an address space of mapped modules (memtrack.addrspace.normalize) with
-compact CFI rows extracted from each module once (memtrack.process.unwind.tables), a
-small DWARF expression evaluator for the rare rows that need one, pc - 1 lookups for
-every frame but the first and the one after a signal frame, the frame-pointer fallback
-where CFI is missing, and a per-frame record of which method produced it
+one unwind table built per module once (memtrack.process.unwind.tables: its CFI,
+frame-pointer, signal-return and entry-code rows), a small DWARF expression evaluator
+for the rare rows that need one, pc - 1 lookups for every frame but the first and the
+one after a signal frame, the frame-pointer fallback where CFI is missing (frame 0 from
+its prologue rows), and a per-frame record of which method produced it
 (memtrack.process.unwind.walk). Each distinct stack hash is unwound once: the first
 record of it (`first_records`); the same bytes recorded again, by a forked child or
 after the in-kernel dedupe forgot them, unwind the same.
@@ -20,7 +21,8 @@ import pyarrow as pa
 
 from memtrack.addrspace.modules import ModuleStore
 from memtrack.addrspace.normalize import Normalizer
-from memtrack.process.unwind.tables import ModuleRows, extract
+from memtrack.dwarf.cfi import CFITable
+from memtrack.process.unwind.tables import extract
 from memtrack.process.unwind.walk import METHODS, STOPS, Walk
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 
@@ -69,7 +71,7 @@ MAX_DEPTH = 512  # frames a stack is walked to at most (stop max-depth beyond)
 
 class Unwinder:
     """Unwinds batches of decoded stack records against one artifact's mappings: each
-    stack hash once, in the first batch that holds it, and the module rows extracted
+    stack hash once, in the first batch that holds it, and the module tables built
     for one batch serve the next (`memtrack process` goes run by run)."""
 
     def __init__(self, mappings: pa.Table, store: ModuleStore, max_depth: int = MAX_DEPTH,
@@ -77,22 +79,22 @@ class Unwinder:
         self.normalizer = Normalizer(mappings, store)
         self.max_depth = max_depth
         self.cache_dir = cache_dir / "cfi" if cache_dir is not None else None
-        self.rows: dict[int, ModuleRows | None] = {}
+        self.tables: dict[int, CFITable | None] = {}
         self.seen = np.zeros(0, np.uint64)  # sorted stack hashes unwound so far
 
     def _extract(self, modules: np.ndarray) -> None:
-        """Module rows for the module indices not extracted yet (reads their files)."""
+        """The unwind tables of the module indices not built yet (reads their files)."""
         for m in np.unique(modules[modules >= 0]).tolist():
-            if m not in self.rows:
+            if m not in self.tables:
                 mod = self.normalizer.modules[m]
-                self.rows[m] = extract(mod, self.cache_dir) if mod is not None else None
+                self.tables[m] = extract(mod, self.cache_dir) if mod is not None else None
 
     @property
     def problems(self) -> list[str]:
         out = list(self.normalizer.problems)
-        for r in self.rows.values():
-            if r is not None:
-                out.extend(p for p in r.cfi.problems if p not in out)
+        for t in self.tables.values():
+            if t is not None:
+                out.extend(p for p in t.problems if p not in out)
         return out
 
     def unwind(self, records: pa.Table) -> UnwoundStacks:
@@ -102,7 +104,7 @@ class Unwinder:
         if records.num_rows == 0:
             return UnwoundStacks(UNWOUND_STACKS.empty_table(),
                                  UNWOUND_STACK_FRAMES.empty_table(), {}, self.problems)
-        walk = Walk(records, self.normalizer, self.rows, self._extract, self.max_depth)
+        walk = Walk(records, self.normalizer, self.tables, self._extract, self.max_depth)
         walk.run()
         stacks, frames = walk.result()
         return UnwoundStacks(stacks, frames, walk.counters, self.problems)

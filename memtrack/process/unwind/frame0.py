@@ -5,6 +5,11 @@ straight-line code from the function's start to it.
 Only frame 0 needs this (its pc is the exact instruction the probe interrupted; every
 other frame is at a return address). Its rows are extracted up front, one per stack,
 before the walk starts: disassembly (capstone) happens here, never in a step.
+
+They are not rows of the module's unwind table (memtrack.process.unwind.tables): each
+holds at one exact pc only, is found by disassembling the code up to that pc, and is
+needed only where a stack starts in an FP row; the table is built once per module from
+its files, before any stack is known. The walk uses them for frame 0 in an FP row.
 """
 
 from __future__ import annotations

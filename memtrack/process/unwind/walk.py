@@ -1,17 +1,17 @@
 """The lockstep walk: all stacks of a batch advance together, one frame depth at a time,
 with numpy. The registers of every live stack are one (n, 17) array; each step looks
-the CFI row of every pc up per module with one searchsorted and reads the saved
-registers out of the stack copies with one gather. Rows that need more than "CFA =
-rsp|rbp + k, registers at CFA + k" (DWARF expressions: PLT entries, signal trampolines;
-a CFA on another register) take a per-stack path through the DWARF expression
-evaluator. Where no CFI covers a pc the step follows the frame pointer, except at a
-signal-return sequence (a trampoline without CFI) and, for frame 0, where the
-prologue/epilogue row says rbp is not the frame yet or any more; where the copied
-bytes end, the kernel's frame-pointer chain continues the stack.
+the row of every frame up in its module's unwind table (memtrack.process.unwind.tables:
+CFI, frame-pointer, signal-return and entry-code rows, at pc or pc - 1 as its docstring
+says) with one searchsorted per module and reads the saved registers out of the stack
+copies with one gather. Rows that need more than "CFA = rsp|rbp + k, registers at CFA +
+k" (DWARF expressions: PLT entries, signal trampolines; a CFA on another register) take a
+per-stack path through the DWARF expression evaluator. An `FP` row follows the frame
+pointer, except for frame 0 where the prologue/epilogue row says rbp is not the frame
+yet or any more; where the copied bytes end, the kernel's frame-pointer chain continues
+the stack.
 
-A step is a lookup and a gather: the module rows it reads (memtrack.process.unwind.
-tables) are extracted when a depth first lands in a module, the frame-0 rows
-(memtrack.process.unwind.frame0) before the walk starts.
+A step is a lookup and a gather: the tables it reads are built when a depth first lands
+in a module, the frame-0 rows (memtrack.process.unwind.frame0) before the walk starts.
 
 Stop rules (memtrack.schema.enums.Stop): RA undefined (`_start`, thread start: the
 stack is complete), a frame in a module's entry code that no CFI covers (ld.so's
@@ -32,19 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.addrspace.normalize import Normalized, Normalizer
-from memtrack.dwarf.cfi import (
-    COMPLEX,
-    RBP,
-    RIP,
-    RSP,
-    SIGNAL,
-    TRACKED,
-    CFITable,
-    Rule,
-)
+from memtrack.dwarf.cfi import RARE, RBP, RIP, RSP, TRACKED, CFITable, Kind, Rule
 from memtrack.dwarf.expr import DwarfExprError, evaluate
 from memtrack.process.unwind.frame0 import frame0_rows
-from memtrack.process.unwind.tables import ModuleRows
 from memtrack.schema import NUM_REGS
 from memtrack.schema.enums import Method, Stop, Unresolved, names
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
@@ -57,27 +47,6 @@ S_NONE, S_COMPLETE, S_TRUNCATED, S_NO_MAPPING, S_NO_ADVANCE, S_NO_RULE, S_BAD_RE
     S_BAD_ADDR, S_BAD_EXPR, S_MAX_DEPTH, S_NULL, S_PYTHON = Stop
 
 CALLER_SAVED = (0, 1, 2, 4, 5, 8, 9, 10, 11)
-# rt_sigframe: uc_mcontext starts 40 bytes above the sp __restore_rt runs with; its
-# register array is r8..r15, rdi, rsi, rbp, rbx, rdx, rax, rcx, rsp, rip.
-_SIGCTX = {8: 0, 9: 1, 10: 2, 11: 3, 12: 4, 13: 5, 14: 6, 15: 7, 5: 8, 4: 9, 6: 10, 3: 11,
-           1: 12, 0: 13, 2: 14, 7: 15, 16: 16}
-
-
-def _sleb(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if (v == 0 and not b & 0x40) or (v == -1 and b & 0x40):
-            return bytes(out + bytes([b]))
-        out.append(b | 0x80)
-
-
-SIGRETURN_RULES: dict[str, Any] = {
-    "cfa": ["expr", bytes([0x77]) + _sleb(40 + 8 * 15) + bytes([0x06])],
-    "regs": {r: [int(Rule.EXPRESSION), bytes([0x77]) + _sleb(40 + 8 * i)]
-             for r, i in _SIGCTX.items()},
-}
 
 _SAME, _OFFSET, _UNDEFINED, _VAL_OFFSET = (int(Rule.SAME), int(Rule.OFFSET),
                                           int(Rule.UNDEFINED), int(Rule.VAL_OFFSET))
@@ -147,7 +116,7 @@ class Walk:
     `run` and turned into the unwind stage's tables by `result`."""
 
     def __init__(self, records: pa.Table, normalizer: Normalizer,
-                 rows: dict[int, ModuleRows | None], extract: Any, max_depth: int) -> None:
+                 tables: dict[int, CFITable | None], extract: Any, max_depth: int) -> None:
         self.n = n = records.num_rows
         self.hash = records.column("stack_hash").to_numpy().astype(np.uint64)
         self.pid = records.column("pid").to_numpy().astype(np.uint32)
@@ -167,8 +136,8 @@ class Walk:
         self.mem = Memory(records)
         self.norm = normalizer
         self.snap = normalizer.snapshot_of(self.pid, ts)
-        self.rows = rows  # module index -> its rows (None: no CFI usable)
-        self.extract = extract  # ensures rows[m] for the module indices given
+        self.tables = tables  # module index -> its unwind table (None: no file to read)
+        self.extract = extract  # ensures tables[m] for the module indices given
         self.max_depth = max_depth
         self.counters: dict[str, int] = {"unwind_stacks": n, "unwind_expr_rows": 0,
                                          "unwind_sigreturn_by_code": 0,
@@ -192,25 +161,26 @@ class Walk:
         after a signal frame); -1 where normalization failed."""
         return np.where(norm.vaddr >= 0, norm.vaddr - minus1.astype(np.int64), -1)
 
+    def _rows(self, mod: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, kind) of each lookup address in its module's table: row -1 and kind FP
+        where no row but an FP one holds it (a module without a table, a failed
+        normalization: key -1)."""
+        row = np.full(len(mod), -1, dtype=np.int64)
+        kind = np.full(len(mod), Kind.FP, dtype=np.uint8)
+        for m in np.unique(mod[mod >= 0]).tolist():
+            t = self.tables.get(m)
+            if t is None:
+                continue
+            sel = np.flatnonzero((mod == m) & (key >= 0))
+            row[sel] = r = t.lookup(key[sel].astype(np.uint64))
+            kind[sel] = np.where(r >= 0, t.kind[np.maximum(r, 0)], Kind.FP)
+        return row, kind
+
     def _prepare_frame0(self, norm: Normalized) -> None:
-        """Frame-0 rows for the stacks whose first pc no CFI row covers."""
+        """Frame-0 rows for the stacks whose first pc has an FP row."""
         self.extract(norm.module)
-        uncovered = np.zeros(self.n, dtype=bool)
-        for m in np.unique(norm.module[norm.module >= 0]).tolist():
-            r = self.rows.get(m)
-            sel = np.flatnonzero((norm.module == m) & (norm.vaddr >= 0))
-            if r is None or len(r.cfi) == 0:
-                uncovered[sel] = True
-            else:
-                uncovered[sel] = r.cfi.lookup(norm.vaddr[sel].astype(np.uint64)) < 0
-        sel = np.flatnonzero(uncovered)
-        signal = np.zeros(len(sel), dtype=bool)
-        for m in np.unique(norm.module[sel]).tolist():
-            r = self.rows.get(m)
-            if r is not None:
-                here = norm.module[sel] == m
-                signal[here] = r.is_signal(norm.vaddr[sel][here])
-        sel = sel[~signal]
+        sel = np.flatnonzero((self._rows(norm.module, norm.vaddr)[1] == Kind.FP)
+                             & (norm.module >= 0) & (norm.vaddr >= 0))
         got = frame0_rows(self.norm.modules, norm.module[sel], norm.vaddr[sel])
         self.frame0 = {int(sel[j]): rule for j, rule in got.items()}
 
@@ -243,13 +213,11 @@ class Walk:
             known = norm.mapped
             self.stop[active[~known]] = S_NO_MAPPING
             stepped = np.flatnonzero(known)
-            active, mod, lookup, vaddr = (active[known], norm.module[known], lookup[known],
-                                          norm.vaddr[known])
-            nxt_method, nxt_minus1 = self._step(active, mod, lookup, vaddr, depth,
-                                                minus1[active])
+            active, mod, lookup = active[known], norm.module[known], lookup[known]
+            nxt_method, nxt_minus1 = self._step(active, mod, lookup, depth)
             # A signal trampoline is not called: the handler returns to its first
-            # instruction. Its CFI is found at pc - 1 (glibc starts the FDE a byte early),
-            # but it is named at pc.
+            # instruction. Its row is found at pc - 1 (glibc starts the FDE a byte early,
+            # a SIGRETURN row likewise), but it is named at pc.
             tramp = ~nxt_minus1 & minus1[active] & (lookup >= 0)
             self.f_lookup[-1][stepped[tramp]] += 1
             method[active] = nxt_method
@@ -273,57 +241,33 @@ class Walk:
         self.nframes[idx] = depth + 1
         self.last_addr[idx] = addr
 
-    def _step(self, idx: np.ndarray, mod: np.ndarray, lookup: np.ndarray, vaddr: np.ndarray,
-              depth: int, was_minus1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Advance each stack by one frame; return (method, pc-1 lookup) of the next."""
+    def _step(self, idx: np.ndarray, mod: np.ndarray, lookup: np.ndarray, depth: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Advance each stack by one frame, by the row of its lookup address; return
+        (method, pc-1 lookup) of the next."""
         n = len(idx)
-        edge = np.zeros(n, dtype=bool)
-        crow = np.full(n, -1, dtype=np.int64)
+        crow, kind = self._rows(mod, lookup)
         cfa_reg = np.full(n, RBP, dtype=np.int64)
         cfa_off = np.full(n, 16, dtype=np.int64)
         rule = np.tile(_FP_RULE, (n, 1))
         off = np.tile(_FP_OFF, (n, 1))
-        flags = np.zeros(n, dtype=np.uint8)
-        signal = np.zeros(n, dtype=bool)
-        entry = np.zeros(n, dtype=bool)
-        tables: list[CFITable | None] = [None] * n
-        for m in np.unique(mod[mod >= 0]).tolist():
-            rows = self.rows.get(m)
-            if rows is None:
-                continue
-            here = np.flatnonzero((mod == m) & (vaddr >= 0))
-            signal[here] = rows.is_signal(vaddr[here])
-            at = np.flatnonzero((mod == m) & (lookup >= 0))
-            entry[at] = rows.is_entry(lookup[at])
-            t = rows.cfi
-            if len(t) == 0:
-                continue
-            sel = np.flatnonzero((mod == m) & (lookup >= 0))
-            r = t.lookup(lookup[sel].astype(np.uint64))
-            hit = r >= 0
-            s, r = sel[hit], r[hit]
-            crow[s] = r
+        rare: dict[int, dict[str, Any]] = {}
+        for m in np.unique(mod[crow >= 0]).tolist():
+            t = self.tables[m]
+            assert t is not None
+            s = np.flatnonzero((mod == m) & (crow >= 0))
+            r = crow[s]
             cfa_reg[s] = t.cfa_reg[r]
             cfa_off[s] = t.cfa_off[r]
             rule[s] = t.rule[r]
             off[s] = t.off[r]
-            flags[s] = t.flags[r]
-            for j in s[(t.flags[r] & COMPLEX) != 0].tolist():
-                tables[j] = t
-            # pc - 1 in the last row of an FDE that ends at pc: the pc may be a signal
-            # trampoline without CFI right after that function (musl's __restore_rt).
-            nxt = np.minimum(r + 1, len(t) - 1)
-            edge[s] = was_minus1[s] & (r + 1 < len(t)) & (t.pc[nxt] == lookup[s] + 1)
-        method = np.where(crow >= 0, M_CFI, M_FP).astype(np.int8)
-        minus1 = np.ones(n, dtype=bool)
-        rare: dict[int, dict[str, Any]] = {}
-        for j in np.flatnonzero(((crow < 0) | edge) & signal).tolist():
-            rare[j] = SIGRETURN_RULES
-            flags[j] = SIGNAL
-            method[j] = M_CFI
-            self.counters["unwind_sigreturn_by_code"] += 1
+            for j in s[np.isin(t.kind[r], RARE)].tolist():
+                rare[j] = t.row(int(crow[j]))
+        self.counters["unwind_sigreturn_by_code"] += int((kind == Kind.SIGRETURN).sum())
+        self.counters["unwind_expr_rows"] += int(np.isin(kind, (Kind.EXPR, Kind.SIGNAL)).sum())
+        fp = kind == Kind.FP
         if depth == 0:
-            for j in np.flatnonzero((crow < 0) & ~signal).tolist():
+            for j in np.flatnonzero(fp).tolist():
                 frame = self.frame0.get(int(idx[j]))
                 if frame is not None:
                     cfa_reg[j], cfa_off[j] = RSP, frame[0]
@@ -332,26 +276,16 @@ class Walk:
                     for reg, at in frame[1].items():
                         rule[j, TRACKED.index(reg)] = Rule.OFFSET
                         off[j, TRACKED.index(reg)] = at
-        for j in np.flatnonzero(flags & COMPLEX).tolist():
-            if j in rare:
-                continue
-            t = tables[j]
-            assert t is not None
-            rare[j] = t.row(int(crow[j]))
-            self.counters["unwind_expr_rows"] += 1
         # the entry code of a module: the first thread's outermost frame
-        outer = (crow < 0) & entry & ~signal
-        for j in np.flatnonzero(outer).tolist():
-            rare.pop(j, None)
+        outer = kind == Kind.ENTRY
         self.stop[idx[outer]] = S_COMPLETE
-        simple = ~outer
-        simple[list(rare)] = False
+        simple = fp | (kind == Kind.CFI)
         s = np.flatnonzero(simple)
-        self._simple(idx[s], cfa_reg[s], cfa_off[s], rule[s], off[s], fp=crow[s] < 0)
+        self._simple(idx[s], cfa_reg[s], cfa_off[s], rule[s], off[s], fp=fp[s])
         for j, rules in rare.items():
             self._complex(int(idx[j]), rules)
-        minus1[(flags & SIGNAL) != 0] = False
-        return method, minus1
+        method = np.where(fp | outer, M_FP, M_CFI).astype(np.int8)
+        return method, ~np.isin(kind, (Kind.SIGNAL, Kind.SIGRETURN))
 
     def _simple(self, idx: np.ndarray, cfa_reg: np.ndarray, cfa_off: np.ndarray,
                 rule: np.ndarray, off: np.ndarray, fp: np.ndarray) -> None:
