@@ -136,8 +136,8 @@ class CapturePart(Protocol):
         ...
 
     def write(self, bpf: Any, writer: ArtifactWriter, ring: Ring, records: Any) -> int:
-        """Append what the drain read from `ring` (a numpy array of ring.dtype, or a
-        list of record bytes, memoryviews) as batches; returns records written."""
+        """Append what the drain read from `ring` (a numpy array of ring.dtype, or
+        ringbuf.Records) as batches; returns records written."""
         ...
 
     def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
