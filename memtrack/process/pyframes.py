@@ -18,7 +18,7 @@ instruction) pair, to read its line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 
 from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.lookup import find_sorted, key_bounds
+from memtrack.process.stage import StageResult
 from memtrack.process.unwind import module_paths
 from memtrack.schema.stackrecord import ragged
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
@@ -42,11 +43,10 @@ PYTHON_LOCATIONS = pa.schema([
 
 
 @dataclass
-class Merged:
+class Merged(StageResult):
     stacks: pa.Table  # UNWOUND_STACKS rows of the Python stack hashes
     stack_frames: pa.Table  # UNWOUND_STACK_FRAMES rows of them
     locations: pa.Table  # PYTHON_LOCATIONS
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
@@ -167,7 +167,7 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
                 "python_trampolines": 0}
     if py_stacks.num_rows == 0:
         return Merged(UNWOUND_STACKS.empty_table(), UNWOUND_STACK_FRAMES.empty_table(),
-                      PYTHON_LOCATIONS.empty_table(), counters)
+                      PYTHON_LOCATIONS.empty_table(), counters=counters)
     # the first record of each hash; the first code record of each key, sorted by key
     _, first = np.unique(py_stacks.column("hash").to_numpy(), return_index=True)
     recs = py_stacks.take(np.sort(first))
@@ -323,7 +323,7 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     }, schema=UNWOUND_STACKS)
     counters["python_stacks"] = nrec
     counters["python_frames"] = int(is_py.sum())
-    return Merged(out_stacks, frames, locations, counters)
+    return Merged(out_stacks, frames, locations, counters=counters)
 
 
 def native_hashes(py_stacks: pa.Table, hashes: np.ndarray) -> np.ndarray:
