@@ -26,9 +26,9 @@
  * function.
  *
  * Code records carry what process needs to name frames (qualified name, file name,
- * first line, the line table), read here when the key is new rather than later from
- * /proc/PID/mem: the code object may be gone by then (code compiled from a string, a
- * module unloaded) and its address another's.
+ * first line, the line table and the version, which says its format), read here when
+ * the key is new rather than later from /proc/PID/mem: the code object may be gone by
+ * then (code compiled from a string, a module unloaded) and its address another's.
  *
  * Included after stacks.h (needs MT_NCPU, mt_fnv_step). memtrack.capture.pyframes
  * supplies MT_PY_RING_PAGES, MT_PY_SEEN, MT_PY_CODES and MT_PY_FORK_CHILD.
@@ -39,8 +39,9 @@
  *   code:  2, code key, pid | tid << 32, code address,
  *          first line | line table bytes (whole) << 32,
  *          qualname len | kind << 16 | filename len << 32 | kind << 48, line table len,
- *          the version (major << 8 | minor), then the qualname (3.10: the name), the file name and the line table bytes, each padded to
- *          8 bytes (lengths in bytes as read; kind: bytes per character). */
+ *          the version (major << 8 | minor), then the qualname (3.10: the name), the
+ *          file name and the line table bytes, each padded to 8 bytes (lengths in bytes
+ *          as read; kind: bytes per character). */
 #ifndef MEMTRACK_PYFRAMES_H
 #define MEMTRACK_PYFRAMES_H
 
@@ -65,7 +66,7 @@ struct mt_py_proc {
     u32 ts_next;            /* in PyThreadState */
     u32 ts_native_tid;      /* 3.10: thread_id (pthread_self()) */
     u32 ts_cframe;
-    u32 cf_current;         /* in _PyCFrame: current_frame */
+    u32 cf_current;         /* in _PyCFrame: current_frame (3.10: PyThreadState.frame) */
     u32 f_code;             /* in _PyInterpreterFrame (3.13: f_executable) */
     u32 f_previous;         /* 3.10: PyFrameObject.f_back */
     u32 f_prev_instr;       /* the instruction executing (3.13: instr_ptr; 3.10: f_lasti) */
