@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -271,6 +272,61 @@ def test_interpreter_found_from_its_symbols(tmp_path: Path) -> None:
         assert other is not None and other.version == (3, 13, 0) and other.free_threaded
         assert not other.supported
         assert other.describe() == f"CPython 3.13.0 free-threaded ({lib})"
+
+
+def test_310_needs_the_fs_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3.10's thread states name their thread by pthread_self() alone, the FS base BPF
+    reads from the task (its offset from the kernel's BTF): this kernel has it; where it
+    is not known (another architecture, no BTF) a 3.10 process is one warning naming it,
+    and the kernel gets no entry for it (native frames); a 3.11 process is walked as
+    before."""
+    from memtrack.capture import pyframes
+    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.procfs import read_maps
+    from memtrack.capture.program import kernel_member_offset
+
+    assert pyframes.task_fsbase() is not None
+    assert kernel_member_offset(("task_struct", "thread", "fsbase"), tmp_path / "none") is None
+    assert kernel_member_offset(("task_struct", "no_such_member")) is None
+    exe = INTERPRETERS["built-3.10"]
+    if not exe.exists():
+        pytest.skip(f"no {exe} here")
+    monkeypatch.setattr(pyframes, "task_fsbase", lambda: None)
+    part = pyframes.PyFramesPart(CaptureOptions())
+    for python, warned in ((exe, True), (Path(sys.executable), False)):
+        proc = subprocess.Popen([str(python), "-c", "import time; time.sleep(30)"])
+        try:
+            time.sleep(0.5)
+            maps = read_maps(proc.pid)
+            assert maps
+            table: dict[int, pyframes.PyProc] = {}
+            notes = part.on_stop({pyframes.PROCS: _Table(table)}, proc.pid, maps)
+        finally:
+            proc.kill()
+            proc.wait()
+        if warned:
+            assert notes == [
+                f"python frames: CPython 3.10 ({Path(exe).parent.parent}/lib/"
+                "libpython3.10.so.1.0) keeps pthread_self() as its threads' identity, "
+                "which memtrack reads from the kernel's BTF (task_struct.thread.fsbase) "
+                "on x86_64 only; not found here, its stacks have native frames only"]
+            assert table == {}
+        else:
+            assert notes == [] and list(table) == [proc.pid]
+            assert table[proc.pid].task_fsbase == 0 and table[proc.pid].version == 0x030B
+
+
+class _Table:
+    """bpf[PROCS] as on_stop uses it: keyed by c_uint32 pids."""
+
+    def __init__(self, into: dict[int, object]) -> None:
+        self.into = into
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self.into[key.value] = value  # type: ignore[attr-defined]
+
+    def __delitem__(self, key: object) -> None:
+        del self.into[key.value]  # type: ignore[attr-defined]
 
 
 def free_threaded_copy(tmp_path: Path) -> Path:
