@@ -662,3 +662,56 @@ def test_pymalloc_against_malloc(tmp_path: Path) -> None:
     every_seen = small_objects(every)
     assert every_seen[93] == 1000 and every_seen[94] == 1000
     assert python_part(frames_of(every, N + 2))[0] == ("leaf", "frames.py", sites()["leaf"])
+
+
+@pytest.mark.parametrize("case", ["format-2.5", "3.10"])
+def test_line_table_read_by_its_version(tmp_path: Path, case: str) -> None:
+    """py_codes of an artifact before format 2.6 (no python_version) reads as version 0,
+    its tables as location tables (3.11 to 3.13); a 3.10 code record's table is read as
+    PEP 626's: through `process`, the frame's line either way (3.10: an instruction in
+    its second range, a line on)."""
+    from support import synth
+
+    from memtrack.schema import MANIFEST
+
+    art = synth.write_synth(tmp_path / "run.memtrack", python={11: "work"})
+    codes = Artifact.open(art).read("py_codes").table
+    assert codes["python_version"].to_pylist() == [0x030B]
+    m = json.loads((art / MANIFEST).read_text())
+    first = synth.name_line("work")[1]
+    want = first
+    if case == "format-2.5":
+        codes = codes.drop_columns(["python_version"])
+        m["format_version"] = "2.5"
+    else:
+        # 8 code units on the first line, then 8 on the next; the frame at unit 9
+        for name, value in (("linetable", pa.array([b"\x10\x00\x10\x01"])),
+                            ("linetable_size", pa.array([4], pa.uint32())),
+                            ("python_version", pa.array([0x030A], pa.uint16()))):
+            codes = codes.set_column(codes.schema.get_field_index(name), name, value)
+        stacks = Artifact.open(art).read("py_stacks").table
+        stacks = stacks.set_column(stacks.schema.get_field_index("instr"), "instr",
+                                   pa.array([[9]], pa.list_(pa.uint32())))
+        _rewrite(art, "py_stacks", stacks, m)
+        want = first + 1
+    _rewrite(art, "py_codes", codes, m)
+    (art / MANIFEST).write_text(json.dumps(m))
+    read = Artifact.open(art).read("py_codes").table
+    assert read["python_version"].to_pylist() == [0 if case == "format-2.5" else 0x030A]
+    db = tmp_path / "run.duckdb"
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "-q"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("""SELECT DISTINCT line FROM stack_lines
+        WHERE method = 'python' AND name = 'work'""").fetchall() == [(want,)]
+
+
+def _rewrite(art: Path, name: str, table: pa.Table, manifest: dict) -> None:
+    from memtrack.schema.artifact import file_checksum, table_file
+
+    f = art / table_file(name)
+    with pa.ipc.new_stream(str(f), table.schema,
+                           options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(table)
+    manifest["checksums"][table_file(name)] = file_checksum(f)
