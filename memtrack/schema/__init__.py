@@ -18,7 +18,7 @@ from memtrack.schema.enums import ALLOC_KINDS, CLONE_THREAD, Allocator, EventKin
 # the codes of the artifact's columns, re-exported: the contract is read from here
 __all__ = ["ALLOC_KINDS", "Allocator", "EventKind", "RssMember"]
 
-FORMAT_VERSION = "2.5"
+FORMAT_VERSION = "2.6"
 FORMAT_MAJOR = int(FORMAT_VERSION.split(".")[0])
 
 MANIFEST = "manifest.json"
