@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from memtrack.capture.options import (
+from memtrack.capture.choices import (
     Choice,
     OnRingFull,
     ProbePlacement,
@@ -75,8 +75,7 @@ def choice(values: type[Choice]) -> dict[str, Any]:
     """A capture option of a few values (memtrack.capture.options): shown and completed
     as its values, taken as a string and checked by CaptureOptions (its one-line
     error)."""
-    names = [m.value for m in values]
-    return {"metavar": "|".join(names), "autocompletion": lambda: names}
+    return {"metavar": "|".join(values.values()), "autocompletion": values.values}
 
 
 def on(flag: str, value: str) -> bool:

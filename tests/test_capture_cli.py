@@ -12,16 +12,14 @@ from pathlib import Path
 import pytest
 from conftest import build
 
-from memtrack.capture.options import (
-    CaptureError,
-    CaptureOptions,
+from memtrack.capture.choices import (
     OnRingFull,
     ProbePlacement,
     ProbeScope,
     PythonStacks,
-    Tuning,
     UprobeAttach,
 )
+from memtrack.capture.options import CaptureError, CaptureOptions, Tuning
 from memtrack.schema.artifact import Artifact
 
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]

@@ -13,12 +13,20 @@ unset. `Tuning` holds the knobs of tests and benchmarks, which have no option.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, TypeVar
+
+from memtrack.capture.choices import (
+    Choice,
+    OnRingFull,
+    ProbePlacement,
+    ProbeScope,
+    PythonStacks,
+    UprobeAttach,
+)
 
 MAX_RING_PAGES = 1 << 20  # a ring of 4 GiB per CPU
 ENV_PREFIX = "MEMTRACK_"
@@ -33,64 +41,15 @@ class CaptureError(Exception):
     """Capture cannot go on; the message is one line for the user."""
 
 
-class Choice(enum.StrEnum):
-    """An option with a few values; a member is its value (the manifest records it as
-    that string)."""
-
-    @classmethod
-    def parse(cls, flag: str, value: object) -> Self:
-        try:
-            return cls(value)
-        except ValueError:
-            raise CaptureError(f"{flag} {value}: expected "
-                               f"{' or '.join(m.value for m in cls)}") from None
+C = TypeVar("C", bound=Choice)
 
 
-class PythonStacks(Choice):
-    """--python-stacks: PYTHON: a thread running Python code keeps the allocator and its
-    caller of the native stack, its Python frames stand for the rest (one record per
-    Python call path); MIXED: the whole native stack, Python frames merged in."""
-
-    PYTHON = "python"
-    MIXED = "mixed"
-
-
-class ProbePlacement(Choice):
-    """--probe-placement: AUTO: a cheap instruction (capture/placement.py); ENTRY:
-    offset 0."""
-
-    AUTO = "auto"
-    ENTRY = "entry"
-
-
-class ProbeScope(Choice):
-    """--probe-scope: AUTO: each traced process's own probes where the kernel has
-    uprobe_multi links; HOST: every process on the machine."""
-
-    AUTO = "auto"
-    HOST = "host"
-
-
-class OnRingFull(Choice):
-    """--on-ring-full: PAUSE: stop the producer until the ring drained; DROP: count what
-    a full ring drops."""
-
-    PAUSE = "pause"
-    DROP = "drop"
-
-
-class UprobeAttach(Choice):
-    """How allocator probes reach the kernel (capture/links.py): AUTO takes uprobe_multi
-    links where the kernel has them."""
-
-    AUTO = "auto"
-    UPROBE_MULTI = "uprobe_multi"
-    PERF_EVENT = "perf_event"
-
-    @property
-    def multi(self) -> bool | None:
-        """UprobeLinks' `multi`: None lets it find out."""
-        return {"auto": None, "uprobe_multi": True, "perf_event": False}[self.value]
+def choose(kind: type[C], value: object, given: str) -> C:
+    """`value` as a member of `kind`, or the one-line error "`given`: expected ..."."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise CaptureError(f"{given}: expected {kind.expected()}") from None
 
 
 def _memory_bytes() -> int:
@@ -136,7 +95,7 @@ def _check_types(obj: Any, flags: bool) -> None:
         value, default = getattr(obj, f.name), _default(f)
         name = _flag(f.name) if flags else f.name
         if isinstance(default, Choice):
-            object.__setattr__(obj, f.name, type(default).parse(name, value))
+            object.__setattr__(obj, f.name, choose(type(default), value, f"{name} {value}"))
         elif not isinstance(value, type(default)) or type(value) is bool is not type(default):
             raise CaptureError(f"{name} {value!r}: expected {type(default).__name__}")
 
@@ -272,9 +231,5 @@ def _parse(var: str, name: str, raw: str, default: Any) -> Any:
         except ValueError:
             raise CaptureError(f"{var}={raw}: expected an integer") from None
     if isinstance(default, Choice):
-        try:
-            return type(default)(raw)
-        except ValueError:
-            raise CaptureError(f"{var}={raw}: expected "
-                               f"{' or '.join(m.value for m in type(default))}") from None
+        return choose(type(default), raw, f"{var}={raw}")
     return raw

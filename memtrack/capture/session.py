@@ -46,11 +46,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 import pyarrow as pa
 
+from memtrack.capture.choices import OnRingFull
 from memtrack.capture.control import ControlError, ControlFifo
 from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC, REQ_FORK
 from memtrack.capture.drain import Backlog, BatchWriter, Drain, Source, min_ring_bytes
 from memtrack.capture.modules import ModuleRecorder
-from memtrack.capture.options import CaptureError, OnRingFull
+from memtrack.capture.options import CaptureError
 from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
 from memtrack.capture.procfs import (
     MapLine,

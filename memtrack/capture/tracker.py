@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from memtrack.capture.allocators import Probe, probes_for, pymalloc_refusal, read_elf
+from memtrack.capture.choices import ProbePlacement, ProbeScope
 from memtrack.capture.core import CorePart
 from memtrack.capture.doctor import check_pid_namespace
 from memtrack.capture.links import UprobeLinks, release_in_background
-from memtrack.capture.options import CaptureError, CaptureOptions, ProbePlacement, ProbeScope
+from memtrack.capture.options import CaptureError, CaptureOptions
 from memtrack.capture.parts import BPF_DIR, CapturePart
 from memtrack.capture.procfs import MapLine
 from memtrack.capture.program import (
