@@ -1,5 +1,5 @@
 """Capture's options: one typed `CaptureOptions`, checked when it is made, and how the
-environment sets it (standard library only: the command line imports it at start).
+environment sets it (the choices' enums: memtrack.capture.choices).
 
 Every field of CaptureOptions is a `memtrack capture` option: `--NAME` on the command
 line (NAME with dashes), `MEMTRACK_<NAME>` in the environment. The command line's
