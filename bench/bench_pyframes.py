@@ -61,13 +61,14 @@ def bpf_cost(workloads: dict[str, list[str]], tmp: Path) -> dict[str, dict[str, 
     for label, opts in configs:
         with Tracker(opts) as tracker:
             for wname, cmd in workloads.items():
-                fd = tracker.bpf.funcs[PROBE].fd
-                before = prog_stats(fd)
+                # the allocator programs are loaded with the first spawn
+                funcs = tracker.bpf.funcs
+                before = prog_stats(funcs[PROBE].fd) if PROBE in funcs else (0, 0)
                 art = tmp / f"{label}-{wname}.memtrack"
                 session = tracker.spawn(cmd, art, overwrite=True,
                                         env={**os.environ, "PYTHONMALLOC": "malloc"})
                 session.wait(timeout=900)
-                after = prog_stats(fd)
+                after = prog_stats(funcs[PROBE].fd)
                 ns, runs = after[0] - before[0], after[1] - before[1]
                 kind = Artifact.open(art).read("events").table.column("kind")
                 tracked = int(pc.sum(pc.is_in(kind, value_set=pa.array(

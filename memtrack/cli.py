@@ -151,7 +151,7 @@ def capture(
              "the proof that each stack record unwinds as its allocations would.")] = "off",
     python_frames: Annotated[str, typer.Option(
         "--python-frames", envvar="MEMTRACK_PYTHON_FRAMES", **SWITCH,
-        help="Python frames in the stacks of CPython 3.11, 3.12 and 3.13 programs (with "
+        help="Python frames in the stacks of CPython 3.10 to 3.13 programs (with "
              "--stacks on).")] = "on",
     python_stacks: Annotated[str, typer.Option(
         "--python-stacks", envvar="MEMTRACK_PYTHON_STACKS", **choice(PythonStacks),
@@ -160,7 +160,7 @@ def capture(
     ] = PythonStacks.PYTHON.value,
     python_allocators: Annotated[str, typer.Option(
         "--python-allocators", envvar="MEMTRACK_PYTHON_ALLOCATORS", **SWITCH,
-        help="Record every object of CPython 3.11+ (PyObject_Malloc, PyMem_Malloc ...: "
+        help="Record every object of CPython 3.10+ (PyObject_Malloc, PyMem_Malloc ...: "
              "family pymalloc), not only those over 512 bytes.")] = "off",
     rss: Annotated[str, typer.Option("--rss", envvar="MEMTRACK_RSS", **SWITCH,
                                      help="Record resident memory (kmem:rss_stat).")] = "on",

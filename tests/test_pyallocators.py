@@ -1,6 +1,6 @@
 """capture --python-allocators on (issue 31): CPython's object allocator recorded as the
 family pymalloc, through the command line on fixtures/python/objects.py: every object at
-its line on 3.11, 3.12 and 3.13 (pyenv's builds), nothing of it by default, its totals
+its line on 3.10 to 3.13 (pyenv's builds), nothing of it by default, its totals
 against memray's --trace-python-allocators on the same program, the families of a block
 freed by the other allocator, and an interpreter whose allocator is inlined (Debian's
 PGO python3.11): one warning, no probes."""
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "fixtures" / "python" / "objects.py"
 MEMTRACK = [sys.executable, "-m", "memtrack.cli"]
 PYENV = Path.home() / ".pyenv/versions"
-BUILT = {"3.11": PYENV / "3.11.7/bin/python3.11", "3.12": PYENV / "3.12.1/bin/python3.12",
-         "3.13": PYENV / "3.13.0/bin/python3.13"}
+BUILT = {"3.10": PYENV / "3.10.13/bin/python3.10", "3.11": PYENV / "3.11.7/bin/python3.11",
+         "3.12": PYENV / "3.12.1/bin/python3.12", "3.13": PYENV / "3.13.0/bin/python3.13"}
 N = 10_000
 
 

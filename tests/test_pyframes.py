@@ -1,10 +1,11 @@
-"""Python frames (issues 15, 31): CPython 3.11's, 3.12's and 3.13's frames in allocation
+"""Python frames (issues 15, 31): CPython 3.10's to 3.13's frames in allocation
 stacks, merged with the native ones, through the command line on fixtures/python/frames.py
 (functions calling functions, a generator, a method, a lambda, an __init__, code compiled
 from a string, a thread, the json C extension, sorted's key function), the same at every
 site on each version; the offset table against each version's headers (and 3.13's against
-the offsets its runtime publishes); the line-table decoder against each version's own
-co_positions(); versions and builds memtrack does not know: one warning."""
+the offsets its runtime publishes); the line-table decoders against each version's own
+co_positions() (3.10: co_lines()); versions and builds memtrack does not know: one
+warning."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -31,7 +33,28 @@ PYTHON = "/usr/bin/python3"
 N = 300_000
 
 # offsetof expressions of FIELDS, in order, per version
+EXPRS_310 = (
+    "offsetof(_PyRuntimeState, gilstate.tstate_current)",
+    "offsetof(_PyRuntimeState, interpreters.head)",
+    "offsetof(PyInterpreterState, tstate_head)",
+    "offsetof(PyThreadState, next)", "offsetof(PyThreadState, thread_id)", "0",
+    "offsetof(PyThreadState, frame)",
+    "offsetof(PyFrameObject, f_code)", "offsetof(PyFrameObject, f_back)",
+    "offsetof(PyFrameObject, f_lasti)", "0",
+    "offsetof(PyCodeObject, co_firstlineno)", "offsetof(PyCodeObject, co_firstlineno)",
+    "offsetof(PyCodeObject, co_filename)", "offsetof(PyCodeObject, co_name)",
+    "offsetof(PyCodeObject, co_linetable)", "0",
+    "offsetof(PyASCIIObject, length)", "offsetof(PyASCIIObject, state)",
+    "sizeof(PyASCIIObject)", "sizeof(PyCompactUnicodeObject)",
+    "offsetof(PyVarObject, ob_size)", "offsetof(PyBytesObject, ob_sval)",
+    "0", "0", "0",
+    "(offsetof(PyFrameObject, f_lasti) + sizeof(int) + 7) / 8 * 8", "1", "1",
+)
+
+
 def exprs(version: tuple[int, int]) -> tuple[str, ...]:
+    if version == (3, 10):
+        return EXPRS_310
     v311, cframe = version == (3, 11), version < (3, 13)
     return (
         "offsetof(_PyRuntimeState, gilstate.tstate_current)" if v311 else "0",
@@ -57,20 +80,23 @@ def exprs(version: tuple[int, int]) -> tuple[str, ...]:
         "offsetof(_PyInterpreterFrame, owner)",
         "0" if v311 else "FRAME_OWNED_BY_CSTACK == 3",
         "1" if cframe else "0",
+        "offsetof(_PyInterpreterFrame, localsplus)", "0", "0",
     )
 
 
 PYENV = Path.home() / ".pyenv/versions"
-HEADERS = {(3, 11): Path("/usr/include/python3.11"),
+HEADERS = {(3, 10): PYENV / "3.10.13/include/python3.10",
+           (3, 11): Path("/usr/include/python3.11"),
            (3, 12): PYENV / "3.12.1/include/python3.12",
            (3, 13): PYENV / "3.13.0/include/python3.13"}
 # Debian's stripped python3.11 and, where pyenv has them, CPython built from source
 # (libpython, with DWARF)
-INTERPRETERS = {"debian-3.11": Path(PYTHON), "built-3.11": PYENV / "3.11.7/bin/python3.11",
+INTERPRETERS = {"built-3.10": PYENV / "3.10.13/bin/python3.10",
+                "debian-3.11": Path(PYTHON), "built-3.11": PYENV / "3.11.7/bin/python3.11",
                 "built-3.12": PYENV / "3.12.1/bin/python3.12",
                 "built-3.13": PYENV / "3.13.0/bin/python3.13"}
 LIBPYTHON313 = PYENV / "3.13.0/lib/libpython3.13.so.1.0"
-PY310 = PYENV / "3.10.13/bin/python3.10"
+PY39 = PYENV / "3.9.18/bin/python3.9"
 
 
 def sites() -> dict[str, int]:
@@ -83,13 +109,16 @@ def sites() -> dict[str, int]:
 
 @pytest.mark.parametrize("version", sorted(HEADERS), ids=lambda v: f"{v[0]}.{v[1]}")
 def test_offsets_match_the_headers(tmp_path: Path, version: tuple[int, int]) -> None:
-    """Each row of the offset table is what that version's headers say."""
+    """Each row of the offset table is what that version's headers say; the code
+    object's fields BPF reads lie in the bytes it hashes."""
     inc = HEADERS[version]
-    if not (inc / "internal" / "pycore_frame.h").exists():
-        pytest.skip(f"no {inc} here (scripts/setup installs python3.11-dev; 3.12, 3.13: pyenv)")
+    if not (inc / "internal" / "pycore_runtime.h").exists():
+        pytest.skip(f"no {inc} here (scripts/setup installs python3.11-dev; 3.10, 3.12, "
+                    "3.13: pyenv)")
+    frame = "frameobject.h" if version == (3, 10) else "internal/pycore_frame.h"
     src = tmp_path / "off.c"
-    src.write_text("#define Py_BUILD_CORE 1\n#include <Python.h>\n"
-                   "#include <internal/pycore_frame.h>\n#include <internal/pycore_runtime.h>\n"
+    src.write_text(f"#define Py_BUILD_CORE 1\n#include <Python.h>\n#include <{frame}>\n"
+                   "#include <internal/pycore_runtime.h>\n"
                    "#include <internal/pycore_interp.h>\n#include <stdio.h>\n#include <stddef.h>\n"
                    "int main(void) {\n" +
                    "".join(f'    printf("%zu\\n", (size_t)({e}));\n' for e in exprs(version)) +
@@ -99,6 +128,14 @@ def test_offsets_match_the_headers(tmp_path: Path, version: tuple[int, int]) -> 
                          check=True).stdout.split()
     assert len(exprs(version)) == len(FIELDS)
     assert tuple(map(int, got)) == OFFSETS[version]
+    off = dict(zip(FIELDS, OFFSETS[version], strict=True))
+    span = range(off["co_span"], off["co_span"] + 88)  # bpf/pyframes.h MT_PY_SPAN
+    for f in ("co_firstlineno", "co_filename", "co_qualname", "co_linetable"):
+        assert off[f] in span and off[f] + 4 <= span.stop, f
+    assert off["f_read"] <= 127  # read into 128 bytes
+    widths = {"f_code": 8, "f_previous": 8, "f_prev_instr": 4 if off["instr_index"] else 8,
+              "f_is_entry": 1, "f_owner": 1}
+    assert all(off[f] + w <= off["f_read"] for f, w in widths.items())
 
 
 # the runtime's own offsets (3.13+: _PyRuntime opens with _Py_DebugOffsets, each field a
@@ -138,36 +175,47 @@ def test_offsets_match_the_runtime() -> None:
     assert {f: words[f] for f in named} == {f: mine[f] for f in named}
 
 
-# Each code object of json.encoder and of the fixture (nested ones too): its location
-# table, first line, and the line of each code unit by co_positions()
+# Each code object of json.encoder, of the fixture and of edge cases (nested ones too): its line
+# table, first line, and the line of each code unit by co_positions() (3.10: co_lines(),
+# in bytes), then the version
 LINES_PROBE = """
 import inspect, json, sys
 import json.encoder as enc
 todo = [f.__code__ for _, f in inspect.getmembers(enc, inspect.isfunction)]
 todo += [m.__code__ for _, m in inspect.getmembers(enc.JSONEncoder, inspect.isfunction)]
 todo.append(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"))
+# instructions without a line (a finally's copy), a line 200 lines on, one line of over
+# 256 bytes of code
+edges = ("def f(x):\\n    try:\\n        return x\\n    finally:\\n        x = 1\\n" + "\\n" * 200
+         + "def g():\\n    return [" + ",".join(f"a{i}" for i in range(200)) + "]\\n")
+todo.append(compile(edges, "<edges>", "exec"))
 out = []
 while todo:
     c = todo.pop()
-    todo += [k for k in c.co_consts if hasattr(k, "co_positions")]
-    out.append([c.co_name, c.co_linetable.hex(), c.co_firstlineno,
-                [p[0] or 0 for p in c.co_positions()]])
-print(json.dumps(out))
+    todo += [k for k in c.co_consts if hasattr(k, "co_lines")]
+    if hasattr(c, "co_positions"):
+        lines = [p[0] or 0 for p in c.co_positions()]
+    else:
+        lines = [ln or 0 for a, b, ln in c.co_lines() for _ in range(a // 2, b // 2)]
+    out.append([c.co_name, c.co_linetable.hex(), c.co_firstlineno, lines])
+print(json.dumps([out, sys.version_info[0] << 8 | sys.version_info[1]]))
 """
 
 
 @pytest.mark.parametrize("interp", sorted(INTERPRETERS))
 def test_line_table_matches_cpython(interp: str) -> None:
-    """Every instruction's line, from the location table, as that version's co_positions
-    (the table's format is the same from 3.11 to 3.13)."""
+    """Every instruction's line, from the line table, as that version's co_positions
+    (the table's format is the same from 3.11 to 3.13; 3.10's is PEP 626's, read by
+    co_lines())."""
     exe = INTERPRETERS[interp]
     if not exe.exists():
         pytest.skip(f"no {exe} here")
     r = subprocess.run([str(exe), "-c", LINES_PROBE, str(SCRIPT)], capture_output=True,
                        text=True, timeout=60, check=True)
     checked = 0
-    for name, table, first, want in json.loads(r.stdout):
-        ends, lines = line_ranges(bytes.fromhex(table), first)
+    codes, version = json.loads(r.stdout)
+    for name, table, first, want in codes:
+        ends, lines = line_ranges(bytes.fromhex(table), first, version)
         for unit, line in enumerate(want):
             j = int((ends <= unit).sum())
             assert lines[j] == line, (name, unit)  # 0: no line
@@ -177,20 +225,23 @@ def test_line_table_matches_cpython(interp: str) -> None:
 
 def test_trampolines_are_code_without_a_line() -> None:
     """3.13's __init__ trampoline (table b'\\xfb': one no-location entry) and an empty
-    table are trampolines; compiled code, a cut table and one BPF could not read are
-    not."""
+    table are trampolines; compiled code, a cut table, one BPF could not read and any of
+    3.10 (its table's bytes are pairs, not location entries) are not."""
     real = compile("x = 1\ny = x\n", "<t>", "exec").co_linetable
-    codes = pa.table({"linetable": [b"\xfb", b"", real, real[:2], b"", b"\xf8\xfb"],
-                      "linetable_size": pa.array([1, 0, len(real), len(real), 24, 2],
-                                                 pa.uint32())})
-    assert trampolines(codes).tolist() == [True, True, False, False, False, True]
-    assert trampolines(codes.slice(2)).tolist() == [False, False, False, True]
+    codes = pa.table({"linetable": [b"\xfb", b"", real, real[:2], b"", b"\xf8\xfb",
+                                    b"\xfe\xff"],
+                      "linetable_size": pa.array([1, 0, len(real), len(real), 24, 2, 2],
+                                                 pa.uint32()),
+                      "python_version": pa.array([0x030D] * 6 + [0x030A], pa.uint16())})
+    assert trampolines(codes).tolist() == [True, True, False, False, False, True, False]
+    assert trampolines(codes.slice(2)).tolist() == [False, False, False, True, False]
 
 
 def test_interpreter_found_from_its_symbols(tmp_path: Path) -> None:
     """Debian's stripped python3 is found by _PyRuntime and its version read from the
-    file; 3.12 and 3.13 libpythons (pyenv, when there) too; 3.10's has no Py_Version
-    (not supported); a free-threaded 3.13 says so in its runtime's debug offsets."""
+    file; 3.12 and 3.13 libpythons (pyenv, when there) too; 3.10's has no Py_Version but
+    Py_Is; 3.9's neither (not supported); a free-threaded 3.13 says so in its runtime's
+    debug offsets."""
     interp = find_interpreter(os.path.realpath(PYTHON))
     assert interp is not None and interp.version is not None
     assert interp.version[:2] == (3, 11) and interp.supported and not interp.free_threaded
@@ -208,14 +259,74 @@ def test_interpreter_found_from_its_symbols(tmp_path: Path) -> None:
     lib = PYENV / "3.10.13/lib/libpython3.10.so.1.0"
     if lib.exists():
         other = find_interpreter(str(lib))
+        assert other is not None and other.version == (3, 10) and other.supported
+        assert other.describe() == f"CPython 3.10 ({lib})"
+    lib = PYENV / "3.9.18/lib/libpython3.9.so.1.0"
+    if lib.exists():
+        other = find_interpreter(str(lib))
         assert other is not None and other.version is None and not other.supported
-        assert other.describe() == f"CPython before 3.11 ({lib})"
+        assert other.describe() == f"CPython before 3.10 ({lib})"
     if LIBPYTHON313.exists():
         lib = free_threaded_copy(tmp_path)
         other = find_interpreter(str(lib))
         assert other is not None and other.version == (3, 13, 0) and other.free_threaded
         assert not other.supported
         assert other.describe() == f"CPython 3.13.0 free-threaded ({lib})"
+
+
+def test_310_needs_the_fs_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3.10's thread states name their thread by pthread_self() alone, the FS base BPF
+    reads from the task (its offset from the kernel's BTF): this kernel has it; where it
+    is not known (another architecture, no BTF) a 3.10 process is one warning naming it,
+    and the kernel gets no entry for it (native frames); a 3.11 process is walked as
+    before."""
+    from memtrack.capture import pyframes
+    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.procfs import read_maps
+    from memtrack.capture.program import kernel_member_offset
+
+    assert pyframes.task_fsbase() is not None
+    assert kernel_member_offset(("task_struct", "thread", "fsbase"), tmp_path / "none") is None
+    assert kernel_member_offset(("task_struct", "no_such_member")) is None
+    exe = INTERPRETERS["built-3.10"]
+    if not exe.exists():
+        pytest.skip(f"no {exe} here")
+    monkeypatch.setattr(pyframes, "task_fsbase", lambda: None)
+    part = pyframes.PyFramesPart(CaptureOptions())
+    for python, warned in ((exe, True), (Path(sys.executable), False)):
+        proc = subprocess.Popen([str(python), "-c", "import time; time.sleep(30)"])
+        try:
+            time.sleep(0.5)
+            maps = read_maps(proc.pid)
+            assert maps
+            table: dict[int, pyframes.PyProc] = {}
+            notes = part.on_stop({pyframes.PROCS: _Table(table)}, proc.pid, maps)
+        finally:
+            proc.kill()
+            proc.wait()
+        if warned:
+            assert notes == [
+                f"python frames: CPython 3.10 ({Path(exe).parent.parent}/lib/"
+                "libpython3.10.so.1.0) keeps pthread_self() as its threads' identity, "
+                "which memtrack reads from the kernel's BTF (task_struct.thread.fsbase) "
+                "on x86_64 only; not found here, its stacks have native frames only"]
+            assert table == {}
+        else:
+            assert notes == [] and list(table) == [proc.pid]
+            assert table[proc.pid].task_fsbase == 0 and table[proc.pid].version == 0x030B
+
+
+class _Table:
+    """bpf[PROCS] as on_stop uses it: keyed by c_uint32 pids."""
+
+    def __init__(self, into: dict[int, object]) -> None:
+        self.into = into
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self.into[key.value] = value  # type: ignore[attr-defined]
+
+    def __delitem__(self, key: object) -> None:
+        del self.into[key.value]  # type: ignore[attr-defined]
 
 
 def free_threaded_copy(tmp_path: Path) -> Path:
@@ -258,13 +369,28 @@ def frames_of(con: duckdb.DuckDBPyConnection, size: int) -> list[tuple[str, str,
     return rows
 
 
+def physical(con: duckdb.DuckDBPyConnection, size: int) -> list[str]:
+    """The method of each stack frame (inline levels not apart) of the allocation of
+    `size` bytes, from its allocation site outward."""
+    return [m for (m,) in con.execute("""
+        SELECT method FROM stack_frames WHERE stack_id = (
+            SELECT stack_id FROM allocations WHERE size = ?) ORDER BY depth""",
+                                      [size]).fetchall()]
+
+
 def python_part(frames: list[tuple[str, str, int, str]]) -> list[tuple[str, str, int]]:
     return [(n, os.path.basename(f) if f.startswith("/") else f, ln)
             for n, f, ln, m in frames if m == "python"]
 
 
-def chains() -> dict[int, list[tuple[str, str, int]]]:
-    """The Python frames of each allocation of frames.py, by size."""
+def named(interp: str, name: str) -> str:
+    """A function as memtrack names it on that interpreter: 3.10's code objects have no
+    qualified name (co_name, the qualified name's last part)."""
+    return name.rsplit(".", 1)[-1] if interp.endswith("3.10") else name
+
+
+def chains(interp: str) -> dict[int, list[tuple[str, str, int]]]:
+    """The Python frames of each allocation of frames.py, by size, on that interpreter."""
     s = sites()
     mod = ("<module>", "frames.py", s["module"])
     # bytearray(n) asks for n + 1 bytes
@@ -291,7 +417,33 @@ def chains() -> dict[int, list[tuple[str, str, int]]]:
         want[N + i] = [("Holder.__init__", "frames.py", s["init"]),
                        ("build", "frames.py", s["build"]),
                        ("main", "frames.py", s["main_build"]), mod]
-    return want
+    return {size: [(named(interp, f), file, line) for f, file, line in chain]
+            for size, chain in want.items()}
+
+
+# frames.py's allocations as the program itself sees them: bytearray made a subclass
+# whose __new__ takes traceback.extract_stack() (name: co_name; line: f_lineno) of each
+# big one, by the size it asks malloc for; the runner's own frames (run_path) left out
+OWN_VIEW = """
+import builtins, json, os, runpy, sys, traceback
+real, seen = builtins.bytearray, {}
+class bytearray(real):
+    def __new__(cls, n=0, *args):
+        if type(n) is int and n > 300000:
+            seen[n + 1] = [(f.name, os.path.basename(f.filename), f.lineno)
+                           for f in reversed(traceback.extract_stack()[:-1])
+                           if f.filename != "<string>" and "runpy" not in f.filename]
+        return real.__new__(cls, n, *args)
+builtins.bytearray = bytearray
+runpy.run_path(sys.argv[1], run_name="__main__")
+print(json.dumps(seen))
+"""
+
+
+def own_view(exe: Path) -> dict[int, list[tuple[str, str, int]]]:
+    r = subprocess.run([str(exe), "-c", OWN_VIEW, str(SCRIPT)], capture_output=True,
+                       text=True, timeout=120, check=True)
+    return {int(k): [tuple(f) for f in v] for k, v in json.loads(r.stdout).items()}
 
 
 @pytest.mark.bpf
@@ -304,9 +456,15 @@ def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
         pytest.skip(f"no {exe} here")
     s = sites()
     con = capture_and_process(tmp_path, "--python-stacks", "mixed", python=str(exe))
-    for size, chain in chains().items():
+    own = own_view(exe)
+    for size, chain in [*chains(interp).items(), (N + 51, None)]:
         frames = frames_of(con, size)
-        assert python_part(frames) == chain, (size, frames)
+        got = python_part(frames)
+        # the program's own view (function names: co_name on every version)
+        assert [(n.rsplit(".", 1)[-1], f, ln) for n, f, ln in got] == own[size], size
+        if chain is None:
+            continue  # the thread's, from threading's bootstrap: below
+        assert got == chain, (size, frames)
         # native frames (the allocator, bytearray's C code) above the Python ones, the
         # interpreter's start below them, no evaluation frame left in between
         first = next(i for i, f in enumerate(frames) if f[3] == "python")
@@ -315,6 +473,7 @@ def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
         assert frames[-1][0] == "_start"
         assert "_PyEval_EvalFrameDefault" not in [f[0] for f in frames]
     # the generator ran in its own evaluation call: native frames between it and main
+    # (3.10: every frame is its own call)
     gen = frames_of(con, N + 11)
     i = [f[0] for f in gen].index("gen")
     assert gen[i + 1][3] != "python"
@@ -324,12 +483,12 @@ def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
     # the thread: its own chain, from threading's bootstrap, not main's
     th = python_part(frames_of(con, N + 51))
     assert th[0] == ("in_thread", "frames.py", s["thread"])
-    assert [f[0] for f in th[1:]] == ["Thread.run", "Thread._bootstrap_inner",
-                                      "Thread._bootstrap"]
+    assert [f[0] for f in th[1:]] == [named(interp, f) for f in THREAD]
     # json: the C encoder's native frames above JSONEncoder.iterencode
+    iterencode = named(interp, "JSONEncoder.iterencode")
     rows = con.execute("""
         SELECT DISTINCT a.stack_id FROM allocations a JOIN stack_lines l USING (stack_id)
-        WHERE l.name = 'JSONEncoder.iterencode'""").fetchall()
+        WHERE l.name = ?""", [iterencode]).fetchall()
     assert rows
     for (sid,) in rows:
         fr = con.execute("""
@@ -337,11 +496,11 @@ def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
             LEFT JOIN modules m USING (module_id) WHERE stack_id = ? ORDER BY position""",
                          [sid]).fetchall()
         names = [f[0] for f in fr]
-        it = names.index("JSONEncoder.iterencode")
+        it = names.index(iterencode)
         assert any("_json" in (f[4] or "") for f in fr[:it]), fr
-        assert [(f[0], f[2]) for f in fr[it + 1:it + 4]] == [
-            ("JSONEncoder.encode", fr[it + 1][2]), ("dumps", fr[it + 2][2]),
-            ("main", s["main_json"])]
+        callers = [(f[0], f[2]) for f in fr[it + 1:] if f[3] == "python"][:3]
+        assert callers == [(named(interp, "JSONEncoder.encode"), callers[0][1]),
+                           ("dumps", callers[1][1]), ("main", s["main_json"])]
     counters = con.execute("SELECT value FROM meta WHERE key = 'counters'").fetchone()[0]
     assert '"python_code_missing": 0' in counters
     # info follows a Python stack to the native record it extends
@@ -358,8 +517,11 @@ def test_python_frames_merged(tmp_path: Path, interp: str) -> None:
     assert not any(c for (c,) in short)
 
 
+THREAD = ["Thread.run", "Thread._bootstrap_inner", "Thread._bootstrap"]
+
+
 @pytest.mark.bpf
-@pytest.mark.parametrize("interp", ["debian-3.11", "built-3.13"])
+@pytest.mark.parametrize("interp", ["built-3.10", "debian-3.11", "built-3.13"])
 def test_python_cut(tmp_path: Path, interp: str) -> None:
     """--python-stacks python (the default): the allocator and its caller, then the
     Python frames, nothing of the native stack under them: one stack record per Python
@@ -369,29 +531,32 @@ def test_python_cut(tmp_path: Path, interp: str) -> None:
         pytest.skip(f"no {exe} here")
     s = sites()
     con = capture_and_process(tmp_path, python=str(exe))
-    for size, chain in chains().items():
+    for size, chain in chains(interp).items():
         frames = frames_of(con, size)
         assert python_part(frames) == chain, (size, frames)
-        assert [f[3] for f in frames[:2]] == ["regs", "cfi"], frames
-        assert all(f[3] == "python" for f in frames[2:]), frames
+        # the allocator and its caller (stack frames: the caller may have inline
+        # levels, 3.10's _PyObject_Malloc), then Python frames only
+        methods = physical(con, size)
+        assert methods[:2] == ["regs", "cfi"] and set(methods[2:]) == {"python"}, frames
         stop = con.execute("""SELECT stop, complete, truncated FROM stacks WHERE stack_id =
             (SELECT stack_id FROM allocations WHERE size = ?)""", [size]).fetchone()
         assert stop == ("python", False, False)
     th = python_part(frames_of(con, N + 51))
     assert th[0] == ("in_thread", "frames.py", s["thread"])
-    assert [f[0] for f in th[1:]] == ["Thread.run", "Thread._bootstrap_inner",
-                                      "Thread._bootstrap"]
+    assert [f[0] for f in th[1:]] == [named(interp, f) for f in THREAD]
     # json's C encoder called from JSONEncoder.iterencode: below it, the Python callers
+    iterencode = named(interp, "JSONEncoder.iterencode")
     rows = con.execute("""
-        SELECT DISTINCT stack_id FROM stack_lines WHERE name = 'JSONEncoder.iterencode'
-        AND stack_id IN (SELECT stack_id FROM allocations)""").fetchall()
+        SELECT DISTINCT stack_id FROM stack_lines WHERE name = ?
+        AND stack_id IN (SELECT stack_id FROM allocations)""", [iterencode]).fetchall()
     assert rows
     for (sid,) in rows:
         names = [n for (n,) in con.execute(
             "SELECT name FROM stack_lines WHERE stack_id = ? ORDER BY position", [sid]
         ).fetchall()]
-        it = names.index("JSONEncoder.iterencode")
-        assert names[it + 1:it + 4] == ["JSONEncoder.encode", "dumps", "main"], names
+        it = names.index(iterencode)
+        assert names[it + 1:it + 4] == [named(interp, "JSONEncoder.encode"), "dumps",
+                                        "main"], names
     counters = json.loads(con.execute(
         "SELECT value FROM meta WHERE key = 'counters'").fetchone()[0])
     assert counters["python_runs_unplaced"] == 0 and counters["python_code_missing"] == 0
@@ -408,7 +573,7 @@ def test_python_cut(tmp_path: Path, interp: str) -> None:
                         "--python-frames", "off"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     native = duckdb.connect(str(db), read_only=True)
-    assert [f[3] for f in frames_of(native, N + 2)] == ["regs", "cfi"]
+    assert physical(native, N + 2) == ["regs", "cfi"]
 
 
 def native_only(con: duckdb.DuckDBPyConnection) -> None:
@@ -439,14 +604,15 @@ def test_python_frames_off(tmp_path: Path) -> None:
 
 
 @pytest.mark.bpf
-@pytest.mark.parametrize("build", ["3.10", "3.13-free-threaded"])
+@pytest.mark.parametrize("build", ["3.9", "3.13-free-threaded"])
 def test_unknown_build_is_one_note(tmp_path: Path, build: str) -> None:
-    """A CPython the offset table does not know (3.10: no Py_Version; a free-threaded
-    3.13: other layouts): one warning naming it and its file, native frames only."""
+    """A CPython the offset table does not know (3.9: neither Py_Version nor Py_Is; a
+    free-threaded 3.13: other layouts): one warning naming it and its file, native
+    frames only."""
     env = dict(os.environ)
-    if build == "3.10":
-        exe, lib = PY310, PYENV / "3.10.13/lib/libpython3.10.so.1.0"
-        name = "CPython before 3.11"
+    if build == "3.9":
+        exe, lib = PY39, PYENV / "3.9.18/lib/libpython3.9.so.1.0"
+        name = "CPython before 3.10"
     else:
         exe, name = INTERPRETERS["built-3.13"], "CPython 3.13.0 free-threaded"
         if exe.exists():
@@ -461,11 +627,9 @@ def test_unknown_build_is_one_note(tmp_path: Path, build: str) -> None:
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if "python frames:" in ln]
     assert notes == [f"memtrack: warning: python frames: {name} ({lib}) is not a build "
-                     "memtrack knows (known: 3.11, 3.12, 3.13, with the GIL); its stacks "
-                     "have native frames only"]
+                     "memtrack knows (known: 3.10, 3.11, 3.12, 3.13, with the GIL); its "
+                     "stacks have native frames only"]
     assert Artifact.open(art).read("py_stacks").table.num_rows == 0
-    if build != "3.10":
-        return  # the same path from here on: once is enough
     r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db)], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -498,3 +662,56 @@ def test_pymalloc_against_malloc(tmp_path: Path) -> None:
     every_seen = small_objects(every)
     assert every_seen[93] == 1000 and every_seen[94] == 1000
     assert python_part(frames_of(every, N + 2))[0] == ("leaf", "frames.py", sites()["leaf"])
+
+
+@pytest.mark.parametrize("case", ["format-2.5", "3.10"])
+def test_line_table_read_by_its_version(tmp_path: Path, case: str) -> None:
+    """py_codes of an artifact before format 2.6 (no python_version) reads as version 0,
+    its tables as location tables (3.11 to 3.13); a 3.10 code record's table is read as
+    PEP 626's: through `process`, the frame's line either way (3.10: an instruction in
+    its second range, a line on)."""
+    from support import synth
+
+    from memtrack.schema import MANIFEST
+
+    art = synth.write_synth(tmp_path / "run.memtrack", python={11: "work"})
+    codes = Artifact.open(art).read("py_codes").table
+    assert codes["python_version"].to_pylist() == [0x030B]
+    m = json.loads((art / MANIFEST).read_text())
+    first = synth.name_line("work")[1]
+    want = first
+    if case == "format-2.5":
+        codes = codes.drop_columns(["python_version"])
+        m["format_version"] = "2.5"
+    else:
+        # 8 code units on the first line, then 8 on the next; the frame at unit 9
+        for name, value in (("linetable", pa.array([b"\x10\x00\x10\x01"])),
+                            ("linetable_size", pa.array([4], pa.uint32())),
+                            ("python_version", pa.array([0x030A], pa.uint16()))):
+            codes = codes.set_column(codes.schema.get_field_index(name), name, value)
+        stacks = Artifact.open(art).read("py_stacks").table
+        stacks = stacks.set_column(stacks.schema.get_field_index("instr"), "instr",
+                                   pa.array([[9]], pa.list_(pa.uint32())))
+        _rewrite(art, "py_stacks", stacks, m)
+        want = first + 1
+    _rewrite(art, "py_codes", codes, m)
+    (art / MANIFEST).write_text(json.dumps(m))
+    read = Artifact.open(art).read("py_codes").table
+    assert read["python_version"].to_pylist() == [0 if case == "format-2.5" else 0x030A]
+    db = tmp_path / "run.duckdb"
+    r = subprocess.run([*MEMTRACK, "process", str(art), "-o", str(db), "-q"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("""SELECT DISTINCT line FROM stack_lines
+        WHERE method = 'python' AND name = 'work'""").fetchall() == [(want,)]
+
+
+def _rewrite(art: Path, name: str, table: pa.Table, manifest: dict) -> None:
+    from memtrack.schema.artifact import file_checksum, table_file
+
+    f = art / table_file(name)
+    with pa.ipc.new_stream(str(f), table.schema,
+                           options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(table)
+    manifest["checksums"][table_file(name)] = file_checksum(f)

@@ -4,28 +4,31 @@
  * stack's hash) and one code record per code object the first time it is seen.
  *
  * Nothing runs in the traced process: memtrack.capture.pyframes finds `_PyRuntime` in
- * the interpreter's dynamic symbols at each attach stop, reads `Py_Version` from the
+ * the interpreter's dynamic symbols at each attach stop, reads its version from the
  * file, and puts the runtime's address and that version's offsets (derived from its
  * public headers, memtrack.capture.pyframes.OFFSETS) in mt_py_procs[pid]. A process
  * without an entry gets native frames only.
  *
- * The thread state: _PyRuntime.gilstate.tstate_current when its native_thread_id is the
- * calling thread's (it holds the GIL), else (and always on 3.12+, whose current thread
- * state is a thread-local) the interpreters' thread list is searched for it (a thread
- * that released the GIL still has its frames); its frame is cframe->current_frame
- * (3.11, 3.12) or its own current_frame (3.13). A run of frames one evaluation call
- * executed ends at a frame with is_entry (3.11) or just above a shim frame owned by the
- * C stack (3.12, 3.13; skipped). Each frame is one read
- * of the _PyInterpreterFrame header (code, previous, prev_instr, is_entry, owner) and
- * one of the code object's MT_PY_SPAN bytes of immutable fields (up to the line table
- * pointer), hashed
- * into the code key: a code object freed and another allocated at its address is a new
- * key, so a code record is never reused for another function.
+ * The thread state: _PyRuntime.gilstate.tstate_current when it is the calling thread's
+ * (it holds the GIL), else (and always on 3.12+, whose current thread state is a
+ * thread-local) the interpreters' thread list is searched for it (a thread that
+ * released the GIL still has its frames); a thread state is the caller's when its
+ * native_thread_id is the caller's tid (3.10: when its thread_id, pthread_self(), is
+ * the caller's FS base). Its frame is cframe->current_frame (3.11, 3.12) or its own
+ * current_frame (3.13; 3.10: frame). A run of frames one evaluation call executed ends
+ * at a frame with is_entry (3.11), just above a shim frame owned by the C stack (3.12,
+ * 3.13; skipped) or at each frame (3.10: every frame is its own call). Each frame is one
+ * read of its header (code, previous, the instruction, is_entry, owner; 3.10's
+ * PyFrameObject: f_code, f_back, f_lasti: the walk is the same, at other offsets) and
+ * one of the code object's MT_PY_SPAN bytes of immutable fields (from the first line to
+ * the line table pointer), hashed into the code key: a code object freed and another
+ * allocated at its address is a new key, so a code record is never reused for another
+ * function.
  *
  * Code records carry what process needs to name frames (qualified name, file name,
- * first line, the line table), read here when the key is new rather than later from
- * /proc/PID/mem: the code object may be gone by then (code compiled from a string, a
- * module unloaded) and its address another's.
+ * first line, the line table and the version, which says its format), read here when
+ * the key is new rather than later from /proc/PID/mem: the code object may be gone by
+ * then (code compiled from a string, a module unloaded) and its address another's.
  *
  * Included after stacks.h (needs MT_NCPU, mt_fnv_step). memtrack.capture.pyframes
  * supplies MT_PY_RING_PAGES, MT_PY_SEEN, MT_PY_CODES and MT_PY_FORK_CHILD.
@@ -36,8 +39,9 @@
  *   code:  2, code key, pid | tid << 32, code address,
  *          first line | line table bytes (whole) << 32,
  *          qualname len | kind << 16 | filename len << 32 | kind << 48, line table len,
- *          then the qualname, the file name and the line table bytes, each padded to
- *          8 bytes (lengths in bytes as read; kind: bytes per character). */
+ *          the version (major << 8 | minor), then the qualname (3.10: the name), the
+ *          file name and the line table bytes, each padded to 8 bytes (lengths in bytes
+ *          as read; kind: bytes per character). */
 #ifndef MEMTRACK_PYFRAMES_H
 #define MEMTRACK_PYFRAMES_H
 
@@ -47,8 +51,8 @@
 #define MT_PY_NAME 256      /* bytes of a qualified name kept */
 #define MT_PY_FILE 512      /* bytes of a file name kept */
 #define MT_PY_LINES 8192    /* bytes of a line table kept */
-#define MT_PY_SPAN 80       /* bytes of a code object's immutable fields hashed */
-#define MT_PY_FRAME 72      /* bytes of a frame header read */
+#define MT_PY_SPAN 88       /* bytes of a code object's immutable fields hashed */
+#define MT_PY_FRAME 128     /* bytes of a frame header read at most (mt_py_proc.f_read) */
 #define MT_PY_SHIMS 32      /* entry shim frames (3.12+) walked past at most */
 #define MT_PY_CSTACK 3      /* _PyInterpreterFrame.owner of a 3.12+ shim: FRAME_OWNED_BY_CSTACK */
 #define MT_PY_SHIM_MARK 0x5348494dULL
@@ -60,12 +64,12 @@ struct mt_py_proc {
     u32 interp_head;        /* in _PyRuntimeState: interpreters.head */
     u32 threads_head;       /* in PyInterpreterState */
     u32 ts_next;            /* in PyThreadState */
-    u32 ts_native_tid;
+    u32 ts_native_tid;      /* 3.10: thread_id (pthread_self()) */
     u32 ts_cframe;
-    u32 cf_current;         /* in _PyCFrame: current_frame */
+    u32 cf_current;         /* in _PyCFrame: current_frame (3.10: PyThreadState.frame) */
     u32 f_code;             /* in _PyInterpreterFrame (3.13: f_executable) */
-    u32 f_previous;
-    u32 f_prev_instr;       /* the instruction executing (3.13: instr_ptr) */
+    u32 f_previous;         /* 3.10: PyFrameObject.f_back */
+    u32 f_prev_instr;       /* the instruction executing (3.13: instr_ptr; 3.10: f_lasti) */
     u32 f_is_entry;         /* 3.11: the frame was entered from C */
     u32 co_span;            /* start of the MT_PY_SPAN bytes hashed */
     u32 co_firstlineno;     /* in PyCodeObject */
@@ -83,6 +87,12 @@ struct mt_py_proc {
     u32 shim;               /* 3.12+: a run ends at a shim frame (owner CSTACK), no is_entry */
     u32 cframe;             /* 1: the frame is tstate->cframe->current_frame (3.11, 3.12);
                              * 0: tstate->current_frame (3.13: cf_current in PyThreadState) */
+    u32 f_read;             /* bytes of a frame read (its fields lie in them) */
+    u32 instr_index;        /* 1: f_prev_instr is an int, the instruction's index (3.10) */
+    u32 each_entry;         /* 1: every frame was entered from C (3.10) */
+    u32 task_fsbase;        /* 3.10: offsetof(struct task_struct, thread.fsbase), the
+                             * calling thread's pthread_self() on x86_64; 0: match by tid */
+    u32 version;            /* major << 8 | minor, for the code records */
 };
 
 /* a record's header, then room for the strings (at masked offsets) and the line table */
@@ -125,10 +135,20 @@ static __always_inline u64 mt_py_word(const void *base, u32 off) {
     return v;
 }
 
-/* The calling thread's PyThreadState, or 0. */
+/* The calling thread's PyThreadState, or 0. A thread state names its thread by
+ * native_thread_id (its tid) or, on 3.10, by thread_id alone: pthread_self(), the FS
+ * base the kernel keeps for the thread. */
 static __always_inline u64 mt_py_tstate(const struct mt_py_proc *p, u32 tid) {
+    u64 me = tid, mask = 0xffffffffULL;
+    if (p->task_fsbase) {
+        me = 0;
+        bpf_probe_read_kernel(&me, sizeof(me), (u8 *)bpf_get_current_task() + p->task_fsbase);
+        mask = ~0ULL;
+        if (!me)
+            return 0;
+    }
     u64 ts = p->tstate_current ? mt_py_word((void *)p->runtime, p->tstate_current) : 0;
-    if (ts && (u32)mt_py_word((void *)ts, p->ts_native_tid) == tid)
+    if (ts && (mt_py_word((void *)ts, p->ts_native_tid) & mask) == me)
         return ts;
     u64 interp = mt_py_word((void *)p->runtime, p->interp_head);
     if (!interp)
@@ -138,7 +158,7 @@ static __always_inline u64 mt_py_tstate(const struct mt_py_proc *p, u32 tid) {
     MT_LOOP(i, MT_PY_THREADS)
         if (!ts)
             break;
-        if ((u32)mt_py_word((void *)ts, p->ts_native_tid) == tid) {
+        if ((mt_py_word((void *)ts, p->ts_native_tid) & mask) == me) {
             found = ts;
             break;
         }
@@ -205,7 +225,7 @@ static __always_inline int mt_py_code_record(struct mt_py_scratch *s, const stru
     O[4] = firstline | (ltsize & 0xffffffff) << 32;
     O[5] = qlen | (q >> 16 & 7) << 16 | flen << 32 | (f >> 16 & 7) << 48;
     O[6] = lt;
-    O[7] = 0;
+    O[7] = p->version;
     u64 len = 64 + at + ((lt + 7) & ~7ULL);
     if (len > MT_PY_OUT_WORDS * 8)
         len = MT_PY_OUT_WORDS * 8;
@@ -238,7 +258,7 @@ static __always_inline u64 mt_py_frame(u32 pid, u32 tid) {
         mt_py_count(MT_PY_NO_THREAD);
         return 0;
     }
-    /* 3.11, 3.12: the thread state's _PyCFrame holds the current frame; 3.13: itself */
+    /* 3.11, 3.12: the thread state's _PyCFrame holds the current frame; 3.13, 3.10: itself */
     u64 cframe = p->cframe ? mt_py_word((void *)ts, p->ts_cframe) : ts;
     vs->frame = cframe ? mt_py_word((void *)cframe, p->cf_current) : 0;
     return vs->frame;
@@ -271,7 +291,7 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
             break;
         u64 fr[16] = {};
         u64 span[16] = {};
-        if (bpf_probe_read_user(fr, MT_PY_FRAME, (void *)frame)) {
+        if (bpf_probe_read_user(fr, p->f_read & (MT_PY_FRAME - 1), (void *)frame)) {
             mt_py_count(MT_PY_READ_FAILED);
             break;
         }
@@ -280,6 +300,8 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
         u64 instr = fr[(p->f_prev_instr / 8) & 15];
         u64 entry = (fr[(p->f_is_entry / 8) & 15] >> ((p->f_is_entry & 7) * 8)) & 1;
         u64 owner = (fr[(p->f_owner / 8) & 15] >> ((p->f_owner & 7) * 8)) & 0xff;
+        if (p->each_entry)
+            entry = 1;
         if (p->shim) {
             if (owner == MT_PY_CSTACK) {
                 /* a shim: the frame before it began a run (entered from C) */
@@ -300,7 +322,10 @@ static __always_inline u64 mt_py_capture(u32 pid, u32 tid, u64 native) {
         for (int j = 0; j < MT_PY_SPAN / 8; j++)
             key = mt_fnv_step(key, span[j]);
         key = key ? key : 1;
-        u64 index = (instr - code - p->co_code) / 2;
+        /* the instruction's index: 3.10 keeps it (f_lasti, an int; -1 before the first),
+         * later versions a pointer into the code's instructions */
+        u64 index = p->instr_index ? (u32)(instr >> ((p->f_prev_instr & 7) * 8))
+                                   : (instr - code - p->co_code) / 2;
         u64 w = (index & 0xffffffff) | entry << 32;
         s->frames[(2 * n) & (2 * MT_PY_DEPTH - 1)] = key;
         s->frames[(2 * n + 1) & (2 * MT_PY_DEPTH - 1)] = w;

@@ -77,10 +77,10 @@ TCMALLOC_NAMES = {
     "tc_deletearray_sized_aligned": "freesized",
 }  # fmt: skip
 # CPython's object allocator: the functions its default PyMemAllocatorEx tables
-# (`_PyObject`, and `_PyMem`, which 3.11+ route to pymalloc) point to. The exported
-# PyObject_Malloc ... PyMem_Free call them through the table, every object allocation of
-# the interpreter too; their first argument is the table's ctx. Local symbols (.symtab):
-# a stripped interpreter has none.
+# (`_PyObject`, and `_PyMem`, which pymalloc builds route to it since 3.6) point to. The
+# exported PyObject_Malloc ... PyMem_Free call them through the table, every object
+# allocation of the interpreter too; their first argument is the table's ctx. Local
+# symbols (.symtab): a stripped interpreter has none.
 PYMALLOC_NAMES = {"_PyObject_Malloc": "objmalloc", "_PyObject_Calloc": "objcalloc",
                   "_PyObject_Realloc": "objrealloc", "_PyObject_Free": "objfree"}
 PY_EXPORTED = "PyObject_Malloc"  # an interpreter's: where a build's inlining shows

@@ -255,6 +255,67 @@ def kfunc_ids(names: list[str], path: Path = VMLINUX_BTF) -> dict[str, int]:
     return found
 
 
+_BTF_STRUCT, _BTF_UNION = 4, 5
+_BTF_QUALIFIERS = {8, 9, 10, 11, 18}  # typedef, volatile, const, restrict, type tag
+
+
+def kernel_member_offset(path: tuple[str, ...], btf: Path = VMLINUX_BTF) -> int | None:
+    """offsetof(struct path[0], path[1].path[2]...) in this kernel, from its BTF (e.g.
+    ("task_struct", "thread", "fsbase")), or None where the BTF or a member is missing.
+    One walk of the type section (~0.2 s), paid only by the capture that needs it."""
+    try:
+        data = btf.read_bytes()
+        magic, _, _, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from(
+            "<HBBIIIII", data, 0)
+    except (OSError, struct.error):
+        return None
+    if magic != 0xEB9F or len(path) < 2:
+        return None
+    strings = data[hdr_len + str_off:hdr_len + str_off + str_len]
+
+    def name_at(name: str) -> int:
+        at = strings.find(b"\0" + name.encode() + b"\0")
+        return at + 1 if at >= 0 else -1
+
+    starts = [0]  # type id -> its offset in data (ids count from 1)
+    off, end = hdr_len + type_off, hdr_len + type_off + type_len
+    while off + 12 <= end:
+        starts.append(off)
+        info = struct.unpack_from("<I", data, off + 4)[0]
+        kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+        off += 12 + _BTF_EXTRA.get(kind, 0) + _BTF_PER_MEMBER.get(kind, 0) * vlen
+    first = name_at(path[0])
+    tid = None
+    for i, at in enumerate(starts[1:], start=1):
+        name_off, info = struct.unpack_from("<II", data, at)
+        if name_off == first and (info >> 24) & 0x1F == _BTF_STRUCT:
+            tid = i
+            break
+    total = 0
+    for member in path[1:]:
+        while tid is not None and 0 < tid < len(starts):  # through typedefs, qualifiers
+            info = struct.unpack_from("<I", data, starts[tid] + 4)[0]
+            if (info >> 24) & 0x1F not in _BTF_QUALIFIERS:
+                break
+            tid = struct.unpack_from("<I", data, starts[tid] + 8)[0]
+        if tid is None or not 0 < tid < len(starts):
+            return None
+        at = starts[tid]
+        info = struct.unpack_from("<I", data, at + 4)[0]
+        if (info >> 24) & 0x1F not in (_BTF_STRUCT, _BTF_UNION):
+            return None
+        want, tid = name_at(member), None
+        for k in range(info & 0xFFFF):
+            name_off, mtype, moff = struct.unpack_from("<III", data, at + 12 + 12 * k)
+            if name_off == want:
+                total += (moff & 0xFFFFFF if info >> 31 else moff) // 8
+                tid = mtype
+                break
+        if tid is None:
+            return None
+    return total
+
+
 def iterator_kfuncs() -> dict[int, int]:
     """Placeholder helper number -> BTF id of the kernel function it stands for, for
     every function MT_LOOP's iterator needs; empty where this kernel lacks any of them

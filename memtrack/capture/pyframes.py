@@ -4,24 +4,28 @@ At each attach stop (exec, a new executable mapping) `on_stop` looks for a CPyth
 interpreter among the process's executable mappings: a module whose dynamic symbols
 define `_PyRuntime` (Debian's stripped /usr/bin/python3 exports it, as does a
 libpython). Its version is the `Py_Version` constant read from the file (3.11+), never
-from code run in the traced process; a free-threaded build (3.13t) says so in the
-`_Py_DebugOffsets` that open `_PyRuntime` (3.13+). A version in OFFSETS, built with the
-GIL, gets an entry in the kernel's mt_py_procs (the runtime's address and that
+from code run in the traced process; 3.10 has no `Py_Version` but is the one version
+that defines `Py_Is` (new in 3.10) without it; a free-threaded build (3.13t) says so in
+the `_Py_DebugOffsets` that open `_PyRuntime` (3.13+). A version in OFFSETS, built with
+the GIL, gets an entry in the kernel's mt_py_procs (the runtime's address and that
 version's struct offsets), and from then on every allocation of the process folds its
 thread's Python frames into its stack hash; any other version or build is one warning
 naming it and the file, and its stacks keep their native frames only.
 
 The ring carries two kinds of records (bpf/pyframes.h): Python stack records (a chain
 of code keys and instruction indexes, and the native stack hash it extends) and code
-records (a code object's qualified name, file name, first line and line table, read by
-the BPF program when the code key is new). They become py_stacks.arrow and
-py_codes.arrow; `process` names and merges the frames (memtrack.process.pyframes).
+records (a code object's qualified name, file name, first line, line table and the
+interpreter's version, read by the BPF program when the code key is new). They become
+py_stacks.arrow and py_codes.arrow; `process` names and merges the frames
+(memtrack.process.pyframes).
 """
 
 from __future__ import annotations
 
 import ctypes as ct
+import functools
 import os
+import platform
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,24 +64,27 @@ DEBUG_COOKIE = b"xdebugpy"  # _Py_Debug_Cookie
 # Offsets per CPython version (major, minor), in the order of bpf/pyframes.h's struct
 # mt_py_proc, each `offsetof` of that version's headers (Include/internal: compile a
 # file defining Py_BUILD_CORE that prints them; tests/test_pyframes.py does so against
-# the installed python3.11-dev headers, and pyenv's 3.12 and 3.13 where present, and
-# compares; 3.13's also against the _Py_DebugOffsets its libpython holds).
+# the installed python3.11-dev headers, and pyenv's 3.10, 3.12 and 3.13 where present,
+# and compares; 3.13's also against the _Py_DebugOffsets its libpython holds). 3.10's
+# names differ (in parentheses): its frames are PyFrameObjects, each run by its own
+# evaluation call, with the instruction's index (f_lasti) rather than a pointer to it.
 FIELDS = (
     "tstate_current",  # _PyRuntimeState.gilstate.tstate_current
     "interp_head",  # _PyRuntimeState.interpreters.head
-    "threads_head",  # PyInterpreterState.threads.head
+    "threads_head",  # PyInterpreterState.threads.head (3.10: tstate_head)
     "ts_next",  # PyThreadState.next
-    "ts_native_tid",  # PyThreadState.native_thread_id
+    "ts_native_tid",  # PyThreadState.native_thread_id (3.10: thread_id, pthread_self())
     "ts_cframe",  # PyThreadState.cframe
-    "cf_current",  # _PyCFrame.current_frame
-    "f_code",  # _PyInterpreterFrame.f_code
-    "f_previous",  # _PyInterpreterFrame.previous
-    "f_prev_instr",  # _PyInterpreterFrame.prev_instr
+    "cf_current",  # _PyCFrame.current_frame (3.10: PyThreadState.frame)
+    "f_code",  # _PyInterpreterFrame.f_code (3.10: PyFrameObject.f_code)
+    "f_previous",  # _PyInterpreterFrame.previous (3.10: f_back)
+    "f_prev_instr",  # _PyInterpreterFrame.prev_instr (3.10: f_lasti)
     "f_is_entry",  # _PyInterpreterFrame.is_entry
-    "co_span",  # offsetof(PyCodeObject, co_linetable) + 8 - 80: 80 immutable bytes hashed
+    "co_span",  # where the 88 immutable bytes hashed begin (co_firstlineno..co_linetable):
+    #             offsetof(PyCodeObject, co_linetable) + 8 - 80 (3.10: co_firstlineno)
     "co_firstlineno",  # PyCodeObject.co_firstlineno
     "co_filename",  # PyCodeObject.co_filename
-    "co_qualname",  # PyCodeObject.co_qualname
+    "co_qualname",  # PyCodeObject.co_qualname (3.10: co_name)
     "co_linetable",  # PyCodeObject.co_linetable
     "co_code",  # PyCodeObject.co_code_adaptive
     "str_length",  # PyASCIIObject.length
@@ -89,25 +96,50 @@ FIELDS = (
     "f_owner",  # _PyInterpreterFrame.owner
     "shim",  # 1: runs end above shim frames (3.12, 3.13), 0: at is_entry frames (3.11)
     "cframe",  # 1: the frame is tstate->cframe->current_frame, 0: tstate->current_frame
+    "f_read",  # bytes of a frame read: offsetof(_PyInterpreterFrame, localsplus) (3.10:
+    #            to f_lasti's end, rounded up to 8)
+    "instr_index",  # 1: f_prev_instr is an int, the instruction's index (3.10); 0: a pointer
+    "each_entry",  # 1: every frame was entered from C, its own evaluation call (3.10)
 )
 OFFSETS: dict[tuple[int, int], tuple[int, ...]] = {
+    # 3.10: no _PyCFrame holds the frame (cframe 0: PyThreadState.frame); its thread
+    # state has no native_thread_id: thread_id is pthread_self(), matched against the
+    # calling thread's FS base (PyProc.task_fsbase)
+    (3, 10): (568, 32, 8, 8, 176, 0, 24, 32, 24, 96, 0, 40, 40, 104, 112, 120, 0,
+              16, 32, 48, 72, 16, 32, 0, 0, 0, 104, 1, 1),
     (3, 11): (576, 40, 16, 8, 160, 56, 8, 32, 48, 56, 68, 64, 72, 112, 128, 136, 184,
-              16, 32, 48, 72, 16, 32, 69, 0, 1),
+              16, 32, 48, 72, 16, 32, 69, 0, 1, 72, 0, 0),
     # 3.12: the current thread state is a thread-local (0: search the thread list), no
     # is_entry (0: unused)
     (3, 12): (0, 40, 72, 8, 144, 56, 0, 0, 8, 56, 0, 64, 68, 112, 128, 136, 192,
-              16, 32, 40, 56, 16, 32, 70, 1, 1),
+              16, 32, 40, 56, 16, 32, 70, 1, 1, 72, 0, 0),
     # 3.13: as 3.12, and no _PyCFrame: PyThreadState.current_frame is cf_current (ts_cframe
     # unused); f_code is f_executable, f_prev_instr is instr_ptr
     (3, 13): (0, 632, 7344, 8, 160, 0, 72, 0, 8, 56, 0, 64, 68, 112, 128, 136, 200,
-              16, 32, 40, 56, 16, 32, 70, 1, 0),
+              16, 32, 40, 56, 16, 32, 70, 1, 0, 72, 0, 0),
 }
 
 
 class PyProc(ct.Structure):
-    """bpf/pyframes.h struct mt_py_proc."""
+    """bpf/pyframes.h struct mt_py_proc: the runtime's address, the version's OFFSETS,
+    then task_fsbase (3.10: where the kernel keeps a thread's FS base, pthread_self() on
+    x86_64, in its task_struct; 0: threads are matched by native_thread_id) and the
+    version (major << 8 | minor, for the code records: it says the line table's format)."""
 
-    _fields_ = [("runtime", ct.c_uint64), *((f, ct.c_uint32) for f in FIELDS)]
+    _fields_ = [("runtime", ct.c_uint64), *((f, ct.c_uint32) for f in FIELDS),
+                ("task_fsbase", ct.c_uint32), ("version", ct.c_uint32)]
+
+
+@functools.cache
+def task_fsbase() -> int | None:
+    """offsetof(struct task_struct, thread.fsbase) in this kernel (its BTF), where
+    pthread_self() is the FS base (x86_64: glibc's and musl's thread pointer is the
+    struct pthread itself); None elsewhere."""
+    if platform.machine() != "x86_64":
+        return None
+    from memtrack.capture.program import kernel_member_offset
+
+    return kernel_member_offset(("task_struct", "thread", "fsbase"))
 
 
 @dataclass(frozen=True)
@@ -117,7 +149,7 @@ class Interpreter:
     path: str
     runtime_vaddr: int
     first_load: int  # the first PT_LOAD's vaddr, page-aligned (where offset 0 maps)
-    version: tuple[int, int, int] | None  # None: older than 3.11 (no Py_Version)
+    version: tuple[int, ...] | None  # (3, 10): no micro (no Py_Version); None: before 3.10
     free_threaded: bool = False  # a --disable-gil build (3.13t): other layouts
 
     @property
@@ -126,19 +158,19 @@ class Interpreter:
                 and not self.free_threaded)
 
     def describe(self) -> str:
-        v = ".".join(map(str, self.version)) if self.version else "before 3.11"
+        v = ".".join(map(str, self.version)) if self.version else "before 3.10"
         return f"CPython {v}{' free-threaded' if self.free_threaded else ''} ({self.path})"
 
 
 def find_interpreter(path: str) -> Interpreter | None:
     """The CPython interpreter a module file is, or None (not one, or unreadable)."""
     from memtrack.elf.image import ElfImage, ElfReadError
-    from memtrack.elf.symtab import STT_NOTYPE, STT_OBJECT, defined_symbols
+    from memtrack.elf.symtab import STT_FUNC, STT_NOTYPE, STT_OBJECT, defined_symbols
 
     try:
         with ElfImage(path) as img:
-            found = defined_symbols(img, {"_PyRuntime", "Py_Version"},
-                                    (STT_OBJECT, STT_NOTYPE), sections=(".dynsym",))
+            found = defined_symbols(img, {"_PyRuntime", "Py_Version", "Py_Is"},
+                                    (STT_OBJECT, STT_NOTYPE, STT_FUNC), sections=(".dynsym",))
             if "_PyRuntime" not in found:  # not an interpreter (an extension imports it)
                 return None
             runtime = found["_PyRuntime"][0]
@@ -148,6 +180,8 @@ def find_interpreter(path: str) -> Interpreter | None:
                 if len(raw) == 4:
                     hexv = int.from_bytes(raw, "little")
                     version = (hexv >> 24, (hexv >> 16) & 0xFF, (hexv >> 8) & 0xFF)
+            elif "Py_Is" in found:  # the stable ABI's Py_Is came in 3.10, Py_Version in 3.11
+                version = (3, 10)
             # 3.13+: _PyRuntime opens with _Py_DebugOffsets: cookie, version, free_threaded
             head = img.code(runtime, 24)
             free = head[:8] == DEBUG_COOKIE and int.from_bytes(head[16:24], "little") != 0
@@ -233,6 +267,7 @@ def records_to_batches(records: Iterable[bytes | memoryview]) -> PyBatches:
             co["filename"].append(_decode(data[qpad:qpad + flen], fkind))
             co["linetable"].append(data[qpad + fpad:qpad + fpad + lt])
             co["linetable_size"].append(int(w[4]) >> 32)
+            co["python_version"].append(int(w[7]) & 0xFFFF)
         else:
             bad += 1
     return PyBatches(pa.RecordBatch.from_pydict(st, schema=PY_STACKS),
@@ -301,19 +336,26 @@ class PyFramesPart:
                     found, start = interp, starts[m.path]
                     break
         table = bpf[PROCS]
-        if found is None or not found.supported:
+        fsbase = task_fsbase() if found is not None and found.version == (3, 10) else 0
+        if found is None or not found.supported or fsbase is None:
             try:
                 del table[ct.c_uint32(pid)]
             except KeyError:
                 pass
             if found is None:
                 return []
+            if fsbase is None:
+                return [f"python frames: {found.describe()} keeps pthread_self() as its "
+                        "threads' identity, which memtrack reads from the kernel's BTF "
+                        "(task_struct.thread.fsbase) on x86_64 only; not found here, its "
+                        "stacks have native frames only"]
             return [f"python frames: {found.describe()} is not a build memtrack knows "
                     f"(known: {', '.join(f'{a}.{b}' for a, b in OFFSETS)}, with the GIL); its "
                     "stacks have native frames only"]
         assert found.version is not None
+        major, minor = found.version[:2]
         proc = PyProc(start - found.first_load + found.runtime_vaddr,
-                      *OFFSETS[found.version[:2]])
+                      *OFFSETS[(major, minor)], fsbase, major << 8 | minor)
         table[ct.c_uint32(pid)] = proc
         return []
 

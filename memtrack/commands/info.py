@@ -78,7 +78,7 @@ def collect_info(path: Path, *, accept_damaged: bool = False) -> dict[str, Any]:
     read = read_artifact(art, tally)
     for name in TABLES:
         t = getattr(read, name, None)  # stack_copies: a debug table process never reads
-        bad = read.bad_rows.get(name, 0)
+        bad = read.counters.get(f"{name}_bad_rows", 0)
         rows = tally.n if name == "events" else (
             t if t is not None else art.read(name, required=False).table).num_rows
         tables[name] = {"rows": rows + bad, "truncated": name in art.truncated,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from memtrack.process.stage import StageResult
 from memtrack.schema import clones
 from memtrack.schema.enums import CLONE_VM, EXIT_PROCESS, EndReason, EventKind
 
@@ -86,7 +87,7 @@ def exit_status(raw: int | None) -> dict[str, int | None] | None:
 
 
 @dataclass
-class Lifecycle:
+class Lifecycle(StageResult):
     """The lifecycle events as tables (ts-ordered), and the processes."""
 
     clones: pa.Table  # every FORK: event_id, ts, pid, tid (the parent), child, thread, flags

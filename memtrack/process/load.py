@@ -28,6 +28,7 @@ import pyarrow as pa
 from memtrack.process.dataset import write_parquet
 from memtrack.process.lifecycle import Lifecycle
 from memtrack.process.lookup import find_sorted
+from memtrack.process.stage import StageResult
 from memtrack.schema.ddl import (
     ALLOCATORS,
     DERIVED_NAMES,
@@ -47,13 +48,13 @@ from memtrack.schema.stages import SYMBOLIZED_FRAMES
 
 
 @dataclass
-class Loaded:
-    """What the load stage wrote and learnt on the way."""
+class Loaded(StageResult):
+    """What the load stage wrote and learnt on the way (counters:
+    `symbolize_missing_rows`, the locations the symbolizer returned nothing for)."""
 
     rows: dict[str, int] = field(default_factory=dict)  # per table
     frames_by_method: dict[str, int] = field(default_factory=dict)
     unknown_frames: int = 0  # stack frames whose (outermost) function is unknown
-    symbolize_missing_rows: int = 0  # locations the symbolizer returned nothing for
 
 
 def _names(values: list[str]) -> str:
@@ -224,7 +225,7 @@ class RunDatabase:
         out = Loaded()
         rows_out = np.unique(symbolized.column("row").to_numpy()) if symbolized.num_rows \
             else np.array([])
-        out.symbolize_missing_rows = known.num_rows - len(rows_out)
+        out.counters["symbolize_missing_rows"] = known.num_rows - len(rows_out)
         out.frames_by_method = dict(self.con.execute(
             "SELECT method, count(*) FROM stack_frames GROUP BY 1 ORDER BY 1").fetchall())
         out.unknown_frames = self.con.execute("""

@@ -32,7 +32,7 @@ bucket too big) or a range at a time, and the inherited blocks (memtrack.process
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,7 @@ from memtrack.process.lookup import find_sorted, group_bounds
 from memtrack.process.match import BLOCK_ROWS, END_REALLOC, allocation_rows, matched
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import EventSpill, buckets_for, split
+from memtrack.process.stage import StageResult
 from memtrack.process.streams import Stream
 from memtrack.schema.enums import EventKind
 from memtrack.schema.stages import ALLOCATIONS, HEAP_TIMELINE
@@ -56,10 +57,9 @@ MAX_RANGES = 128  # a range's three streams are open files: ranges grow, not the
 
 
 @dataclass
-class Pairing:
+class Pairing(StageResult):
     allocations: pa.Table  # ALLOCATIONS: the allocations in event order, then the inherited
     heap_timeline: pa.Table  # HEAP_TIMELINE: heap bytes per process after each change
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 def pair(events: pa.Table, lifecycle: Lifecycle, end_ts: int | None = None, *,
@@ -76,20 +76,21 @@ def pair(events: pa.Table, lifecycle: Lifecycle, end_ts: int | None = None, *,
         spill.add(batch)
     allocations: list[pa.Table] = []
     timeline: list[pa.Table] = []
-    counters = pair_spilled(spill, lifecycle, end_ts, allocations.append, timeline.append)
+    paired = pair_spilled(spill, lifecycle, end_ts, allocations.append, timeline.append)
     return Pairing(pa.concat_tables([ALLOCATIONS.empty_table(), *allocations]),
-                   pa.concat_tables([HEAP_TIMELINE.empty_table(), *timeline]), counters)
+                   pa.concat_tables([HEAP_TIMELINE.empty_table(), *timeline]),
+                   counters=paired.counters)
 
 
 def pair_spilled(spill: EventSpill, lifecycle: Lifecycle, end_ts: int | None,
                  allocations: Callable[[pa.Table], None],
                  timeline: Callable[[pa.Table], None], progress: Advance = no_progress,
                  attached: list[int] | None = None
-                 ) -> dict[str, int]:
+                 ) -> StageResult:
     """Pair the events of `spill`, bucket by bucket; hands the allocations (ALLOCATIONS,
     by alloc_id) to `allocations` and the heap timeline (HEAP_TIMELINE, in event order)
-    to `timeline`, a table at a time; returns the counters. `progress` is told after
-    each bucket and each range.
+    to `timeline`, a table at a time; returns the counters (the tables went to them).
+    `progress` is told after each bucket and each range.
 
     A bucket's rows go to streams by their event's range (RANGE_EVENTS events or more):
     the allocations and, for each realloc, the block it freed; a range at a time, they are
@@ -145,7 +146,7 @@ def pair_spilled(spill: EventSpill, lifecycle: Lifecycle, end_ts: int | None,
         progress(len(spill.ops) + k + 1, steps, buckets=len(spill.ops), ranges=k + 1)
     if inherited_table.num_rows:
         allocations(inherited_table)
-    return counters
+    return StageResult(counters=counters)
 
 
 # For a realloc: the block its event freed (alloc_id, or an inherited block's key: fork,

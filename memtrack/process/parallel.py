@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,7 @@ import pyarrow as pa
 from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.decode import StackRecords, decode_pieces, decode_table, piece_ends
 from memtrack.process.progress import Advance, no_progress
+from memtrack.process.stage import StageResult
 from memtrack.process.unwind import Unwinder, UnwoundStacks
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 
@@ -48,10 +49,8 @@ def default_jobs() -> int:
 
 
 @dataclass
-class StackWork:
-    unwound: UnwoundStacks
-    counters: dict[str, int] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)  # sorted, each once
+class StackWork(StageResult):
+    unwound: UnwoundStacks  # problems: sorted, each once
 
 
 def choose_records(records: StackRecords, piece_bytes: int,
@@ -168,7 +167,7 @@ def unwind_records(records: StackRecords, mappings: pa.Table, artifact: Path,
         problems.update(p)
     if not results:
         return StackWork(UnwoundStacks(UNWOUND_STACKS.empty_table(),
-                                       UNWOUND_STACK_FRAMES.empty_table()), counters)
+                                       UNWOUND_STACK_FRAMES.empty_table()), counters=counters)
     return StackWork(UnwoundStacks(pa.concat_tables([r[0] for r in results]),
                                    pa.concat_tables([r[1] for r in results])),
-                     counters, sorted(problems))
+                     counters=counters, problems=sorted(problems))

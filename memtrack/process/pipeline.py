@@ -42,6 +42,7 @@ from memtrack.process.read import LIFECYCLE_TABLES, read_artifact, spilled_event
 from memtrack.process.regions import regions
 from memtrack.process.rss import resident
 from memtrack.process.spill import EventSpill, OtherEvents, buckets_for
+from memtrack.process.stage import StageResult
 from memtrack.process.unwind import UnwoundStacks, module_paths
 from memtrack.schema import FORMAT_VERSION, loss_lines, table_file
 from memtrack.schema.artifact import Artifact, ArtifactError
@@ -50,7 +51,7 @@ from memtrack.schema.stages import (
     SYMBOLIZED_FRAMES,
 )
 
-T = TypeVar("T")
+R = TypeVar("R", bound=StageResult)
 
 
 class ProcessError(Exception):
@@ -125,8 +126,9 @@ NOTABLE = (
 
 
 class Stages:
-    """Runs the stages one after another, each once (progress.STAGES), times them and
-    tells `sink` (None: nobody) where they are."""
+    """Runs the stages one after another, each once (progress.STAGES), times them,
+    takes their counters and problems into the summary (`took`) and tells `sink` (None:
+    nobody) where they are."""
 
     def __init__(self, summary: Summary, sink: ProgressSink | None) -> None:
         self.summary, self.sink = summary, sink
@@ -150,9 +152,15 @@ class Stages:
         if sink is not None:
             sink.finish(name, seconds)
 
-    def run(self, name: str, fn: Callable[[], T]) -> T:
+    def run(self, name: str, fn: Callable[[], R]) -> R:
         with self.stage(name):
-            return fn()
+            return self.took(fn())
+
+    def took(self, result: R) -> R:
+        """A stage's result, its counters and problems now the summary's."""
+        self.summary.add(result.counters)
+        self.summary.warn(result.problems)
+        return result
 
 
 def process(
@@ -240,29 +248,23 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     artifact_path = art.path
     summary.losses = dict(m.losses)
     with st.stage("read") as progress:
-        tables = read_artifact(art, spill, db.con, progress)
-    summary.counters["events_bad_kind"] = tables.events_bad_kind
-    summary.add({f"{k}_bad_rows": v for k, v in tables.bad_rows.items()})
+        tables = st.took(read_artifact(art, spill, db.con, progress))
     summary.events = spill.n
     end_ns = m.end_ns or spill.last_ts
     lifecycle = st.run("lifecycle", lambda: of_artifact(tables, m, spill.others.first_seen))
     res = st.run("rss", lambda: resident(tables, m, lifecycle))
     spans = st.run("regions", lambda: regions(tables.events, tables.region_names, end_ns,
                                               tables.region_labels))
-    summary.add(spans.counters)
 
     store = ModuleStore(artifact_path, host_modules=host_modules)
     spaces = inherited_mappings(tables.mappings, lifecycle.forks,
                                 tables.stacks.index.column("pid").to_numpy())
-    work = unwind_records(tables.stacks, spaces, artifact_path, host_modules,
-                          store, piece_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache)
-    summary.add(work.counters)
-    summary.warn(work.problems)
+    work = st.took(unwind_records(tables.stacks, spaces, artifact_path, host_modules, store,
+                                  piece_bytes or DEFAULT_MAX_BYTES, jobs, st.stage, cache))
     unwound = work.unwound
     with st.stage("pyframes"):
-        merged = merge_python(tables.py_stacks, tables.py_codes, unwound.stacks,
-                              unwound.stack_frames, store, python=python_frames)
-    summary.add(merged.counters)
+        merged = st.took(merge_python(tables.py_stacks, tables.py_codes, unwound.stacks,
+                                      unwound.stack_frames, store, python=python_frames))
     unwound = UnwoundStacks(pa.concat_tables([unwound.stacks, merged.stacks]),
                             pa.concat_tables([unwound.stack_frames, merged.stack_frames]))
     summary.stacks = unwound.stacks.num_rows
@@ -270,9 +272,9 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
     with st.stage("symbolize") as progress:
         known = db.stacks(unwound.stacks, unwound.stack_frames, modules)
         del unwound, work
-        symbolized = symbolize_locations(store, known, cache, summary)
+        symbolized = st.took(symbolize_locations(store, known, cache))
         progress(known.num_rows, known.num_rows or None, locations=known.num_rows)
-        loaded = db.frames(known, symbolized, merged.locations)
+        loaded = st.took(db.frames(known, symbolized.frames, merged.locations))
     del known, symbolized, merged
     # the events go into the database beside pair, and pair's rows as it hands them
     # over, each on a connection of its own (DuckDB's threads and numpy's share the
@@ -281,15 +283,14 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         copied = aside.submit(db.events, spilled_events(art, spill), aside=True)
         rows = Aside(db)
         try:
-            counters = pair_spilled(
+            paired = st.took(pair_spilled(
                 spill, lifecycle, m.end_ns or None, partial(rows.insert, "allocations"),
                 partial(rows.insert, "heap_timeline"), progress,
-                [a["pid"] for a in m.attached])
+                [a["pid"] for a in m.attached]))
         finally:
             rows.close()
             copied.result()
-    summary.add(counters)
-    summary.allocations = counters["allocations"]
+    summary.allocations = paired.counters["allocations"]
     with st.stage("load"):
         spill.remove()
         db.processes(lifecycle)
@@ -299,7 +300,6 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         db.table("region_labels", spans.labels)
         db.table("stops", tables.stops)
         summary.counters["events_stack_missing"] = db.missing_stacks()
-        summary.counters["symbolize_missing_rows"] = loaded.symbolize_missing_rows
         summary.warnings = [*art.warnings, *summary.warnings,
                             *(p for p in store.problems if p not in summary.warnings)]
         db.meta(meta_rows(
@@ -327,8 +327,9 @@ def _process(art: Artifact, db: RunDatabase, spill: EventSpill, summary: Summary
         summary.rows = db.finish(parquet_dir)
     summary.frames_by_method = loaded.frames_by_method
     summary.unknown_frames = loaded.unknown_frames
-    summary.metadata = st.run("metadata", lambda: metadata.write(
-        metadata.build(art.path, m, lifecycle, res), metadata.path_for(summary.out_db)))
+    with st.stage("metadata"):  # a file beside the database: no tables, nothing counted
+        summary.metadata = metadata.write(metadata.build(art.path, m, lifecycle, res),
+                                          metadata.path_for(summary.out_db))
 
 
 def allocator_functions(probes: Any) -> list[str]:
@@ -374,23 +375,29 @@ def modules_table(mappings: pa.Table, stack_frames: pa.Table, store: ModuleStore
     return pa.table(rows, schema=MODULES)
 
 
-def symbolize_locations(store: ModuleStore, known: pa.Table, cache_dir: Path | None,
-                        summary: Summary) -> pa.Table:
-    """Symbolize the code locations (frame_id, build_id, vaddr, path) of a run; what the
-    symbolizer found wrong (a cache it cannot write, DWARF it cannot read) goes to the
-    summary's warnings and counters (symbolize_*)."""
+@dataclass
+class Symbolized(StageResult):
+    frames: pa.Table  # SYMBOLIZED_FRAMES
+
+
+def symbolize_locations(store: ModuleStore, known: pa.Table, cache_dir: Path | None
+                        ) -> Symbolized:
+    """Symbolize the code locations (frame_id, build_id, vaddr, path) of a run, with what
+    the symbolizer found wrong (a cache it cannot write, DWARF it cannot read) as the
+    problems and its counters as `symbolize_*`."""
     if known.num_rows == 0:
-        return SYMBOLIZED_FRAMES.empty_table()
+        return Symbolized(SYMBOLIZED_FRAMES.empty_table())
     from memtrack.symbolize import Symbolizer
 
     s = Symbolizer(store, cache_dir)
     try:
-        return s.symbolize(known.column("build_id").combine_chunks(),
-                           known.column("vaddr").to_numpy(), known.column("path").combine_chunks())
+        frames = s.symbolize(known.column("build_id").combine_chunks(),
+                             known.column("vaddr").to_numpy(),
+                             known.column("path").combine_chunks())
     finally:
         s.close()  # writes the cache: its failure is a problem too
-        summary.add({f"symbolize_{k}": v for k, v in s.counters.items()})
-        summary.warn(s.problems)
+    return Symbolized(frames, counters={f"symbolize_{k}": v for k, v in s.counters.items()},
+                      problems=list(s.problems))
 
 
 def artifact_mappings(art: Artifact, pids: np.ndarray) -> pa.Table:

@@ -3,10 +3,11 @@ native stacks they extend.
 
 A Python stack record (capture/pyframes.py) names a native stack (`native_hash`) and a
 chain of (code key, instruction index, entered from C) innermost first. Each frame is
-named from its code record: the qualified name, the file, and the line its instruction
-falls in (the code object's line table: the location table of CPython 3.11 to 3.13).
-The chain splits into runs, each ending at a frame entered from C: the frames one call of
-`_PyEval_EvalFrameDefault` executed. In the merged stack each run replaces the evaluation
+named from its code record: the qualified name (3.10: the function's name), the file,
+and the line its instruction falls in (the code object's line table: the location table
+of CPython 3.11 to 3.13, 3.10's table of PEP 626). The chain splits into runs, each
+ending at a frame entered from C: the frames one call of `_PyEval_EvalFrameDefault`
+executed (3.10: every frame is one). In the merged stack each run replaces the evaluation
 frame that ran it, innermost first, so that a C extension called from Python shows its
 native frames above the Python ones. Python frames have method `python`; their
 locations are (code key, line) pairs, keyed apart from native ones (no module, no
@@ -18,7 +19,7 @@ instruction) pair, to read its line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -26,11 +27,13 @@ import pyarrow.compute as pc
 
 from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.lookup import find_sorted, key_bounds
+from memtrack.process.stage import StageResult
 from memtrack.process.unwind import module_paths
 from memtrack.schema.stackrecord import ragged
 from memtrack.schema.stages import UNWOUND_STACK_FRAMES, UNWOUND_STACKS
 
 EVAL_FRAME = "_PyEval_EvalFrameDefault"
+PEP626 = 0x030A  # py_codes.python_version whose line tables are 3.10's (PEP 626)
 
 # python locations (-> the names of `frames` whose method is python)
 PYTHON_LOCATIONS = pa.schema([
@@ -42,11 +45,10 @@ PYTHON_LOCATIONS = pa.schema([
 
 
 @dataclass
-class Merged:
+class Merged(StageResult):
     stacks: pa.Table  # UNWOUND_STACKS rows of the Python stack hashes
     stack_frames: pa.Table  # UNWOUND_STACK_FRAMES rows of them
     locations: pa.Table  # PYTHON_LOCATIONS
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
@@ -61,9 +63,14 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
     return val, i
 
 
-def line_ranges(linetable: bytes, first_line: int) -> tuple[np.ndarray, np.ndarray]:
-    """CPython 3.11's (to 3.13's) location table (Objects/locations.md) as (end code unit of each
-    entry, its line; 0 for no location). A table cut short yields the entries it holds."""
+def line_ranges(linetable: bytes, first_line: int, version: int = 0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A code object's line table as (end code unit of each entry, its line; 0 for no
+    line), in the format of its interpreter's `version` (py_codes.python_version: 3.10's,
+    PEP626, or else the location table of 3.11 to 3.13, Objects/locations.md). A table
+    cut short yields the entries it holds."""
+    if version == PEP626:
+        return pep626_ranges(linetable, first_line)
     ends: list[int] = []
     lines: list[int] = []
     line, unit, i = first_line, 0, 0
@@ -98,12 +105,27 @@ def line_ranges(linetable: bytes, first_line: int) -> tuple[np.ndarray, np.ndarr
     return np.array(ends, np.int64), np.array(lines, np.int64)
 
 
+def pep626_ranges(linetable: bytes, first_line: int) -> tuple[np.ndarray, np.ndarray]:
+    """CPython 3.10's line table (PEP 626; Objects/lnotab_notes.txt and codeobject.c's
+    advance() in 3.10) as line_ranges gives it: byte pairs, each an address range of its
+    own: its length in bytes of code (unsigned; 2 bytes a code unit) and its line's
+    change from the one before (signed; -128: the range has no line, the next change
+    counts from the last line)."""
+    pairs = np.frombuffer(linetable, np.uint8)[:len(linetable) // 2 * 2].reshape(-1, 2)
+    ends = np.cumsum(pairs[:, 0].astype(np.int64)) // 2
+    delta = pairs[:, 1].astype(np.int8).astype(np.int64)
+    none = delta == -128
+    lines = first_line + np.cumsum(np.where(none, 0, delta))
+    return ends, np.where(none, 0, lines)
+
+
 def trampolines(codes: pa.Table) -> np.ndarray:
     """Per code record: whether no instruction of it has a line (its whole location table,
     as read, holds no-location entries only, whose bytes are 0xf8-0xff, or nothing).
     Compiled Python always has one (RESUME at its first line); CPython's own trampoline
     code objects (3.13's _Py_InitCleanup: table b'\\xfb') do not. A table BPF could not
-    read (empty, though its size is not) is not a trampoline's."""
+    read (empty, though its size is not) is not a trampoline's, nor is any of 3.10 (its
+    table is not a location table; it has no trampolines)."""
     table = codes.column("linetable").cast(pa.large_binary()).combine_chunks()
     if len(table) == 0:
         return np.zeros(0, bool)
@@ -112,6 +134,7 @@ def trampolines(codes: pa.Table) -> np.ndarray:
     values = np.frombuffer(data or b"", np.uint8)[offsets[0]:offsets[-1]]
     located = np.concatenate([[0], np.cumsum(values < 0xF8)])
     whole = np.diff(offsets) == codes.column("linetable_size").to_numpy()
+    whole &= codes.column("python_version").to_numpy() != PEP626
     return whole & (located[offsets[1:] - offsets[0]] == located[offsets[:-1] - offsets[0]])
 
 
@@ -147,9 +170,13 @@ def _lines(keys: np.ndarray, instrs: np.ndarray, codes: pa.Table) -> np.ndarray:
         j = int(np.searchsorted(ckeys, key))
         if j >= len(ckeys) or ckeys[j] != key:
             continue
+        first = codes.column("first_line")[j].as_py()
+        version = codes.column("python_version")[j].as_py()
+        if instr == 0xFFFFFFFF and version == PEP626:
+            out[i] = first  # a frame that has not started: 3.10's f_lineno says its first line
+            continue
         if key not in tables:
-            tables[key] = line_ranges(codes.column("linetable")[j].as_py(),
-                                      codes.column("first_line")[j].as_py())
+            tables[key] = line_ranges(codes.column("linetable")[j].as_py(), first, version)
         ends, lines = tables[key]
         unit = 0 if instr == 0xFFFFFFFF else instr  # a frame that has not started
         k = int(np.searchsorted(ends, unit, side="right"))
@@ -167,7 +194,7 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
                 "python_trampolines": 0}
     if py_stacks.num_rows == 0:
         return Merged(UNWOUND_STACKS.empty_table(), UNWOUND_STACK_FRAMES.empty_table(),
-                      PYTHON_LOCATIONS.empty_table(), counters)
+                      PYTHON_LOCATIONS.empty_table(), counters=counters)
     # the first record of each hash; the first code record of each key, sorted by key
     _, first = np.unique(py_stacks.column("hash").to_numpy(), return_index=True)
     recs = py_stacks.take(np.sort(first))
@@ -323,7 +350,7 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     }, schema=UNWOUND_STACKS)
     counters["python_stacks"] = nrec
     counters["python_frames"] = int(is_py.sum())
-    return Merged(out_stacks, frames, locations, counters)
+    return Merged(out_stacks, frames, locations, counters=counters)
 
 
 def native_hashes(py_stacks: pa.Table, hashes: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ later), its events put in time order (event_id = that order)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import duckdb
@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from memtrack.process.decode import StackRecords
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.spill import EventSpill, OutOfOrder
+from memtrack.process.stage import StageResult
 from memtrack.process.streams import as_pieces
 from memtrack.schema import EVENTS, TABLES, table_file
 from memtrack.schema.artifact import BUILD_ID, Artifact, ArtifactError, TableRead
@@ -37,7 +38,10 @@ PIECE_ROWS = 1 << 18  # events checked and spilled at a time
 
 
 @dataclass
-class ArtifactTables:
+class ArtifactTables(StageResult):
+    """The artifact's tables (counters: `events_bad_kind`, the events dropped for a
+    kind this reader does not know, and `TABLE_bad_rows`, rows skipped per table)."""
+
     # valid kinds only, time-ordered, with event_id first; read into a spill: the kinds
     # other than the heap's only (the spill has every event)
     events: pa.Table
@@ -51,9 +55,6 @@ class ArtifactTables:
     py_stacks: pa.Table  # the Python stack records (format 2.2; empty before)
     py_codes: pa.Table
     stops: pa.Table  # capture's stops of traced processes (format 2.3; empty before)
-
-    events_bad_kind: int = 0  # events dropped for a kind this reader does not know
-    bad_rows: dict[str, int] = field(default_factory=dict)  # per table: rows skipped
 
 
 def _no_nulls(t: pa.Table, *names: str) -> pa.ChunkedArray:
@@ -233,7 +234,8 @@ def read_artifact(art: Artifact, spill: EventSink | None = None,
         region_names=out["region_names"], region_labels=out["region_labels"],
         py_stacks=out["py_stacks"], py_codes=out["py_codes"],
         stops=out["stops"],
-        events_bad_kind=bad, bad_rows={k: v for k, v in bad_rows.items() if v},
+        counters={"events_bad_kind": bad,
+                  **{f"{k}_bad_rows": v for k, v in bad_rows.items() if v}},
     )
 
 

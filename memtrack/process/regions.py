@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from memtrack.process.stage import StageResult
 from memtrack.schema.enums import EXIT_PROCESS, REGION_BEGIN, EventKind
 from memtrack.schema.stages import REGION_LABELS, REGIONS
 
 
 @dataclass
-class RegionSpans:
+class RegionSpans(StageResult):
     regions: pa.Table  # REGIONS
     labels: pa.Table = field(default_factory=REGION_LABELS.empty_table)
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 def regions(events: pa.Table, names: pa.Table, end_ts: int,
@@ -98,7 +98,7 @@ def regions(events: pa.Table, names: pa.Table, end_ts: int,
     for stack in stacks.values():
         close(stack, 0, None)
     table = pa.Table.from_pylist([out[k] for k in sorted(out)], schema=REGIONS)
-    return RegionSpans(table, _labels(labels, out), counters)
+    return RegionSpans(table, _labels(labels, out), counters=counters)
 
 
 def _labels(labels: pa.Table | None, kept: dict[int, Any]) -> pa.Table:

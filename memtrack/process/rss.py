@@ -25,6 +25,7 @@ from memtrack.process.anon_replay import AnonReplay, reconstruct_anon, thp_mode
 from memtrack.process.lifecycle import Lifecycle, fork_depths
 from memtrack.process.lookup import key_bounds
 from memtrack.process.read import ArtifactTables
+from memtrack.process.stage import StageResult
 from memtrack.schema.enums import RssCause, RssMember
 from memtrack.schema.manifest import Manifest
 from memtrack.schema.stages import EFFECTIVE_RSS, RSS_PEAKS
@@ -205,7 +206,7 @@ def peaks_by_pid(peaks: pa.Table) -> dict[int, dict[str, dict[str, int]]]:
 
 
 @dataclass
-class Resident:
+class Resident(StageResult):
     """How much of each process was resident."""
 
     rss: pa.Table  # EFFECTIVE_RSS

@@ -260,8 +260,11 @@ PY_STACKS = pa.schema(
 )
 
 # One row per code object a Python stack record names, read when first seen: its
-# qualified name, file name, first line and line table (co_linetable's bytes; a table
-# longer than capture keeps is cut: `linetable_size` is its whole length).
+# qualified name (3.10: co_name, it has no co_qualname), file name, first line and line
+# table (co_linetable's bytes; a table longer than capture keeps is cut:
+# `linetable_size` is its whole length). `python_version` (format 2.6): the interpreter's
+# major << 8 | minor, which says the line table's format (3.10's is not 3.11's); 0 in
+# older artifacts, which hold 3.11 to 3.13 only.
 PY_CODES = pa.schema(
     [
         ("key", pa.uint64()),
@@ -272,7 +275,7 @@ PY_CODES = pa.schema(
         ("first_line", pa.uint32()),
         ("linetable", pa.binary()),
         ("linetable_size", pa.uint32()),
-
+        ("python_version", pa.uint16()),
     ]
 )
 
@@ -313,6 +316,7 @@ ADDED_COLUMNS: dict[str, tuple[tuple[str, tuple[int, int], object], ...]] = {
     "stacks": (("python_cut", (2, 5), False),),
     "stack_copies": (("python_cut", (2, 5), False),),
     "processes": (("ns_pid", (2, 5), None),),  # not known
+    "py_codes": (("python_version", (2, 6), 0),),  # 3.11 to 3.13: one line-table format
 }
 
 # Loss counters the manifest always carries (0 when nothing was lost). Stages may add

@@ -259,7 +259,8 @@ def python_stacks(stacks: dict[int, list[str]], python: dict[int, str],
             rows[k].append(v)
         # one entry of the location table: 8 code units on the first line
         for k, v in zip(codes, (PY_CODE, 100, 0x7F00_0000_0000, name, f"{name}.py",
-                                name_line(name)[1], bytes([0x80 | 10 << 3 | 7, 0, 0]), 3),
+                                name_line(name)[1], bytes([0x80 | 10 << 3 | 7, 0, 0]), 3,
+                                0x030B),
                         strict=True):
             codes[k].append(v)
     return pa.table(rows, schema=PY_STACKS), pa.table(codes, schema=PY_CODES)
