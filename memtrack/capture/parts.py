@@ -8,11 +8,11 @@ session's drain thread reads every ring a part declares in `rings()` (bytes only
 `memtrack.capture.ringbuf.RingReader`, `read_fixed(dtype) -> numpy array` for rings
 whose records all have one size, `read_records() -> Records` (one blob, and arrays
 of where each record lies) for variable-size ones) and its writer thread hands what was
-read, in ring order and coalesced into batches, to the part's `write`. A part without
-`rings()` has its `drain` (read and write in one) called from the writer thread instead.
-At the end `losses` adds the part's loss counters to the manifest. A part with an
-`on_stop(bpf, pid, maps)` method is called at every attach stop, while the process is
-stopped, with its mappings (procfs.MapLine).
+read, in ring order and coalesced into batches, to the part's `write` (`drain`, read
+and write in one, is for callers outside a session). At the end `losses` adds the
+part's loss counters to the manifest. A part with an `on_stop(bpf, pid, maps)` method
+is called at every attach stop, while the process is stopped, with its mappings
+(procfs.MapLine).
 
 Every ring write in BPF calls `mt_backpressure(MT_RING_*)` (common.h) first; `Ring.ring_id`
 is that id, so that the session can put the ring's high watermark in place.
@@ -79,7 +79,7 @@ class CapturePart(Protocol):
 
     def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
         """Bulk-read this part's rings and append batches; returns records written
-        (for parts without rings(), and callers that read and write in one go)."""
+        (for callers that read and write in one go, outside a session)."""
         ...
 
     def losses(self, bpf: Any) -> dict[str, int]:

@@ -193,8 +193,7 @@ class Session:
         assert tracker.core.attach_requests is not None
         self._epoll.register(tracker.core.attach_requests.fd, select.EPOLLIN)
         self.sources = [Source(p, r, RingReader(self.bpf, r.map_name))
-                        for p in tracker.parts if hasattr(p, "rings") for r in p.rings()]
-        self._legacy = [p for p in tracker.parts if not hasattr(p, "rings")]
+                        for p in tracker.parts for r in p.rings()]
         pause = opts.on_ring_full is OnRingFull.PAUSE
         self.pauses.configure([(s.ring.ring_id, s.reader.fd, s.high) for s in self.sources],
                               pause)
@@ -469,10 +468,8 @@ class Session:
         src.part.write(self.bpf, self.writer, src.ring, records)
 
     def _idle(self) -> None:
-        """The writer thread's work between batches: parts without rings() drain, and
-        the stops released meanwhile go to stops.arrow."""
-        for part in self._legacy:
-            part.drain(self.bpf, self.writer)
+        """The writer thread's work between batches: the stops released meanwhile go to
+        stops.arrow."""
         log = self.stops.take_log()
         if log:
             pid, reason, begin, end = (list(c) for c in zip(*log, strict=True))
