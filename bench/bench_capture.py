@@ -42,7 +42,7 @@ from conftest import build  # noqa: E402
 
 from memtrack.capture.bcc_compat import attach_uprobe  # noqa: E402
 from memtrack.capture.core import events_batch  # noqa: E402
-from memtrack.capture.parts import CaptureOptions  # noqa: E402
+from memtrack.capture.options import CaptureOptions  # noqa: E402
 from memtrack.capture.ringbuf import RingReader  # noqa: E402
 from memtrack.capture.tracker import Tracker  # noqa: E402
 from memtrack.schema import EVENT_DTYPE, EVENTS, EventKind  # noqa: E402

@@ -29,7 +29,7 @@ TOTALS_SQL = """SELECT {run} count(*), sum(size), count(*) FILTER (WHERE tempora
 
 
 def capture(out: Path, rounds: dict[str, int]) -> dict[str, Path]:
-    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.options import CaptureOptions
     from memtrack.capture.tracker import Tracker
 
     arts = {}

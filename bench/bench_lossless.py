@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from memtrack.capture.drain import min_ring_pages
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.capture.stacks import record_words
 from memtrack.schema import is_loss
 
@@ -96,7 +96,7 @@ def bpf_cost(allocs: int = 200_000, repeat: int = 2) -> None:
     import bench_capture as bc
     from bpfstats import bpf_stats, prog_stats
 
-    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.options import CaptureOptions
     from memtrack.capture.tracker import Tracker
 
     loop = bc.build(["capture/loop.c"])

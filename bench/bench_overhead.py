@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import build  # noqa: E402
 
-from memtrack.capture.parts import CaptureOptions  # noqa: E402
+from memtrack.capture.options import CaptureOptions  # noqa: E402
 
 PY_LOOP = ("x = [{'i': i, 's': str(i)} for i in range(200000)]\n"
            "y = [[i, i + 1, i + 2] for i in range(200000)]\n")

@@ -32,7 +32,7 @@ from memtrack.schema import table_file  # noqa: E402
 
 
 def capture_workload(out: Path, rounds: int, stacks: bool) -> Path:
-    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.options import CaptureOptions
     from memtrack.capture.tracker import Tracker
 
     art = out / "workload.memtrack"

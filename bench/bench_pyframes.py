@@ -30,7 +30,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 from bpfstats import bpf_stats, prog_stats  # noqa: E402
 
-from memtrack.capture.parts import CaptureOptions  # noqa: E402
+from memtrack.capture.options import CaptureOptions  # noqa: E402
 from memtrack.schema import ALLOC_KINDS  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bpfstats import bpf_stats, prog_stats  # noqa: E402
 from support.capture import spawn  # noqa: E402
 
-from memtrack.capture.parts import CaptureOptions  # noqa: E402
+from memtrack.capture.options import CaptureOptions  # noqa: E402
 from memtrack.process.anon_replay import reconstruct_anon  # noqa: E402
 from memtrack.process.lifecycle import lifecycle  # noqa: E402
 from memtrack.process.rss import effective_rss  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bpfstats import bpf_stats, prog_info  # noqa: E402
 from conftest import build  # noqa: E402
 
-from memtrack.capture.parts import CaptureOptions  # noqa: E402
+from memtrack.capture.options import CaptureOptions  # noqa: E402
 from memtrack.process.decode import decode  # noqa: E402
 from memtrack.schema import NUM_REGS, Allocator, EventKind  # noqa: E402
 from memtrack.schema.artifact import Artifact  # noqa: E402

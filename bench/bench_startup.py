@@ -128,7 +128,7 @@ def phases(tmp: Path) -> None:
     subprocess.run([sys.executable, "-c", "import memtrack.cli, memtrack.capture.run"],
                    check=True)
     imports = time.monotonic() - t0
-    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.options import CaptureOptions
     from memtrack.capture.tracker import Tracker
 
     print("3. Where a warm capture's time goes (Tracker API, in-process; median of 3)")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from memtrack.addrspace.modules import ModuleStore
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.process.decode import decode
 from memtrack.process.unwind import unwind
 from memtrack.schema.artifact import Artifact

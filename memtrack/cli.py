@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from memtrack.capture.choices import (
+    Choice,
+    OnRingFull,
+    ProbePlacement,
+    ProbeScope,
+    PythonStacks,
+)
 from memtrack.commands import CommandError
 
 if TYPE_CHECKING:
@@ -62,6 +69,13 @@ def switch_values() -> list[str]:
 
 # every on/off switch takes its value (--rss off, never --no-rss), completed in the shell
 SWITCH: dict[str, Any] = {"metavar": "on|off", "autocompletion": switch_values}
+
+
+def choice(values: type[Choice]) -> dict[str, Any]:
+    """A capture option of a few values (memtrack.capture.options): shown and completed
+    as its values, taken as a string and checked by CaptureOptions (its one-line
+    error)."""
+    return {"metavar": "|".join(values.values()), "autocompletion": values.values}
 
 
 def on(flag: str, value: str) -> bool:
@@ -140,10 +154,10 @@ def capture(
         help="Python frames in the stacks of CPython 3.10 to 3.13 programs (with "
              "--stacks on).")] = "on",
     python_stacks: Annotated[str, typer.Option(
-        "--python-stacks", envvar="MEMTRACK_PYTHON_STACKS",
+        "--python-stacks", envvar="MEMTRACK_PYTHON_STACKS", **choice(PythonStacks),
         help="Stacks of Python code: python (the allocator, its caller, the Python "
              "frames) or mixed (every native frame, Python frames merged in).")
-    ] = "python",
+    ] = PythonStacks.PYTHON.value,
     python_allocators: Annotated[str, typer.Option(
         "--python-allocators", envvar="MEMTRACK_PYTHON_ALLOCATORS", **SWITCH,
         help="Record every object of CPython 3.10+ (PyObject_Malloc, PyMem_Malloc ...: "
@@ -164,13 +178,14 @@ def capture(
         "--control-fifo", envvar="MEMTRACK_CONTROL_FIFO",
         help="Create the control FIFO here (default: a temporary directory).")] = None,
     probe_placement: Annotated[str, typer.Option(
-        "--probe-placement", envvar="MEMTRACK_PROBE_PLACEMENT",
-        help="Where entry probes go: auto (a cheap instruction) or entry.")] = "auto",
+        "--probe-placement", envvar="MEMTRACK_PROBE_PLACEMENT", **choice(ProbePlacement),
+        help="Where entry probes go: auto (a cheap instruction) or entry.")
+    ] = ProbePlacement.AUTO.value,
     probe_scope: Annotated[str, typer.Option(
-        "--probe-scope", envvar="MEMTRACK_PROBE_SCOPE",
+        "--probe-scope", envvar="MEMTRACK_PROBE_SCOPE", **choice(ProbeScope),
         help="Which processes take the allocator probes' traps: auto (only the traced "
              "tree's, where the kernel has uprobe_multi links: 6.6+) or host (every "
-             "process on the machine).")] = "auto",
+             "process on the machine).")] = ProbeScope.AUTO.value,
     events_ring_pages: Annotated[int | None, typer.Option(
         "--events-ring-pages", envvar="MEMTRACK_EVENTS_RING_PAGES", show_default=False,
         help="Events ring size in pages (a power of two; default: 16 MiB per CPU, at "
@@ -180,10 +195,10 @@ def capture(
         help="Stack ring size in pages (a power of two; default: 32 MiB per CPU, at "
              "most 1/256 of the memory).")] = None,
     on_ring_full: Annotated[str, typer.Option(
-        "--on-ring-full", envvar="MEMTRACK_ON_RING_FULL",
+        "--on-ring-full", envvar="MEMTRACK_ON_RING_FULL", **choice(OnRingFull),
         help="When a ring fills faster than it drains: pause (stop the producing "
              "process until it has drained: nothing lost) or drop (count the lost "
-             "records).")] = "pause",
+             "records).")] = OnRingFull.PAUSE.value,
     fail_on_loss: Annotated[bool, typer.Option(
         "--fail-on-loss", envvar="MEMTRACK_FAIL_ON_LOSS",
         help="Exit with status 1 when any event was lost.")] = False,

@@ -13,6 +13,7 @@ from support.cli import MEMTRACK
 
 import memtrack
 from memtrack.capture.tracker import CaptureError
+from memtrack.schema.artifact import Artifact
 
 
 def test_the_packages_stay_packages() -> None:
@@ -32,12 +33,33 @@ def test_options_are_checked_as_the_cli_checks_them(tmp_path: Path) -> None:
         memtrack.capture(["no-such-command"], tmp_path / "r.memtrack")
 
 
+def test_options_read_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MEMTRACK_<NAME> variables set the options, as for the command line; one the
+    command line would refuse is refused by name, unless the option is given."""
+    monkeypatch.setenv("MEMTRACK_ON_RING_FULL", "sometimes")
+    with pytest.raises(CaptureError, match="^MEMTRACK_ON_RING_FULL=sometimes: expected "
+                                           "pause or drop$"):
+        memtrack.capture(["/bin/true"], tmp_path / "r.memtrack")
+    monkeypatch.setenv("MEMTRACK_STACK_BUDGET", "1000")
+    with pytest.raises(CaptureError, match="^stack budget must be a multiple of 512 "):
+        memtrack.capture(["/bin/true"], tmp_path / "r.memtrack", on_ring_full="drop")
+    with pytest.raises(CaptureError, match="no-such-command"):
+        memtrack.capture(["no-such-command"], tmp_path / "r.memtrack", on_ring_full="drop",
+                         stacks=False)
+    assert not (tmp_path / "r.memtrack").exists()
+
+
 @pytest.mark.bpf
-def test_capture_process_open_run(tmp_path: Path) -> None:
+def test_capture_process_open_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exe = build(["capture/threads.c"], libs=("-lpthread",))
     art, db = tmp_path / "r.memtrack", tmp_path / "r.duckdb"
+    monkeypatch.setenv("MEMTRACK_PROBE_PLACEMENT", "entry")
+    monkeypatch.setenv("MEMTRACK_RSS", "on")  # the keyword wins
     result = memtrack.capture([str(exe), "500"], art, stacks=False, rss=False)
     assert result.status == 0 and result.nonzero_losses() == {}
+    manifest = Artifact.open(art).manifest
+    assert manifest.options["probe_placement"] == "entry" and manifest.options["rss"] is False
+    assert manifest.probes and {p["probe_offset"] for p in manifest.probes} <= {0, None}
     summary = memtrack.process(art, db, jobs=1)
     assert summary.allocations >= 4 * 500
     run = memtrack.open_run(db)

@@ -18,7 +18,7 @@ import pytest
 from conftest import build
 
 from memtrack.capture import program as pg
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.schema import EventKind
 
 SOURCE = r"""

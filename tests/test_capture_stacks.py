@@ -11,7 +11,7 @@ import pytest
 from conftest import build
 from support.capture import F, M, run
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions, Tuning
 from memtrack.process.decode import decode
 
 pytestmark = pytest.mark.bpf
@@ -94,7 +94,7 @@ def test_threads_beyond_their_slots_spill(tmp_path: Path) -> None:
 
     exe = build(["stacks/churn.c"], libs=("-lpthread",), flags=("-O1",))
     iters, threads = 300, 6
-    with Tracker(CaptureOptions(rss=False, extra={"thread_slots": 2})) as t:
+    with Tracker(CaptureOptions(rss=False, tuning=Tuning(thread_slots=2))) as t:
         r = run(t, tmp_path, [str(exe), str(iters), str(threads)])
     assert r.result.nonzero_losses() == {}
     stacks = {s["hash"]: s for s in r.art.read("stacks").table.to_pylist()}

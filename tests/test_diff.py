@@ -24,7 +24,7 @@ from conftest import build
 from support.capture import spawn
 from typer.testing import CliRunner
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.cli import app
 from memtrack.schema.ddl import open_run
 

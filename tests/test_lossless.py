@@ -67,7 +67,7 @@ def min_stack_ring_pages() -> int:
     """The smallest --stacks-ring-pages capture accepts here in pause mode with
     --stack-copies."""
     from memtrack.capture.drain import min_ring_pages
-    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.options import CaptureOptions
     from memtrack.capture.stacks import record_words
 
     return min_ring_pages(record_words(CaptureOptions().stack_budget, True) * 8,

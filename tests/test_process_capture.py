@@ -16,7 +16,7 @@ import pytest
 from conftest import build
 from support.capture import spawn
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.process.pipeline import process
 from memtrack.report.text import ReportOptions, report_data
 from memtrack.schema.ddl import open_run

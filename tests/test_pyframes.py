@@ -281,7 +281,7 @@ def test_310_needs_the_fs_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     and the kernel gets no entry for it (native frames); a 3.11 process is walked as
     before."""
     from memtrack.capture import pyframes
-    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.options import CaptureOptions
     from memtrack.capture.procfs import read_maps
     from memtrack.capture.program import kernel_member_offset
 

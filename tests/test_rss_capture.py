@@ -17,7 +17,8 @@ import pytest
 from conftest import build
 from support.rss import MiB, close, parse_marks
 
-from memtrack.capture.parts import BPF_DIR, CaptureOptions
+from memtrack.capture.options import CaptureOptions
+from memtrack.capture.parts import BPF_DIR
 from memtrack.capture.rss import RssPart
 from memtrack.process.lifecycle import of_artifact
 from memtrack.process.read import read_artifact

@@ -13,7 +13,7 @@ from conftest import build
 from support.capture import spawn
 from support.rss import Mark, MiB, close, parse_marks
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.commands.info import collect_info
 from memtrack.process.lifecycle import of_artifact
 from memtrack.process.metadata import write_memory_metadata

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions, Tuning
 from memtrack.capture.rss import FAULT_DTYPE, HOOKS, RSS_DTYPE, RssPart, tracepoint_fields
 from memtrack.schema import EVENT_DTYPE, EventKind
 from memtrack.schema.artifact import Artifact, ArtifactWriter
@@ -71,6 +71,11 @@ def test_offsets_come_from_the_format_files(tmp_path: Path) -> None:
     assert (f["MT_OFF_MREMAP_FLAGS"], f["MT_OFF_SYSEXIT_RET"], f["MT_OFF_FAULT_ERROR_CODE"]) \
         == ("40", "16", "24")
     assert "MT_TRACK_FAULTS" in f and f["MT_RSS_RING_PAGES"] == "2048"
+    assert (f["MT_RSS_EVENTS_RING_PAGES"], f["MT_FAULTS_RING_PAGES"]) == ("256", "4096")
+    tuned = RssPart(CaptureOptions(tuning=Tuning(rss_ring_pages=64, faults_ring_pages=128)),
+                    tracefs=root)
+    assert (flags_of(tuned)["MT_RSS_RING_PAGES"], flags_of(tuned)["MT_FAULTS_RING_PAGES"]) \
+        == ("64", "128")
     assert RssPart(CaptureOptions(), tracefs=root).roles == {"rss", "events"}
     assert "MT_TRACK_FAULTS" not in flags_of(RssPart(CaptureOptions(), tracefs=root))
 

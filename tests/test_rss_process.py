@@ -296,3 +296,21 @@ def test_info_and_process_agree_on_peak_rss(tmp_path: Path) -> None:
         assert info == run
         # the storm's children, synth's pid 100 and its child 200 (seeded at its fork)
         assert len(run) == (4 if art.name == "storm.memtrack" else 2)
+
+
+def test_thp_mode_read_from_the_host_or_an_old_manifests_options() -> None:
+    """Capture records the THP mode with the host (format 2.6); an older artifact's
+    manifest kept it in options.extra, and still reads so."""
+    from memtrack.process.anon_replay import thp_mode
+    from memtrack.schema.manifest import Host, Manifest
+
+    def decoded(d: dict) -> Manifest:
+        return Manifest.decode(json.dumps(d).encode())
+
+    assert thp_mode(decoded({"format_version": "2.6", "host": {"thp_enabled": "never"},
+                             "options": {"rss": True}})) == "never"
+    assert thp_mode(decoded({"format_version": "2.5",
+                             "options": {"extra": {"thp_enabled": "always"}}})) == "always"
+    assert thp_mode(decoded({"format_version": "2.5", "options": {"extra": {}}})) == "madvise"
+    text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert f"[{Host.current().thp_enabled}]" in text

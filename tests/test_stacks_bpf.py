@@ -21,7 +21,8 @@ import pytest
 from conftest import build
 
 from memtrack.capture.bcc_compat import attach_uprobe
-from memtrack.capture.parts import BPF_DIR, CaptureOptions
+from memtrack.capture.options import CaptureOptions
+from memtrack.capture.parts import BPF_DIR
 from memtrack.capture.procfs import read_maps
 from memtrack.capture.stacks import RING, StacksPart, start_stack
 from memtrack.process.decode import decode_table

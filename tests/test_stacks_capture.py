@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pytest
 from conftest import build
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.commands.info import collect_info
 from memtrack.process.decode import decode
 from memtrack.schema import EventKind

@@ -15,7 +15,7 @@ import pytest
 from conftest import build
 from support.capture import spawn
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.process.pipeline import process
 from memtrack.schema import Allocator, EventKind
 from memtrack.schema.artifact import Artifact

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support.stackrecords import CODE, SP0, regions_kept, regs_of, ring_record, stack_words
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureError, CaptureOptions
 from memtrack.capture.procfs import MapLine
 from memtrack.capture.stacks import (
     ENDS,
@@ -49,8 +49,8 @@ def test_cflags_size_the_program() -> None:
     dbg = StacksPart(CaptureOptions(stack_copies=True)).cflags()
     assert "-DMT_STACK_COPIES" in dbg and "-DMT_STACK_OUT_WORDS=16384" in dbg
     assert StacksPart(CaptureOptions()).budget == 32768  # the default: a copy ends early
-    with pytest.raises(ValueError, match="power of two"):
-        StacksPart(CaptureOptions(stacks_ring_pages=3000))
+    with pytest.raises(CaptureError, match="^--stacks-ring-pages 3000: must be a power of two"):
+        CaptureOptions(stacks_ring_pages=3000)
 
 
 def region(addr: int) -> int:

@@ -15,7 +15,7 @@ from support.capture import spawn
 from support.snaps import VARIANTS, build_fixture
 from support.stackproof import prove
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.schema import EventKind
 from memtrack.schema.artifact import Artifact
 

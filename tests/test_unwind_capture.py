@@ -16,7 +16,7 @@ from support.capture import spawn
 from support.snaps import VARIANTS, build_fixture
 
 from memtrack.addrspace.modules import ModuleStore
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions
 from memtrack.process.decode import decode
 from memtrack.process.pyframes import native_hashes
 from memtrack.process.unwind import unwind

@@ -21,21 +21,20 @@ def capture(cmd: Sequence[str], output: Path | str, *, overwrite: bool = False,
     """Run `cmd` (as root) and record every allocation of it and its descendants into
     the artifact `output`; returns once it has exited, as `memtrack capture` does but
     printing nothing. `options`: CaptureOptions' fields (`stacks=False`,
-    `on_ring_full="drop"`, ...), checked as the command line checks them; `env`: the
+    `on_ring_full="drop"`, ...), over what the MEMTRACK_<NAME> variables of this process
+    set (CaptureOptions.from_env), checked as the command line checks them; `env`: the
     command's environment (default: this process's). Raises CaptureError (one line).
 
         result = memtrack.capture(["./bench", "--quick"], "run.memtrack")
         assert result.status == 0 and not result.nonzero_losses()
     """
-    from memtrack.capture.parts import CaptureOptions
-    from memtrack.capture.run import check_options
-    from memtrack.capture.tracker import CaptureError, Tracker, find_command
+    from memtrack.capture.options import CaptureError, CaptureOptions
+    from memtrack.capture.tracker import Tracker, find_command
 
     try:
-        opts = CaptureOptions(**options)
+        opts = CaptureOptions.from_env(**options)
     except TypeError as e:
         raise CaptureError(f"capture: {e}") from None
-    check_options(opts)
     if not cmd:
         raise CaptureError("no command given")
     find_command(cmd[0], env, cwd)

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.capture.parts import RING_EVENTS, CaptureOptions, Ring
+from memtrack.capture.options import CaptureOptions
+from memtrack.capture.parts import RING_EVENTS, Ring
 from memtrack.capture.program import PROG_RAW_TRACEPOINT, LoadError, test_run
 from memtrack.capture.ringbuf import RingReader
 from memtrack.capture.tables import percpu_counts
@@ -41,7 +42,6 @@ REQ_FORK = 3  # a new process of the tree, stopped before it runs (scoped probes
 # bpf/alloc.c mt_core_losses slots -> manifest loss counters
 LOSS_SLOTS = ("events_ring_full", "attach_requests_dropped", "unpaired_returns")
 ATTACH_RING_PAGES = 64
-THREAD_SLOTS = 16384  # bpf/common.h mt_threads: one per thread, indexed by the tid's low bits
 EVENTS_RING = Ring("mt_events", RING_EVENTS, EVENT_DTYPE, EVENT_DTYPE.itemsize)
 
 
@@ -68,12 +68,9 @@ class CorePart:
         return ["alloc.c", "lifecycle.c"]
 
     def cflags(self) -> list[str]:
-        # bpf/common.h mt_threads; fewer slots (a power of two) only to test the spill
-        slots = int(self.options.extra.get("thread_slots", THREAD_SLOTS))
-        if slots < 1 or slots & (slots - 1):
-            raise ValueError(f"thread slots {slots}: expected a power of two")
         return [f"-DMT_EVENTS_PAGES={self.options.events_ring_pages}",
-                f"-DMT_ATTACH_PAGES={ATTACH_RING_PAGES}", f"-DMT_THREAD_SLOTS={slots}"]
+                f"-DMT_ATTACH_PAGES={ATTACH_RING_PAGES}",
+                f"-DMT_THREAD_SLOTS={self.options.tuning.thread_slots}"]
 
     def attach(self, bpf: Any) -> list[str]:
         self.events = RingReader(bpf, "mt_events")

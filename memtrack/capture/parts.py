@@ -8,11 +8,11 @@ session's drain thread reads every ring a part declares in `rings()` (bytes only
 `memtrack.capture.ringbuf.RingReader`, `read_fixed(dtype) -> numpy array` for rings
 whose records all have one size, `read_records() -> Records` (one blob, and arrays
 of where each record lies) for variable-size ones) and its writer thread hands what was
-read, in ring order and coalesced into batches, to the part's `write`. A part without
-`rings()` has its `drain` (read and write in one) called from the writer thread instead.
-At the end `losses` adds the part's loss counters to the manifest. A part with an
-`on_stop(bpf, pid, maps)` method is called at every attach stop, while the process is
-stopped, with its mappings (procfs.MapLine).
+read, in ring order and coalesced into batches, to the part's `write` (`drain`, read
+and write in one, is for callers outside a session). At the end `losses` adds the
+part's loss counters to the manifest. A part with an `on_stop(bpf, pid, maps)` method
+is called at every attach stop, while the process is stopped, with its mappings
+(procfs.MapLine).
 
 Every ring write in BPF calls `mt_backpressure(MT_RING_*)` (common.h) first; `Ring.ring_id`
 is that id, so that the session can put the ring's high watermark in place.
@@ -23,9 +23,7 @@ Parts: the allocator probes and lifecycle/syscall events (capture core), stack c
 
 from __future__ import annotations
 
-import mmap
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,67 +36,6 @@ BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 # common.h MT_RING_*: a ring's slot in mt_rings / mt_pause_at / mt_pauses.
 RING_EVENTS, RING_STACKS, RING_RSS, RING_RSS_EVENTS, RING_FAULTS, RING_PYFRAMES = range(6)
 RING_NAMES = ("events", "stacks", "rss", "rss_events", "faults", "pyframes")
-ON_RING_FULL = ("pause", "drop")
-PROBE_SCOPES = ("auto", "host")
-# --python-stacks: "python": a thread running Python code keeps the allocator and its
-# caller of the native stack, its Python frames stand for the rest (one record per
-# Python call path); "mixed": the whole native stack, Python frames merged in
-PYTHON_STACKS = ("python", "mixed")
-
-
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 4 << 30
-
-
-def _floor_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def default_ring_pages(per_cpu: int, *, memory: int | None = None,
-                       cpus: int | None = None) -> int:
-    """Ring size in pages from the machine: `per_cpu` bytes for every CPU (the producers
-    a drain round may have to absorb), at most 1/256 of the memory and 1 GiB, at least
-    4 MiB; a power of two."""
-    memory = _memory_bytes() if memory is None else memory
-    cpus = (os.cpu_count() or 1) if cpus is None else cpus
-    size = min(max(cpus, 1) * per_cpu, memory // 256, 1 << 30)
-    return _floor_pow2(max(size, 4 << 20)) // mmap.PAGESIZE
-
-
-def _events_ring_pages() -> int:
-    return default_ring_pages(16 << 20)
-
-
-def _stacks_ring_pages() -> int:
-    return default_ring_pages(32 << 20)
-
-
-@dataclass
-class CaptureOptions:
-    """Every capture option; each has a MEMTRACK_<NAME> environment variable."""
-
-    stacks: bool = True
-    stack_budget: int = 32768  # at most; a copy stops at the stack's end
-    stack_copies: bool = False  # debug: every capture's raw copy too (stack_copies.arrow)
-    python_frames: bool = True  # Python frames in the stacks (with stacks on)
-    python_stacks: str = "python"  # PYTHON_STACKS
-    python_allocators: bool = False  # CPython's object allocator probed (family pymalloc)
-    rss: bool = True
-    track_faults: bool = False
-    modules: bool = True
-    start_disabled: bool = False
-    probe_placement: str = "auto"  # "auto" or "entry"
-    probe_scope: str = "auto"  # "auto": each traced process's own probes where possible; "host"
-    # ring sizes: 16 / 32 MiB per CPU, at most 1/256 of the memory (default_ring_pages)
-    events_ring_pages: int = field(default_factory=_events_ring_pages)
-    stacks_ring_pages: int = field(default_factory=_stacks_ring_pages)
-    on_ring_full: str = "pause"  # "pause": stop the producer until drained; "drop"
-    fail_on_loss: bool = False
-    program_cache: str = ""  # where compiled programs are kept ("": the default, "off")
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -142,7 +79,7 @@ class CapturePart(Protocol):
 
     def drain(self, bpf: Any, writer: ArtifactWriter) -> int:
         """Bulk-read this part's rings and append batches; returns records written
-        (for parts without rings(), and callers that read and write in one go)."""
+        (for callers that read and write in one go, outside a session)."""
         ...
 
     def losses(self, bpf: Any) -> dict[str, int]:

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.capture.parts import RING_PYFRAMES, CaptureOptions, Ring
+from memtrack.capture.options import CaptureOptions
+from memtrack.capture.parts import RING_PYFRAMES, Ring
 from memtrack.capture.procfs import MapLine, mapped_file
 from memtrack.capture.tables import percpu_counts
 from memtrack.schema import PY_CODES, PY_STACKS

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.capture.parts import RING_FAULTS, RING_RSS, RING_RSS_EVENTS, CaptureOptions, Ring
+from memtrack.capture.options import CaptureOptions
+from memtrack.capture.parts import RING_FAULTS, RING_RSS, RING_RSS_EVENTS, Ring
 from memtrack.schema import EVENT_DTYPE, EVENTS, FAULTS, RSS
 from memtrack.schema.artifact import ArtifactWriter
 
 TRACEFS_EVENTS = Path("/sys/kernel/tracing/events")
-THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 # bpf/rss.c struct mt_rss_rec
 RSS_DTYPE = np.dtype(
@@ -54,10 +54,6 @@ FAULT_DTYPE = np.dtype(
     ]
 )
 assert FAULT_DTYPE.itemsize == 32
-
-# Ring sizes in pages (BPF_RINGBUF_OUTPUT takes pages); CaptureOptions.extra may set
-# "rss_ring_pages", "rss_events_ring_pages", "faults_ring_pages".
-RING_PAGES = {"rss_ring_pages": 2048, "rss_events_ring_pages": 256, "faults_ring_pages": 4096}
 
 # The rings of each role, and the table each one's records go to.
 RINGS = {
@@ -120,15 +116,6 @@ def tracepoint_fields(category: str, event: str,
     return {m[1]: (int(m[2]), int(m[3])) for m in _FIELD_RE.finditer(text)}
 
 
-def thp_mode(path: Path = THP_ENABLED) -> str:
-    """The host's transparent-hugepage mode ("always", "madvise", "never"), or ""."""
-    try:
-        m = re.search(r"\[(\w+)\]", path.read_text())
-    except OSError:
-        return ""
-    return m[1] if m else ""
-
-
 def _ring_reader(bpf: Any, name: str) -> Any:
     from memtrack.capture.ringbuf import RingReader
 
@@ -157,8 +144,6 @@ class RssPart:
         self.offsets: dict[str, int] = {}
         self.hooks: list[Hook] = []
         self.roles: set[str] = set()
-        self.thp = thp_mode()
-        options.extra.setdefault("thp_enabled", self.thp)
         wanted = [h for h in HOOKS if h.role != "faults" or options.track_faults]
         missing: dict[str, str] = {}
         for h in wanted:
@@ -194,9 +179,10 @@ class RssPart:
             for macro, _ in h.fields:
                 if f"MT_OFF_{macro}" not in self.offsets:
                     flags.append(f"-DMT_OFF_{macro}=8")
-        for key, default in RING_PAGES.items():
-            pages = int(self.options.extra.get(key, default))
-            flags.append(f"-DMT_{key.upper()}={pages}")
+        tuning = self.options.tuning
+        flags += [f"-DMT_RSS_RING_PAGES={tuning.rss_ring_pages}",
+                  f"-DMT_RSS_EVENTS_RING_PAGES={tuning.rss_events_ring_pages}",
+                  f"-DMT_FAULTS_RING_PAGES={tuning.faults_ring_pages}"]
         if self.options.track_faults and "faults" in self.roles:
             flags.append("-DMT_TRACK_FAULTS")
         return flags

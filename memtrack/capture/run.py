@@ -2,58 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
 from memtrack.capture.cmdenv import command_environment
-from memtrack.capture.drain import min_ring_pages
-from memtrack.capture.parts import ON_RING_FULL, PROBE_SCOPES, PYTHON_STACKS, CaptureOptions
+from memtrack.capture.options import CaptureError, CaptureOptions
 from memtrack.capture.procfs import attach_refusal
-from memtrack.capture.tracker import CaptureError, CaptureResult, Tracker, find_command
-from memtrack.schema import EVENT_DTYPE
-
-MAX_RING_PAGES = 1 << 20  # a ring of 4 GiB per CPU
-
-
-def check_options(options: CaptureOptions) -> None:
-    """One-line errors for option values capture cannot use."""
-    cpus = os.cpu_count() or 1
-    if options.stacks:  # capture.stacks is imported only then
-        from memtrack.capture.stacks import check_budget
-
-        try:
-            check_budget(options.stack_budget)
-        except ValueError as e:
-            raise CaptureError(str(e)) from None
-    for name, pages in (("--events-ring-pages", options.events_ring_pages),
-                        ("--stacks-ring-pages", options.stacks_ring_pages)):
-        if pages <= 0 or pages & (pages - 1) or pages > MAX_RING_PAGES:
-            raise CaptureError(f"{name} {pages}: must be a power of two (pages), at most "
-                               f"{MAX_RING_PAGES} (4 GiB per CPU)")
-        if options.on_ring_full != "pause" or (name == "--stacks-ring-pages"
-                                                and not options.stacks):
-            continue
-        if name == "--events-ring-pages":
-            record = EVENT_DTYPE.itemsize
-        else:  # only with stacks on: capture.stacks is not imported otherwise
-            from memtrack.capture.stacks import record_words
-
-            record = record_words(options.stack_budget, options.stack_copies) * 8
-        need = min_ring_pages(record, cpus)
-        if pages < need:
-            raise CaptureError(f"{name} {pages}: too small to pause the producers in time "
-                               f"on {cpus} CPUs (at least {need})")
-    if options.probe_placement not in ("auto", "entry"):
-        raise CaptureError(f"--probe-placement {options.probe_placement}: "
-                           "expected auto or entry")
-    if options.probe_scope not in PROBE_SCOPES:
-        raise CaptureError(f"--probe-scope {options.probe_scope}: expected auto or host")
-    if options.python_stacks not in PYTHON_STACKS:
-        raise CaptureError(f"--python-stacks {options.python_stacks}: expected python or mixed")
-    if options.on_ring_full not in ON_RING_FULL:
-        raise CaptureError(f"--on-ring-full {options.on_ring_full}: expected pause or drop")
+from memtrack.capture.tracker import CaptureResult, Tracker, find_command
 
 
 def summary(result: CaptureResult, cmd: list[str]) -> list[str]:
@@ -94,7 +50,6 @@ def run_capture(cmd: list[str], output: Path, options: CaptureOptions, *, force:
     for the shell (CMD's; attached: 0, 128 + the signal that ended the capture; 1 when
     --fail-on-loss finds a loss). The status line is drawn only when `err` is a
     terminal (memtrack.capture.status)."""
-    check_options(options)
     if cmd and pids:
         raise CaptureError("give either CMD or --pid, not both")
     if pids:

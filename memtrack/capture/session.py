@@ -39,17 +39,19 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import pyarrow as pa
 
+from memtrack.capture.choices import OnRingFull
 from memtrack.capture.control import ControlError, ControlFifo
 from memtrack.capture.core import ATTACH_DTYPE, REQ_EXEC, REQ_FORK
 from memtrack.capture.drain import Backlog, BatchWriter, Drain, Source, min_ring_bytes
 from memtrack.capture.modules import ModuleRecorder
+from memtrack.capture.options import CaptureError
 from memtrack.capture.parts import RING_EVENTS, RING_RSS_EVENTS
 from memtrack.capture.procfs import (
     MapLine,
@@ -79,10 +81,6 @@ MANIFEST_SECONDS = 1.0  # between two manifest rewrites while the command runs
 # through all its links (consumers), a gone process's too, and so does every release.
 RELEASE_SECONDS = 0.05
 EVENT_RINGS = (RING_EVENTS, RING_RSS_EVENTS)  # rings whose records go to events.arrow
-
-
-class CaptureError(Exception):
-    """Capture cannot go on; the message is one line for the user."""
 
 
 @dataclass
@@ -167,7 +165,7 @@ class Session:
         m.host = Host.current()
         m.clock = Clock.current()
         m.command = list(cmd)
-        m.options = asdict(opts)
+        m.options = opts.record()
         if start_disabled is not None:
             m.options["start_disabled"] = start_disabled
         else:
@@ -195,12 +193,11 @@ class Session:
         assert tracker.core.attach_requests is not None
         self._epoll.register(tracker.core.attach_requests.fd, select.EPOLLIN)
         self.sources = [Source(p, r, RingReader(self.bpf, r.map_name))
-                        for p in tracker.parts if hasattr(p, "rings") for r in p.rings()]
-        self._legacy = [p for p in tracker.parts if not hasattr(p, "rings")]
-        pause = opts.on_ring_full == "pause"
+                        for p in tracker.parts for r in p.rings()]
+        pause = opts.on_ring_full is OnRingFull.PAUSE
         self.pauses.configure([(s.ring.ring_id, s.reader.fd, s.high) for s in self.sources],
                               pause)
-        m.backpressure = {"mode": opts.on_ring_full}
+        m.backpressure = {"mode": opts.on_ring_full.value}
         cpus = os.cpu_count() or 1
         for s in self.sources:
             need = min_ring_bytes(s.ring.max_record, cpus)
@@ -471,10 +468,8 @@ class Session:
         src.part.write(self.bpf, self.writer, src.ring, records)
 
     def _idle(self) -> None:
-        """The writer thread's work between batches: parts without rings() drain, and
-        the stops released meanwhile go to stops.arrow."""
-        for part in self._legacy:
-            part.drain(self.bpf, self.writer)
+        """The writer thread's work between batches: the stops released meanwhile go to
+        stops.arrow."""
         log = self.stops.take_log()
         if log:
             pid, reason, begin, end = (list(c) for c in zip(*log, strict=True))
@@ -641,7 +636,7 @@ class Session:
         m.losses = self.losses()
         m.probes = list(self.tracker.probes)
         m.warnings += [w for w in self.tracker.warnings if w not in m.warnings]
-        m.backpressure = {"mode": self.tracker.options.on_ring_full,
+        m.backpressure = {"mode": self.tracker.options.on_ring_full.value,
                           "pauses": self.pause_counts(), "paused_ns": self.pauses.paused_ns}
         d = self.drain
         m.drain = {"rounds": d.rounds, "bytes": d.bytes, "worst_gap_ns": d.worst_gap_ns,

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memtrack.capture.parts import RING_STACKS, CaptureOptions, Ring
+from memtrack.capture.options import CaptureOptions
+from memtrack.capture.parts import RING_STACKS, Ring
 from memtrack.capture.procfs import MapLine
 from memtrack.capture.ringbuf import Records
 from memtrack.capture.stackring import records_to_batches
@@ -122,11 +123,9 @@ class StacksPart:
 
     def __init__(self, options: CaptureOptions, *, seen_entries: int = 131072,
                  thread_entries: int = 65536) -> None:
-        self.budget = check_budget(options.stack_budget)
+        self.budget = options.stack_budget
         self.copies = options.stack_copies
         self.ring_pages = options.stacks_ring_pages
-        if self.ring_pages <= 0 or self.ring_pages & (self.ring_pages - 1):
-            raise ValueError(f"stack ring pages must be a power of two, got {self.ring_pages}")
         self.seen_entries = seen_entries
         self.thread_entries = thread_entries
         self.malformed = 0

@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from memtrack.capture.allocators import Probe, probes_for, pymalloc_refusal, read_elf
+from memtrack.capture.choices import ProbePlacement, ProbeScope
 from memtrack.capture.core import CorePart
 from memtrack.capture.doctor import check_pid_namespace
 from memtrack.capture.links import UprobeLinks, release_in_background
-from memtrack.capture.parts import BPF_DIR, PROBE_SCOPES, CaptureOptions, CapturePart
+from memtrack.capture.options import CaptureError, CaptureOptions
+from memtrack.capture.parts import BPF_DIR, CapturePart
 from memtrack.capture.procfs import MapLine
 from memtrack.capture.program import (
     LoadError,
@@ -42,7 +44,7 @@ from memtrack.capture.program import (
     default_cache_dir,
     load_program,
 )
-from memtrack.capture.session import CaptureError, CaptureResult, Session
+from memtrack.capture.session import CaptureResult, Session
 from memtrack.capture.supervisor import Supervisor
 from memtrack.capture.wrappers import Site, find_wrappers
 from memtrack.elf.image import ElfReadError
@@ -51,9 +53,6 @@ from memtrack.schema import LOSS_COUNTERS
 __all__ = ["CaptureError", "CaptureResult", "Session", "Tracker", "default_parts",
            "find_command"]
 
-# CaptureOptions.extra["uprobe_attach"]: how allocator probes reach the kernel
-# (memtrack.capture.links); "auto" takes uprobe_multi links where the kernel has them.
-UPROBE_ATTACH = {"auto": None, "uprobe_multi": True, "perf_event": False}
 CONFIG_SCOPED = 1  # bpf/common.h mt_config slot: new processes stop for their links
 CONFIG_WRAPPED = 2  # bpf/common.h mt_config slot: wrapper call sites are registered
 CONFIG_GENERATION = 3  # bpf/common.h mt_config slot: the session's generation (mt_threads)
@@ -135,9 +134,6 @@ class Tracker:
         # first, before any BPF fd exists: the supervisor must hold none of them
         self.supervisor = Supervisor()
         self.options = options or CaptureOptions()
-        if self.options.probe_placement not in ("auto", "entry"):
-            raise CaptureError(f"probe placement {self.options.probe_placement!r}: "
-                               "expected 'auto' or 'entry'")
         self.parts: list[Any] = list(parts) if parts is not None else default_parts(self.options)
         cores = [p for p in self.parts if isinstance(p, CorePart)]
         if len(cores) != 1:
@@ -157,10 +153,6 @@ class Tracker:
             if why is not None:
                 self.warnings.append(f"program cache not used: {why}")
                 cache = None
-        attach = self.options.extra.get("uprobe_attach", "auto")
-        if attach not in UPROBE_ATTACH:
-            raise CaptureError(f"uprobe attach {attach!r}: expected one of "
-                               f"{', '.join(UPROBE_ATTACH)}")
         with SlowNote(progress, "loading the BPF programs") as note:
             try:
                 self.bpf = load_program("\n".join(text), cflags, cache, note=note)
@@ -171,7 +163,7 @@ class Tracker:
                                            self.bpf["mt_paused"].map_fd)
                 for part in self.parts:
                     self.warnings += part.attach(self.bpf)
-                self.uprobes = UprobeLinks(self.bpf, multi=UPROBE_ATTACH[attach])
+                self.uprobes = UprobeLinks(self.bpf, multi=self.options.tuning.uprobe_attach.multi)
                 try:
                     self.scope = self._choose_scope()
                 except BaseException:
@@ -195,10 +187,7 @@ class Tracker:
     def _choose_scope(self) -> str:
         """"process" (each traced process gets links of its own) where the kernel has
         uprobe_multi links and the options allow, else "host", said once."""
-        if self.options.probe_scope not in PROBE_SCOPES:
-            raise CaptureError(f"probe scope {self.options.probe_scope!r}: expected "
-                               f"{' or '.join(PROBE_SCOPES)}")
-        if self.options.probe_scope == "auto" and self.uprobes.multi:
+        if self.options.probe_scope is ProbeScope.AUTO and self.uprobes.multi:
             # a link per process and module: a fork-heavy tree holds many of them
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             if soft != hard:
@@ -206,7 +195,7 @@ class Tracker:
             cfg = self.bpf["mt_config"]
             cfg[cfg.Key(CONFIG_SCOPED)] = cfg.Leaf(1)
             return "process"
-        why = ("--probe-scope host" if self.options.probe_scope == "host" else
+        why = ("--probe-scope host" if self.options.probe_scope is ProbeScope.HOST else
                "this kernel has no uprobe_multi links (Linux 6.6+)")
         self.warnings.append(f"allocator probes are host-wide ({why}): every process on "
                              "this machine that calls a probed allocator takes their trap "
@@ -378,7 +367,7 @@ class Tracker:
         except OSError:
             path = open_path
         code = b""
-        if self.options.probe_placement == "auto":
+        if self.options.probe_placement is ProbePlacement.AUTO:
             with open(open_path, "rb") as f:
                 code = f.read()
         first = len(self.probes)

@@ -30,9 +30,8 @@ def run(cmd: list[str], output: Path, *, pids: list[int], duration: float | None
 
     require_privileges("capture", " -o OUT.memtrack -- CMD...")
     own_environment(sys.argv)
-    from memtrack.capture.parts import CaptureOptions
+    from memtrack.capture.options import CaptureError, CaptureOptions
     from memtrack.capture.run import run_capture
-    from memtrack.capture.tracker import CaptureError
     from memtrack.schema.artifact import ArtifactError
 
     for option, seconds in (("--timeout", timeout), ("--duration", duration)):
@@ -41,15 +40,15 @@ def run(cmd: list[str], output: Path, *, pids: list[int], duration: float | None
     check_output(output, force)
     rings = {k: v for k, v in (("events_ring_pages", events_ring_pages),
                                ("stacks_ring_pages", stacks_ring_pages)) if v is not None}
-    options = CaptureOptions(
-        stacks=stacks, stack_budget=stack_budget, stack_copies=stack_copies,
-        python_frames=python_frames, python_stacks=python_stacks,
-        python_allocators=python_allocators, rss=rss, track_faults=track_faults,
-        modules=modules, start_disabled=start_disabled,
-        probe_placement=probe_placement, probe_scope=probe_scope, on_ring_full=on_ring_full,
-        fail_on_loss=fail_on_loss,
-        program_cache=program_cache, **rings)
     try:
+        options = CaptureOptions(
+            stacks=stacks, stack_budget=stack_budget, stack_copies=stack_copies,
+            python_frames=python_frames, python_stacks=python_stacks,
+            python_allocators=python_allocators, rss=rss, track_faults=track_faults,
+            modules=modules, start_disabled=start_disabled,
+            probe_placement=probe_placement, probe_scope=probe_scope,
+            on_ring_full=on_ring_full, fail_on_loss=fail_on_loss,
+            program_cache=program_cache, **rings)
         return run_capture(cmd, output, options, force=force, control=control_fifo,
                            timeout=timeout, pids=pids, duration=duration)
     except (CaptureError, ArtifactError, ValueError) as e:

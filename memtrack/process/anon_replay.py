@@ -47,10 +47,10 @@ _DROPS = (MADV_DONTNEED, MADV_DONTNEED_LOCKED, MADV_REMOVE)
 
 
 def thp_mode(manifest: Manifest) -> str:
-    """The traced host's transparent-hugepage mode, as capture recorded it in the options
-    (memtrack.capture.rss puts it in CaptureOptions.extra); "madvise" when unknown."""
-    extra = manifest.options.get("extra") or {}
-    return str(extra.get("thp_enabled") or "madvise")
+    """The traced host's transparent-hugepage mode, as capture recorded it in the
+    manifest's host (format 2.6; before, in options.extra); "madvise" when unknown."""
+    old = manifest.options.get("extra") or {}
+    return str(manifest.host.thp_enabled or old.get("thp_enabled") or "madvise")
 
 
 class PageRanges:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -28,13 +29,19 @@ class ManifestError(ValueError):
 
 
 def _read_id(path: str) -> str:
-    """A one-line identity file of this host (/etc/machine-id, the boot id), "" when
-    there is none."""
+    """A one-line file of this host (/etc/machine-id, the boot id, the THP mode), ""
+    when there is none."""
     try:
         with open(path) as f:
             return f.read(64).strip()
     except (OSError, UnicodeDecodeError):
         return ""
+
+
+def _thp_mode() -> str:
+    """This host's transparent-hugepage mode ("always", "madvise", "never"), or ""."""
+    m = re.search(r"\[(\w+)\]", _read_id("/sys/kernel/mm/transparent_hugepage/enabled"))
+    return m[1] if m else ""
 
 
 @dataclass
@@ -47,6 +54,9 @@ class Host:
     # /etc/machine-id (format 2.4): with the boot id, what says a run was captured on
     # the machine reading it, in the boot it runs (ModuleStore's host modules)
     machine_id: str = ""
+    # /sys/kernel/mm/transparent_hugepage/enabled's mode (format 2.6; before, capture
+    # kept it in options.extra["thp_enabled"]): the anon RSS replay's huge pages
+    thp_enabled: str = ""
 
     @classmethod
     def current(cls) -> Host:
@@ -58,6 +68,7 @@ class Host:
             boot_id=_read_id("/proc/sys/kernel/random/boot_id"),
             hostname=u.node,
             machine_id=_read_id("/etc/machine-id"),
+            thp_enabled=_thp_mode(),
         )
 
     def captured_here(self) -> bool:
@@ -86,7 +97,7 @@ class ExitStatus:
     signal: Code | None = None  # killed by this signal
 
 
-# Every value of a manifest, the free-form ones (options.extra, probes, cost) too, is
+# Every value of a manifest, the free-form ones (options, probes, cost) too, is
 # bounded before anything walks it (`info` prints them; 900 nested dicts overflowed
 # Python's stack): how deep it nests and how long a string is.
 MAX_DEPTH = 16
@@ -154,6 +165,7 @@ class Manifest:
     checksums: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # options.extra: where formats before 2.6 kept thp_enabled (anon_replay.thp_mode)
         if not isinstance(self.options.get("extra", {}), dict):
             raise ValueError("options.extra is not an object")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from memtrack.capture.parts import CaptureOptions
+from memtrack.capture.options import CaptureOptions, Tuning
 from memtrack.capture.procfs import read_maps
 from memtrack.schema import ALLOC_KINDS, EventKind
 from memtrack.schema.artifact import Artifact
@@ -40,7 +40,8 @@ def tracker() -> Any:
 def tracker_each_attach(request: pytest.FixtureRequest) -> Any:
     from memtrack.capture.tracker import Tracker
 
-    options = CaptureOptions(stacks=False, rss=False, extra={"uprobe_attach": request.param})
+    options = CaptureOptions(stacks=False, rss=False,
+                             tuning=Tuning(uprobe_attach=request.param))
     with Tracker(options) as t:
         assert t.uprobes.mode == request.param
         yield t
