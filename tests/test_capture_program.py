@@ -215,8 +215,9 @@ def test_loops_on_the_kernel_iterator_record_what_bounded_loops_do(
     Python; the verifier walks a fraction of the instructions for mt_alloc, the start-up
     cost of a capture with stacks. (Equal native hashes across two runs need the two
     processes to leave the same words on their stacks: ASLR off gives that on a quiet
-    machine, but in a loaded full run one stack once differed from the first event on,
-    a stale word, not the hash.)"""
+    machine; in one loaded full run the native hashes differed from the first event on,
+    which the old comparison could not tell from a wrong hash, and the record check
+    can.)"""
     from memtrack.capture.tracker import Tracker
     from memtrack.process.decode import decode_table
     from memtrack.schema.artifact import Artifact
