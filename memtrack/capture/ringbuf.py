@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from memtrack.schema.stackrecord import offsets_of
+
 BUSY = 1 << 31
 DISCARD = 1 << 30
 HEADER = 8
@@ -43,8 +45,7 @@ class Records:
         """Records from separate bytes (each padded to 8 bytes, as the ring does)."""
         lengths = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
         padded = (lengths + 7) & ~7
-        starts = np.zeros(len(records), dtype=np.int64)
-        np.cumsum(padded[:-1], out=starts[1:])
+        starts = offsets_of(padded)[:-1]
         blob = b"".join(bytes(r) + b"\0" * (int(p) - len(r))
                         for r, p in zip(records, padded.tolist(), strict=True))
         return cls(blob, starts, lengths)
@@ -54,7 +55,7 @@ class Records:
         if len(parts) == 1:
             return parts[0]
         sizes = np.array([len(p.blob) for p in parts], dtype=np.int64)
-        shift = np.repeat(np.cumsum(sizes) - sizes, [len(p) for p in parts])
+        shift = np.repeat(offsets_of(sizes)[:-1], [len(p) for p in parts])
         return cls(b"".join(p.blob for p in parts),
                    np.concatenate([p.starts for p in parts]) + shift,
                    np.concatenate([p.lengths for p in parts]))

@@ -63,7 +63,7 @@ class Segments:
     def of(cls, phdrs: np.ndarray) -> Segments:
         """From the program headers (ElfImage.program_headers)."""
         load = phdrs[phdrs["type"] == PT_LOAD]
-        load = load[np.argsort(load["offset"], kind="stable")]
+        load = load[np.lexsort((load["vaddr"], load["offset"]))]  # by offset, then vaddr
         return cls(load["offset"].astype(np.uint64), load["vaddr"].astype(np.uint64),
                    load["filesz"].astype(np.uint64), load["memsz"].astype(np.uint64),
                    (load["flags"] & PF_X) != 0)
