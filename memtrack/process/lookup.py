@@ -1,12 +1,15 @@
 """Lookups in sorted keys, the idioms the stages share: the exact lookup
 (`find_sorted`: `searchsorted`, the index clamped into the keys, the key compared), each
 group's rows (`group_bounds`: rows put in the order of a small group number, each
-group's [start, end); `key_bounds`: each key's [start, end) in sorted keys), and a
-value per key carried from batch to batch (`Carry`)."""
+group's [start, end); `key_bounds`: each key's [start, end) in sorted keys), the
+distinct pairs of two key columns (`unique_pairs`), and a value per key carried from
+batch to batch (`Carry`)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 
 def find_sorted(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -34,6 +37,25 @@ def key_bounds(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
     is not there."""
     return np.searchsorted(keys, values, side="left"), np.searchsorted(keys, values,
                                                                        side="right")
+
+
+def unique_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (a, b) pairs in (a, b) order, as two columns, and each row's pair.
+    What np.unique(np.stack([a, b]), axis=1, return_inverse=True) answers: that sorts
+    every row as an opaque record; here the rows are hashed (Arrow's dictionary_encode
+    over each row's bytes) and only the distinct pairs sorted, ~10x faster on millions
+    of rows that repeat (a Python stack's frames)."""
+    rows = np.empty(len(a), [("a", a.dtype), ("b", b.dtype)])
+    rows["a"], rows["b"] = a, b
+    encoded = pc.dictionary_encode(pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(rows.dtype.itemsize), len(rows), [None, pa.py_buffer(rows)]))
+    distinct = np.frombuffer(encoded.dictionary.buffers()[1], rows.dtype,
+                             len(encoded.dictionary))
+    order = np.lexsort((distinct["b"], distinct["a"]))
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return (distinct["a"][order], distinct["b"][order],
+            rank[encoded.indices.to_numpy(zero_copy_only=False)])
 
 
 class Carry:

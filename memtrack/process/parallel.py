@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from memtrack.addrspace.modules import ModuleStore
 from memtrack.process.decode import StackRecords, decode_pieces, decode_table, piece_ends
+from memtrack.process.lookup import unique_pairs
 from memtrack.process.progress import Advance, no_progress
 from memtrack.process.stage import StageResult
 from memtrack.process.unwind import Unwinder, UnwoundStacks
@@ -80,7 +81,7 @@ def choose_records(records: StackRecords, piece_bytes: int,
     keep = ~repeated
     keep[ok[first]] = True
     pid = records.index.column("pid").to_numpy()
-    pairs = np.unique(np.stack([h[ok], pid[ok].astype(np.uint64)]), axis=1).shape[1]
+    pairs = len(unique_pairs(h[ok], pid[ok])[0])
     counters["stacks_duplicate_hash"] = pairs - len(first)
     return np.flatnonzero(keep), counters
 

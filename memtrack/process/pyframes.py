@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memtrack.addrspace.modules import ModuleStore
-from memtrack.process.lookup import find_sorted, key_bounds
+from memtrack.process.lookup import find_sorted, key_bounds, unique_pairs
 from memtrack.process.stage import StageResult
 from memtrack.process.unwind import module_paths
 from memtrack.schema.stackrecord import ragged
@@ -163,10 +163,9 @@ def _lines(keys: np.ndarray, instrs: np.ndarray, codes: pa.Table) -> np.ndarray:
     missing or the instruction has no line. One step per distinct pair."""
     ckeys = codes.column("key").to_numpy()
     tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    pairs, inverse = np.unique(np.stack([keys, instrs.astype(np.uint64)]), axis=1,
-                               return_inverse=True)
-    out = np.zeros(pairs.shape[1], np.int64)
-    for i, (key, instr) in enumerate(zip(pairs[0].tolist(), pairs[1].tolist(), strict=True)):
+    pkeys, pinstrs, inverse = unique_pairs(keys, instrs)
+    out = np.zeros(len(pkeys), np.int64)
+    for i, (key, instr) in enumerate(zip(pkeys.tolist(), pinstrs.tolist(), strict=True)):
         j = int(np.searchsorted(ckeys, key))
         if j >= len(ckeys) or ckeys[j] != key:
             continue
@@ -181,7 +180,7 @@ def _lines(keys: np.ndarray, instrs: np.ndarray, codes: pa.Table) -> np.ndarray:
         unit = 0 if instr == 0xFFFFFFFF else instr  # a frame that has not started
         k = int(np.searchsorted(ends, unit, side="right"))
         out[i] = lines[k] if k < len(lines) else 0
-    return out[inverse.ravel()]
+    return out[inverse]
 
 
 def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frames: pa.Table,
@@ -295,20 +294,18 @@ def merge(py_stacks: pa.Table, py_codes: pa.Table, stacks: pa.Table, stack_frame
     ckeys = codes.column("key").to_numpy()
     ci, have = find_sorted(ckeys, fkey[pyf])
     counters["python_code_missing"] = int((~have).sum())
-    locs_u, loc_of = np.unique(np.stack([np.where(have, fkey[pyf], 0),
-                                         lines.astype(np.uint64)]), axis=1, return_inverse=True)
-    loc_of = loc_of.ravel()
-    lci, lhave = find_sorted(ckeys, locs_u[0])
+    loc_key, loc_line, loc_of = unique_pairs(np.where(have, fkey[pyf], 0), lines)
+    lci, lhave = find_sorted(ckeys, loc_key)
     mask = pa.array(~lhave)
     locations = pa.table({
-        "key": pa.array(np.arange(locs_u.shape[1], dtype=np.uint64)),
+        "key": pa.array(np.arange(len(loc_key), dtype=np.uint64)),
         "function": pc.if_else(mask, "[unknown python code]",
                                codes.column("qualname").take(pa.array(lci)) if len(ckeys)
-                               else pa.nulls(locs_u.shape[1], pa.string())),
+                               else pa.nulls(len(loc_key), pa.string())),
         "file": pc.if_else(mask, pa.scalar(None, pa.string()),
                            codes.column("filename").take(pa.array(lci)) if len(ckeys)
-                           else pa.nulls(locs_u.shape[1], pa.string())),
-        "line": pa.array(locs_u[1].astype(np.uint32)),
+                           else pa.nulls(len(loc_key), pa.string())),
+        "line": pa.array(loc_line.astype(np.uint32)),
     }, schema=PYTHON_LOCATIONS)
     caddr = codes.column("address").to_numpy()[ci] if len(ckeys) else np.zeros(len(pyf))
     caddr = np.where(have, caddr, 0).astype(np.uint64)
