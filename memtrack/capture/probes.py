@@ -48,7 +48,6 @@ def _placement(code: bytes, vaddr: int, name: str, arg_regs: int) -> tuple[int, 
     return int(p.offset), str(p.reason)
 
 
-
 class Probes:
     """The files classified, their probes' records (the manifest's `probes`), and the
     files linked so far per owner (a pid, or 0 for host-wide links)."""
