@@ -197,7 +197,7 @@ def test_libc_stays_intact(tracker: Any, tmp_path: Path) -> None:
         assert mem == f.read(4096)
     result = session.wait(timeout=10)
     assert result.status == 0
-    assert any(p["path"] == path for p in tracker.probes)
+    assert any(p["path"] == path for p in tracker.probes.records)
 
 
 def test_mappings_and_modules(tracker: Any, tmp_path: Path) -> None:

@@ -18,6 +18,9 @@ machine its worst gap between two reads was 40-200 ms (the GIL holder preempted)
 a ring of the default size absorbs (its high watermark is ~90 ms of every CPU
 allocating flat out, far more under load); bench/bench_lossless.py prints the worst gap,
 and the manifest's `drain` section records it for every capture.
+
+`Rings` is the tracker's side of it: a session opens its readers (`Source`s), writes
+through the parts, and reaches the attach requests, region marks and ring pauses there.
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from memtrack.capture.parts import Ring
 from memtrack.capture.ringbuf import Records, RingReader
+from memtrack.capture.stops import Pauses, StopRegistry
+
+if TYPE_CHECKING:
+    from memtrack.capture.core import CorePart
+    from memtrack.schema.artifact import ArtifactWriter
 
 DRAIN_SECONDS = 0.002  # between two drain rounds while records arrive
 IDLE_SECONDS = 0.016  # at most, doubling from DRAIN_SECONDS while none do
@@ -85,6 +93,42 @@ class Source:
             return arr, len(arr), arr.nbytes
         recs = self.reader.read_records()
         return recs, len(recs), recs.nbytes
+
+
+class Rings:
+    """The rings of a tracker's program as its sessions use them: every part's rings
+    (each session opens readers of its own for its drain thread; the part writes what
+    was read), the attach-request ring the caller's thread waits on, REGION events put
+    into the events ring by memtrack itself, and the ring pauses (backpressure)."""
+
+    def __init__(self, bpf: Any, parts: list[Any], core: CorePart) -> None:
+        self._bpf = bpf
+        self._parts = parts
+        self._core = core
+
+    def open(self) -> list[Source]:
+        """A reader on every ring of every part, in program order."""
+        return [Source(p, r, RingReader(self._bpf, r.map_name))
+                for p in self._parts for r in p.rings()]
+
+    def write(self, src: Source, writer: ArtifactWriter, records: Any) -> None:
+        """What the drain read from `src`, appended by its part."""
+        src.part.write(self._bpf, writer, src.ring, records)
+
+    @property
+    def attach_requests(self) -> RingReader:
+        """The reader of the attach requests (core.ATTACH_DTYPE records)."""
+        reader = self._core.attach_requests
+        assert reader is not None, "CorePart.attach was not called"
+        return reader
+
+    def mark_region(self, pid: int, tid: int, region_id: int, begin: bool) -> bool:
+        """CorePart.mark_region: a thread's REGION event, now."""
+        return self._core.mark_region(pid, tid, region_id, begin)
+
+    def pauses(self, stops: StopRegistry) -> Pauses:
+        """A session's ring pauses, its stops going through `stops`."""
+        return Pauses(self._bpf, stops)
 
 
 class Backlog:

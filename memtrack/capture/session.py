@@ -64,9 +64,8 @@ from memtrack.capture.procfs import (
     wait_stopped,
 )
 from memtrack.capture.regions import Regions
-from memtrack.capture.ringbuf import RingReader
 from memtrack.capture.status import StatusLine
-from memtrack.capture.stops import ATTACH, Pauses, StopRegistry
+from memtrack.capture.stops import ATTACH, StopRegistry
 from memtrack.schema import PROCESSES, RSS, STOPS, clones, is_loss
 from memtrack.schema.artifact import ArtifactWriter
 from memtrack.schema.enums import RssMember
@@ -143,7 +142,6 @@ class Session:
                  live: TextIO | None, start_disabled: bool | None = None,
                  pids: list[int] | None = None) -> None:
         self.tracker = tracker
-        self.bpf = tracker.bpf
         self.cmd = cmd
         self.output = output
         self.done = False
@@ -175,7 +173,7 @@ class Session:
         self.modules = ModuleRecorder(self.writer, copy_modules=opts.modules)
         self._loss_base = tracker.loss_totals()
         self.stops = StopRegistry()
-        self.pauses = Pauses(self.bpf, self.stops)
+        self.pauses = tracker.rings.pauses(self.stops)
         self._pause_base = self.pauses.counts()
         self._tmpdir = tempfile.mkdtemp(prefix="memtrack-")
         user = user if user is not None else _sudo_user()
@@ -184,16 +182,13 @@ class Session:
         except ControlError as e:
             self._discard_artifact()
             raise CaptureError(str(e)) from None
-        tracked = self.bpf["mt_tracked"]
-        self.regions = Regions(tracker.core.mark_region, self.writer,
-                               lambda pid: tracked.Key(pid) in tracked)
+        self.regions = Regions(tracker.rings.mark_region, self.writer,
+                               lambda pid: pid in tracker.tracked)
         self._epoll = select.epoll()
         self._epoll.register(self.control.fileno(), select.EPOLLIN)
         # The data rings never wake us (the drain thread polls them); attach requests do.
-        assert tracker.core.attach_requests is not None
-        self._epoll.register(tracker.core.attach_requests.fd, select.EPOLLIN)
-        self.sources = [Source(p, r, RingReader(self.bpf, r.map_name))
-                        for p in tracker.parts for r in p.rings()]
+        self._epoll.register(tracker.rings.attach_requests.fd, select.EPOLLIN)
+        self.sources = tracker.rings.open()
         pause = opts.on_ring_full is OnRingFull.PAUSE
         self.pauses.configure([(s.ring.ring_id, s.reader.fd, s.high) for s in self.sources],
                               pause)
@@ -273,8 +268,7 @@ class Session:
                 why = f.read().decode(errors="replace") or "the child exited before exec"
             raise CaptureError(f"cannot start {cmd[0]}: {why}")
         self.tracker.supervisor.watch_pid(pid)
-        pending = self.bpf["mt_pending"]
-        pending[pending.Key(pid)] = pending.Leaf(1)
+        self.tracker.tracked.track_from_exec(pid)
         os.kill(pid, signal.SIGCONT)
         with os.fdopen(r, "rb") as f:
             err = f.read()
@@ -292,11 +286,10 @@ class Session:
             if why is not None:
                 raise CaptureError(why)
         assert self.attached is not None
-        tracked = self.bpf["mt_tracked"]
         for pid in pids:
             # the files' build ids and probes before the stop: it holds for the links only
             for m, src in self._files(pid, read_maps(pid)):
-                self.tracker.classify(src, m.path, self.modules.build_id_of(pid, m))
+                self.tracker.probes.classify(src, m.path, self.modules.build_id_of(pid, m))
             self.tracker.supervisor.watch_pid(pid)  # continued if memtrack dies now
             since = time.monotonic_ns()
             try:
@@ -308,7 +301,7 @@ class Session:
             if not wait_stopped(pid):
                 raise CaptureError(f"process {pid} did not stop to be attached to (it "
                                    "exited, or waits in the kernel)")
-            tracked[tracked.Key(pid)] = tracked.Leaf(1)
+            self.tracker.tracked.track(pid)
             ts = time.monotonic_ns()
             self._record_process(pid, ts)
             rss = read_rss(pid) or {}
@@ -333,12 +326,8 @@ class Session:
         (their links go with the tracker)."""
         if not self.attached:
             return
-        tracked = self.bpf["mt_tracked"]
         for pid, fd in self.attached.items():
-            try:
-                del tracked[tracked.Key(pid)]
-            except KeyError:
-                pass
+            self.tracker.tracked.untrack(pid)
             os.close(fd)
         self.stops.release_all()
 
@@ -463,9 +452,9 @@ class Session:
     # -- the pipeline (writer thread) -----------------------------------------------
 
     def _write(self, src: Source, records: Any) -> None:
-        if src.part is self.tracker.core:
+        if src.ring.ring_id == RING_EVENTS:
             self._note_forks(records)
-        src.part.write(self.bpf, self.writer, src.ring, records)
+        self.tracker.rings.write(src, self.writer, records)
 
     def _idle(self) -> None:
         """The writer thread's work between batches: the stops released meanwhile go to
@@ -513,8 +502,7 @@ class Session:
     # -- on-demand attach -----------------------------------------------------------
 
     def _serve_attach(self) -> None:
-        reader = self.tracker.core.attach_requests
-        assert reader is not None
+        reader = self.tracker.rings.attach_requests
         reqs = reader.read_fixed(ATTACH_DTYPE)
         if not reqs.size:
             return
@@ -533,14 +521,14 @@ class Session:
         allreqs = np.concatenate(batches) if len(batches) > 1 else batches[0]
         forks = set(allreqs["pid"][allreqs["reason"] == REQ_FORK].tolist())
         for pid in forks:  # links left by an earlier process of that pid: not its
-            self.tracker.release(pid)
+            self.tracker.probes.release(pid)
         for r in allreqs[allreqs["reason"] == REQ_EXEC]:
             pid = int(r["pid"])
             if int(r["off"]) != pid:
                 # A thread other than the leader exec'd: it leads the process now, and
                 # the links held the old leader (whose mm is gone). They must be closed
                 # before the new ones, or a breakpoint of both runs the program twice.
-                self.tracker.release(pid, wait=True)
+                self.tracker.probes.release(pid, wait=True)
             if stopped[pid]:
                 self._record_process(pid, int(r["ts"]))
         now = time.monotonic_ns()
@@ -566,7 +554,7 @@ class Session:
 
     def _link(self, pid: int, maps: list[MapLine] | None) -> None:
         for m, src in self._files(pid, maps):
-            self.tracker.attach_file(src, m.path, self.modules.build_id_of(pid, m), pid, m)
+            self.tracker.probes.attach_file(src, m.path, self.modules.build_id_of(pid, m), pid, m)
 
     @staticmethod
     def _files(pid: int, maps: list[MapLine] | None) -> list[tuple[MapLine, str]]:
@@ -588,10 +576,9 @@ class Session:
         at its exit), so that a fork-heavy tree holds only its live processes' links:
         the kernel runs every link of a probe at each hit and walks them all at each
         release, so links left behind would make both grow with the processes."""
-        tracked = self.bpf["mt_tracked"]
-        for pid in self.tracker.linked_pids():
-            if tracked.Key(pid) not in tracked:
-                self.tracker.release(pid)
+        for pid in self.tracker.probes.linked_pids():
+            if pid not in self.tracker.tracked:
+                self.tracker.probes.release(pid)
 
     def _record_process(self, pid: int, ts: int) -> None:
         """processes.arrow's row for a process as it is now (at its exec, or attached
@@ -612,7 +599,7 @@ class Session:
         losses = {k: v - self._loss_base.get(k, 0) for k, v in totals.items()}
         losses["module_copy_failed"] = losses.get("module_copy_failed", 0) + \
             self.modules.copy_failed
-        losses["probes_refused"] = self.tracker.refused_functions()
+        losses["probes_refused"] = self.tracker.probes.refused_functions()
         return losses
 
     def pause_counts(self) -> dict[str, int]:
@@ -634,7 +621,7 @@ class Session:
     def _update_manifest(self) -> None:
         m = self.writer.manifest
         m.losses = self.losses()
-        m.probes = list(self.tracker.probes)
+        m.probes = list(self.tracker.probes.records)
         m.warnings += [w for w in self.tracker.warnings if w not in m.warnings]
         m.backpressure = {"mode": self.tracker.options.on_ring_full.value,
                           "pauses": self.pause_counts(), "paused_ns": self.pauses.paused_ns}
@@ -642,7 +629,7 @@ class Session:
         m.drain = {"rounds": d.rounds, "bytes": d.bytes, "worst_gap_ns": d.worst_gap_ns,
                    "cpu_ns": d.cpu_ns, "backlog_peak_bytes": self.backlog.peak}
         m.cost = {"main_cpu_ns": time.thread_time_ns() - self._cpu0,
-                  "writer_cpu_ns": self.batches.cpu_ns, "bpf": self.bpf.run_stats()}
+                  "writer_cpu_ns": self.batches.cpu_ns, "bpf": self.tracker.run_stats()}
 
     # -- the end --------------------------------------------------------------------
 
@@ -652,24 +639,11 @@ class Session:
         # The links of processes gone (the root's, at least) trap nobody: the tracker's
         # finish hands them to release_in_background instead of waiting for their grace
         # periods (~50 ms at the end of every capture). Those of the processes still
-        # tracked go below, closed before finish returns.
-        with self.tracker.uprobes.holding():
+        # tracked go below, closed before finish returns. This comes before the tracked
+        # pids are cleared: they tell the gone from the live.
+        with self.tracker.probes.holding():
             self._release_links()
-        tracked = self.bpf["mt_tracked"]
-        pids = [k.value for k in tracked.keys()]
-        for k in list(tracked.keys()):
-            try:
-                del tracked[k]
-            except KeyError:
-                pass
-        for name in ("mt_pending", "mt_threads_spill"):
-            table = self.bpf[name]
-            for k in list(table.keys()):
-                try:
-                    del table[k]
-                except KeyError:
-                    pass
-        self.tracker.next_generation()  # every thread's state (bpf/common.h mt_threads) goes
+        pids = self.tracker.tracked.clear()
         self._serve_attach()
         self.stops.release_all()
         for pid in pids:
@@ -679,8 +653,8 @@ class Session:
                 pass
         # the links of the processes that live on (stragglers, attached ones) are closed
         # before we return, not in the background: none of their traps outlives us
-        for pid in self.tracker.linked_pids():
-            self.tracker.release(pid, wait=True)
+        for pid in self.tracker.probes.linked_pids():
+            self.tracker.probes.release(pid, wait=True)
 
     def _finish(self) -> CaptureResult:
         self._release_stragglers()

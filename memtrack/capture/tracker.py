@@ -10,6 +10,14 @@ event pipeline and its artifact.
 A tracker first starts its supervisor (memtrack.capture.supervisor), before the BPF
 program is loaded: if memtrack dies, it continues every process the program stopped.
 
+A session reaches the program only through the tracker's four interfaces and a few
+calls of its own (options, warnings, scope, set_enabled, on_stop, loss_totals,
+run_stats):
+- `tracked` (tracked.TrackedProcesses): the tracked tree in the kernel;
+- `probes` (probes.Probes): files classified and linked per process, their records;
+- `rings` (drain.Rings): the rings to drain, attach requests, region marks, pauses;
+- `supervisor` (supervisor.Supervisor): the pids and terminal it must restore.
+
 Probe scope: where the kernel has uprobe_multi links (6.6+), every traced process gets
 links of its own for each allocator module it maps ("process"), and no process outside
 the tree takes a trap; elsewhere (or with --probe-scope host) the links are host-wide
@@ -25,18 +33,17 @@ import errno
 import os
 import resource
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from memtrack.capture.allocators import Probe, probes_for, pymalloc_refusal, read_elf
-from memtrack.capture.choices import ProbePlacement, ProbeScope
+from memtrack.capture.choices import ProbeScope
 from memtrack.capture.core import CorePart
 from memtrack.capture.doctor import check_pid_namespace
+from memtrack.capture.drain import Rings
 from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.options import CaptureError, CaptureOptions
 from memtrack.capture.parts import BPF_DIR, CapturePart
-from memtrack.capture.procfs import MapLine
+from memtrack.capture.probes import Probes
 from memtrack.capture.program import (
     LoadError,
     ProgramCache,
@@ -46,17 +53,13 @@ from memtrack.capture.program import (
 )
 from memtrack.capture.session import CaptureResult, Session
 from memtrack.capture.supervisor import Supervisor
-from memtrack.capture.wrappers import Site, find_wrappers
-from memtrack.elf.image import ElfReadError
+from memtrack.capture.tracked import TrackedProcesses
 from memtrack.schema import LOSS_COUNTERS
 
 __all__ = ["CaptureError", "CaptureResult", "Session", "Tracker", "default_parts",
            "find_command"]
 
 CONFIG_SCOPED = 1  # bpf/common.h mt_config slot: new processes stop for their links
-CONFIG_WRAPPED = 2  # bpf/common.h mt_config slot: wrapper call sites are registered
-CONFIG_GENERATION = 3  # bpf/common.h mt_config slot: the session's generation (mt_threads)
-WRAP_SITES = "mt_wrap_sites"  # bpf/alloc.c
 
 
 def find_command(name: str, env: dict[str, str] | None = None,
@@ -100,27 +103,6 @@ def default_parts(options: CaptureOptions) -> list[CapturePart]:
     return parts
 
 
-@dataclass
-class _Placed:
-    """A classified file: the path its probes attach to, the functions still probed and
-    their offsets in the function, their records in Tracker.probes, and the call sites
-    of its unprobed wrappers (memtrack.capture.wrappers)."""
-
-    path: str
-    probes: list[Probe]
-    offsets: dict[str, int]
-    records: list[dict[str, Any]]
-    sites: list[Site]
-    tried: bool = False  # attached once: an offset the kernel refused moved to the entry
-
-
-def _placement(code: bytes, vaddr: int, name: str, arg_regs: int) -> tuple[int, str]:
-    from memtrack.capture.placement import choose_probe_offset
-
-    p = choose_probe_offset(code, vaddr, name=name, arg_regs=arg_regs)
-    return int(p.offset), str(p.reason)
-
-
 class Tracker:
     """Owns the BPF program (compiled once) and the uprobes attached so far."""
 
@@ -159,8 +141,8 @@ class Tracker:
             except LoadError as e:
                 raise CaptureError(str(e)) from None
             try:
-                self.supervisor.watch_maps(self.bpf["mt_tracked"].map_fd,
-                                           self.bpf["mt_paused"].map_fd)
+                self.tracked = TrackedProcesses(self.bpf)
+                self.supervisor.watch_maps(self.tracked.map_fd, self.bpf["mt_paused"].map_fd)
                 for part in self.parts:
                     self.warnings += part.attach(self.bpf)
                 self.uprobes = UprobeLinks(self.bpf, multi=self.options.tuning.uprobe_attach.multi)
@@ -174,14 +156,9 @@ class Tracker:
                 if isinstance(e, LoadError):  # the verifier refused a program
                     raise CaptureError(str(e)) from None
                 raise
-        # (st_dev, st_ino) -> the file's probes (None: it has none), and per owner (a
-        # pid, or 0 for host-wide links) the files linked for it
-        self.classified: dict[tuple[int, int], _Placed | None] = {}
-        self.linked: dict[int, set[tuple[int, int]]] = {}
-        self.session_files: set[tuple[int, int]] = set()  # the files the session mapped
-        self.probes: list[dict[str, Any]] = []
+        self.probes = Probes(self.bpf, self.uprobes, self.options, self.scope, self.warnings)
+        self.rings = Rings(self.bpf, self.parts, self.core)
         self.session: Session | None = None
-        self.wrapping = False  # a wrapper call site is registered (mt_config[2] is on)
         self.closed = False
 
     def _choose_scope(self) -> str:
@@ -216,13 +193,6 @@ class Tracker:
         cfg = self.bpf["mt_config"]
         cfg[cfg.Key(0)] = cfg.Leaf(1 if on else 0)
 
-    def next_generation(self) -> None:
-        """A new generation of thread states: every slot of bpf/common.h mt_threads
-        (the last session's threads) is free for the next session's."""
-        cfg = self.bpf["mt_config"]
-        key = cfg.Key(CONFIG_GENERATION)
-        cfg[key] = cfg.Leaf(cfg[key].value + 1)
-
     def spawn(self, cmd: list[str], output: Path | str, *, env: dict[str, str] | None = None,
               cwd: str | Path | None = None, overwrite: bool = False,
               user: tuple[int, int] | None = None, control: Path | None = None,
@@ -237,7 +207,7 @@ class Tracker:
         if not cmd:
             raise CaptureError("no command given")
         find_command(cmd[0], env, cwd)
-        self.session_files = set()
+        self.probes.begin_session()
         self.session = Session(self, list(cmd), Path(output), env=env, cwd=cwd,
                                overwrite=overwrite, user=user, control=control, live=live,
                                start_disabled=start_disabled)
@@ -253,7 +223,7 @@ class Tracker:
         self._check_idle()
         if not pids:
             raise CaptureError("no pid given")
-        self.session_files = set()
+        self.probes.begin_session()
         self.session = Session(self, [], Path(output), env=None, cwd=None,
                                overwrite=overwrite, user=None, control=control, live=live,
                                start_disabled=start_disabled, pids=list(pids))
@@ -294,202 +264,6 @@ class Tracker:
         self.supervisor.close()
         self.closed = True
 
-    # -- probes ---------------------------------------------------------------------
-
-    def attach_file(self, open_path: str, mapped_path: str, build_id: str | None,
-                    pid: int, mapping: MapLine | None = None) -> int:
-        """Probe one ELF file's allocator functions for the process `pid` (scope
-        "process"), or for every process (scope "host": once per file), and register
-        the call sites of its unprobed wrappers where `mapping` (pid's executable
-        mapping of it) puts them. The file is classified and its probes placed once per
-        inode. Returns the number of probes attached."""
-        got = self.classify(open_path, mapped_path, build_id)
-        if got is None:
-            return 0
-        key, placed = got
-        self.session_files.add(key)
-        if placed is not None and placed.sites and mapping is not None:
-            self._register_sites(placed.sites, mapping)
-        owner = pid if self.scope == "process" else 0
-        linked = self.linked.setdefault(owner, set())
-        if key in linked:
-            return 0
-        linked.add(key)
-        if placed is None:
-            return 0
-        if not placed.tried:
-            placed.tried = True
-            return self._attach_first(placed, mapped_path, owner)
-        if not placed.offsets:
-            return 0
-        refused = self._attach(placed.path, placed.probes, placed.offsets, owner)
-        for name, why in refused.items():
-            self._refused(placed, name, why, mapped_path)
-        return len(placed.offsets) - len(refused)
-
-    def classify(self, open_path: str, mapped_path: str, build_id: str | None
-                 ) -> tuple[tuple[int, int], _Placed | None] | None:
-        """The file's (st_dev, st_ino) and its probes (None: it has none), classified
-        once per inode (attach_file calls it; a caller may before, to take the work out
-        of a stop); None when the file cannot be read."""
-        try:
-            st = os.stat(open_path)
-        except OSError:
-            return None
-        key = (st.st_dev, st.st_ino)
-        if key not in self.classified:
-            self.classified[key] = self._classify(open_path, mapped_path, build_id, key)
-        return key, self.classified[key]
-
-    def _classify(self, open_path: str, mapped_path: str, build_id: str | None,
-                  key: tuple[int, int]) -> _Placed | None:
-        """The file's allocator functions and where their probes go (recorded in
-        self.probes); None when it has none."""
-        try:
-            info = read_elf(open_path)
-        except ElfReadError:
-            return None
-        python = self.options.python_allocators
-        if python:
-            why = pymalloc_refusal(open_path, info)
-            if why is not None:
-                python = False
-                self.warnings.append(f"python allocators: {mapped_path}: {why}; its objects "
-                                     "are not recorded (those over 512 bytes are, by malloc)")
-        probes = probes_for(info, python_allocators=python)
-        if not probes:
-            return None
-        path = mapped_path
-        try:
-            same = os.stat(mapped_path)
-            if (same.st_dev, same.st_ino) != key:
-                path = open_path
-        except OSError:
-            path = open_path
-        code = b""
-        if self.options.probe_placement is ProbePlacement.AUTO:
-            with open(open_path, "rb") as f:
-                code = f.read()
-        first = len(self.probes)
-        wrapping = find_wrappers(open_path, mapped_path, info, probes)
-        for p in probes:
-            if p.name in wrapping.unprobed:
-                self._record(p, mapped_path, build_id, None, wrapping.unprobed[p.name])
-        probes = [p for p in probes if p.name not in wrapping.unprobed]
-        offsets = {p.name: self._place_probe(p, mapped_path, build_id, code) for p in probes}
-        return _Placed(path, probes, offsets, self.probes[first:], wrapping.sites)
-
-    def _register_sites(self, sites: list[Site], mapping: MapLine) -> None:
-        """The wrapper call sites inside `mapping`, at their addresses there."""
-        table = self.bpf[WRAP_SITES]
-        size = mapping.end - mapping.start
-        for site in sites:
-            if not mapping.offset <= site.offset < mapping.offset + size:
-                continue
-            if not self.wrapping:
-                cfg = self.bpf["mt_config"]
-                cfg[cfg.Key(CONFIG_WRAPPED)] = cfg.Leaf(1)
-                self.wrapping = True
-            leaf = table.Leaf()
-            leaf.family = int(site.family)
-            leaf.nsaved = len(site.saved)
-            leaf.cfa = site.cfa
-            leaf.delta = site.delta
-            for i, (reg, off) in enumerate(site.saved):
-                leaf.reg[i] = reg
-                leaf.off[i] = off
-            table[table.Key(mapping.start + site.offset - mapping.offset)] = leaf
-
-    def _attach_first(self, placed: _Placed, mapped_path: str, owner: int) -> int:
-        """The file's first attach: a chosen offset the kernel will not probe is tried
-        at the function's entry instead, and what stays refused is left out of every
-        later attach."""
-        offsets = placed.offsets
-        refused = self._attach(placed.path, placed.probes, offsets, owner)
-        moved = {name: 0 for name in refused if offsets[name] != 0}
-        if moved:
-            again = self._attach(placed.path, [p for p in placed.probes if p.name in moved],
-                                 moved, owner)
-            refused = {k: v for k, v in refused.items() if k not in moved} | again
-        for rec in placed.records:
-            name = rec["function"]
-            if name in moved and name not in refused:
-                rec["reason"] = f"entry (the kernel refused +{offsets[name]:#x})"
-                rec["probe_offset"] = offsets[name] = 0
-        for name, why in refused.items():
-            self._refused(placed, name, why, mapped_path)
-        return len(placed.probes) - len(refused)
-
-    def _refused(self, placed: _Placed, name: str, why: str, mapped_path: str) -> None:
-        """`name` cannot be probed: its calls are not recorded (said once per file)."""
-        if placed.offsets.pop(name, None) is None:
-            return
-        placed.probes = [p for p in placed.probes if p.name != name]
-        for rec in placed.records:
-            if rec["function"] == name:
-                rec["refused"] = why
-        self.warnings.append(f"cannot probe {name} in {mapped_path}: {why}; "
-                             "its calls are not recorded")
-
-    def refused_functions(self) -> int:
-        """Allocator functions of the files this session's tree mapped that the kernel
-        refused to probe."""
-        return sum(1 for key in self.session_files if self.classified.get(key)
-                   for rec in self.classified[key].records if "refused" in rec)
-
-    def release(self, pid: int, *, wait: bool = False) -> None:
-        """Forget the links of `pid` (a process gone, or a pid now another process's):
-        closed in the background, or before returning (`wait`)."""
-        if self.scope == "process":
-            self.linked.pop(pid, None)
-            self.uprobes.release(pid, wait=wait)
-
-    def linked_pids(self) -> list[int]:
-        return self.uprobes.owners()
-
-    def _attach(self, path: str, probes: list[Probe], offsets: dict[str, int], owner: int
-                ) -> dict[str, str]:
-        """Attach `probes` at their `offsets` for the process `owner` (0: every process);
-        the names the kernel refused, and why."""
-        entries: list[tuple[int, int]] = []
-        frees: list[tuple[int, int]] = []
-        at: dict[int, list[str]] = {}
-        for p in probes:
-            off = p.file_offset + offsets[p.name]
-            (frees if p.is_free else entries).append((off, p.cookie))
-            at.setdefault(off, []).append(p.name)
-        try:
-            self.uprobes.wait()
-        except LoadError as e:  # the verifier refused a program
-            raise CaptureError(str(e)) from None
-        refused = self.uprobes.attach(path, entries, frees, owner)
-        return {name: why for off, why in refused.items() for name in at[off]}
-
-    def _place_probe(self, p: Probe, mapped_path: str, build_id: str | None,
-                     code: bytes) -> int:
-        """The probe's offset in the function (recorded in self.probes)."""
-        # The placement never moves rsp before the chosen offset, so [rsp] still holds
-        # the return address there: a uretprobe at the same offset works and shares the
-        # entry probe's breakpoint.
-        offset, reason = 0, "entry (--probe-placement entry)"
-        if code:
-            offset, reason = _placement(code[p.file_offset:p.file_offset + p.size], p.vaddr,
-                                        p.name, p.arg_regs)
-        self._record(p, mapped_path, build_id, offset, reason)
-        return offset
-
-    def _record(self, p: Probe, mapped_path: str, build_id: str | None, offset: int | None,
-                reason: str) -> None:
-        """A function's record in the manifest's probes (`probe_offset` None: not probed,
-        `reason` says how its calls are recorded)."""
-        self.probes.append({
-            "path": mapped_path, "build_id": build_id, "function": p.name,
-            "family": p.family.name.lower(), "program": p.program if offset is not None
-            else None, "vaddr": p.vaddr, "file_offset": p.file_offset,
-            "probe_offset": offset, "reason": reason,
-            "retprobe": offset is not None and not p.is_free,
-        })
-
     def on_stop(self, pid: int, maps: list[Any]) -> None:
         """A tracked process is stopped at an attach stop with these mappings: the parts
         that keep per-process kernel state (stacks: kept regions, stack ends) update it
@@ -501,6 +275,10 @@ class Tracker:
                 for w in hook(self.bpf, pid, maps) or ():
                     if w not in self.warnings:
                         self.warnings.append(w)
+
+    def run_stats(self) -> dict[str, dict[str, int]]:
+        """The programs' run counts and times (the manifest's cost)."""
+        return self.bpf.run_stats()
 
     def loss_totals(self) -> dict[str, int]:
         out = dict.fromkeys(LOSS_COUNTERS, 0)
