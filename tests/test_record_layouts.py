@@ -1,7 +1,8 @@
 """Every record the kernel hands userspace (a ring's record, a map's value written from
 Python) has one layout on both sides: each C struct of memtrack/bpf, compiled here by
 gcc, has the offsets and size of the numpy dtype or ctypes structure that reads or
-writes it, field by field."""
+writes it, field by field; and the slots userspace indexes by number (a ring's, a
+config switch's) are the ones the C defines name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+from memtrack.capture import parts
 from memtrack.capture.core import ATTACH_DTYPE
 from memtrack.capture.pyframes import PyProc
 from memtrack.capture.rss import FAULT_DTYPE, RSS_DTYPE
@@ -57,3 +59,18 @@ def test_struct_matches(tmp_path: Path, source: str, name: str, obj: object) -> 
     out = dict(line.split() for line in subprocess.run(
         [str(exe)], check=True, capture_output=True, text=True).stdout.splitlines())
     assert {k: int(v) for k, v in out.items()} == {"sizeof": size, **fields}
+
+
+def test_slots_match_the_c_defines() -> None:
+    """common.h's MT_RING_* and the MT_CONFIG_* of every BPF source, as parts.py numbers
+    them (mt_config's slot 0, the recording switch, is read as a literal 0 there)."""
+    defines = {name: int(value) for source in sorted(BPF.iterdir())
+               if source.suffix in (".h", ".c")
+               for name, value in re.findall(r"^#define MT_((?:RING|CONFIG)_\w+) (\d+)$",
+                                             source.read_text(), re.M)}
+    rings = {f"RING_{n.upper()}": i for i, n in enumerate(parts.RING_NAMES)}
+    assert rings == {k: getattr(parts, k) for k in rings}
+    config = {k: getattr(parts, k) for k in ("CONFIG_SCOPED", "CONFIG_WRAPPED",
+                                             "CONFIG_GENERATION")}
+    assert defines == {**rings, **config}
+    assert parts.CONFIG_ENABLED == 0

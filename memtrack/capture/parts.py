@@ -36,6 +36,11 @@ BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 # common.h MT_RING_*: a ring's slot in mt_rings / mt_pause_at / mt_pauses.
 RING_EVENTS, RING_STACKS, RING_RSS, RING_RSS_EVENTS, RING_FAULTS, RING_PYFRAMES = range(6)
 RING_NAMES = ("events", "stacks", "rss", "rss_events", "faults", "pyframes")
+# common.h mt_config's slots: recording enabled (--start-disabled, the control FIFO),
+# probes scoped to each traced process (lifecycle.c MT_CONFIG_SCOPED), a wrapper call
+# site registered (MT_CONFIG_WRAPPED), the session's generation of thread states
+# (MT_CONFIG_GENERATION)
+CONFIG_ENABLED, CONFIG_SCOPED, CONFIG_WRAPPED, CONFIG_GENERATION = range(4)
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from memtrack.capture.allocators import Probe, probes_for, pymalloc_refusal, rea
 from memtrack.capture.choices import ProbePlacement
 from memtrack.capture.links import UprobeLinks
 from memtrack.capture.options import CaptureError, CaptureOptions
+from memtrack.capture.parts import CONFIG_WRAPPED
 from memtrack.capture.procfs import MapLine
 from memtrack.capture.program import LoadError
 from memtrack.capture.wrappers import Site, find_wrappers
 from memtrack.elf.image import ElfReadError
 
-CONFIG_WRAPPED = 2  # bpf/common.h mt_config slot: wrapper call sites are registered
 WRAP_SITES = "mt_wrap_sites"  # bpf/alloc.c
 
 

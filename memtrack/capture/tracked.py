@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CONFIG_GENERATION = 3  # bpf/common.h mt_config slot: the session's generation (mt_threads)
+from memtrack.capture.parts import CONFIG_GENERATION
 
 
 class TrackedProcesses:

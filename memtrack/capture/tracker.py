@@ -42,7 +42,7 @@ from memtrack.capture.doctor import check_pid_namespace
 from memtrack.capture.drain import Rings
 from memtrack.capture.links import UprobeLinks, release_in_background
 from memtrack.capture.options import CaptureError, CaptureOptions
-from memtrack.capture.parts import BPF_DIR, CapturePart
+from memtrack.capture.parts import BPF_DIR, CONFIG_ENABLED, CONFIG_SCOPED, CapturePart
 from memtrack.capture.probes import Probes
 from memtrack.capture.program import (
     LoadError,
@@ -58,8 +58,6 @@ from memtrack.schema import LOSS_COUNTERS
 
 __all__ = ["CaptureError", "CaptureResult", "Session", "Tracker", "default_parts",
            "find_command"]
-
-CONFIG_SCOPED = 1  # bpf/common.h mt_config slot: new processes stop for their links
 
 
 def find_command(name: str, env: dict[str, str] | None = None,
@@ -191,7 +189,7 @@ class Tracker:
 
     def set_enabled(self, on: bool) -> None:
         cfg = self.bpf["mt_config"]
-        cfg[cfg.Key(0)] = cfg.Leaf(1 if on else 0)
+        cfg[cfg.Key(CONFIG_ENABLED)] = cfg.Leaf(1 if on else 0)
 
     def spawn(self, cmd: list[str], output: Path | str, *, env: dict[str, str] | None = None,
               cwd: str | Path | None = None, overwrite: bool = False,
