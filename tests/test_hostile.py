@@ -15,7 +15,6 @@ import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import duckdb
 import pytest
@@ -133,7 +132,10 @@ def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("hostile-cache")
 
 
-def run_case(capture: Path, shared_cache: Path, tmp_path: Path, case: Case) -> Any:
+Ran = tuple[list[subprocess.CompletedProcess | None], list[str], Path, list[str]]
+
+
+def run_case(capture: Path, shared_cache: Path, tmp_path: Path, case: Case) -> Ran:
     """The case's damaged artifact, and every command run on it under watch: (results,
     files opened outside, the outside directory, its listing before)."""
     art, outside, before = make(capture, tmp_path, case)
